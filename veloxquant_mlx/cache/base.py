@@ -1,0 +1,409 @@
+"""The shared machinery of our compressed caches and the mlx-lm cache contract.
+
+A cache holds two parts, in token order:
+  1. the compressed history: positions [0, n_compressed), encoded by the method into arrays
+     it names (packed uint32 codes, scales, codebooks, sparse outliers, low-rank factors);
+     each array has a token axis and grows by `step` tokens at a time (growth slack), so an
+     append writes a slice instead of copying the whole history;
+  2. the exact window: positions [n_compressed, offset), the most recent tokens in the
+     input dtype, at most `residual_length + block_size - 1` of them between calls.
+
+A method subclass supplies: `block_size` (tokens it encodes at once, e.g. its group size),
+`residual_length` (recent tokens kept exact), `_store_layout()` (the arrays, their token axis
+and tokens per index along it), `_encode(keys, values)` (a block -> the arrays' slices),
+`_decode()` (the whole compressed history -> K, V, used only when unpatched or converting),
+`_scores(q)` (q against the compressed keys, one column per token of capacity) and
+`_weighted_values(p)` (probabilities over capacity times the compressed values).
+
+The base turns these into `update_and_fetch` (lazily decoded K/V: MLX never computes them when
+the patched attention ignores them), `attention` (compressed part + exact window, one softmax),
+the state round trip, trim and masks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import ClassVar
+
+import mlx.core as mx
+from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
+
+from veloxquant_mlx.config.kv_cache_config import KVCacheConfig
+from veloxquant_mlx.errors import QuantizerConfigError
+
+# Methods that do not implement the mlx-lm cache contract (see DESIGN.md). Every method we ship
+# today does; patch_model_kv_cache refuses the ones listed here before touching make_cache.
+STANDALONE_METHODS: frozenset[str] = frozenset()
+
+STATE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class StoreArray:
+    """One array of the compressed history: its shape with `capacity` tokens is
+    `shape_for(tokens)`; the token axis is `axis`, `tokens_per_index` tokens share an index
+    along it (e.g. 16 two-bit codes per uint32 word, 32 tokens per per-channel scale)."""
+
+    name: str
+    axis: int
+    tokens_per_index: int
+    dtype: mx.Dtype
+    trailing: tuple  # shape without the leading (B, H) and with the token axis as -1 marker
+
+
+class CompressedKVCache(_BaseCache):
+    method: ClassVar[str] = ""
+    step: ClassVar[int] = 256
+
+    def __init__(self, config: KVCacheConfig, layer_index: int = 0, n_layers: int = 1):
+        if config.method != self.method:
+            raise QuantizerConfigError(
+                f"{type(self).__name__} needs KVCacheConfig.method={self.method!r}, "
+                f"got {config.method!r}"
+            )
+        self.config = config
+        self.layer_index = layer_index
+        self.n_layers = n_layers
+        self.offset = 0
+        self.n_compressed = 0
+        self.capacity = 0
+        self.window_keys: mx.array | None = None
+        self.window_values: mx.array | None = None
+        self.store: dict[str, mx.array] = {}
+        self.batch_size = 0
+        self.n_kv_heads = 0
+        self.head_dim = 0
+        self.value_dim = 0
+        self.dtype: mx.Dtype | None = None
+        self._setup()
+
+    # ---- what a method supplies -------------------------------------------------------------
+    def _setup(self) -> None:
+        """Read the method's parameters from self.config (called by __init__ and from_state)."""
+
+    @property
+    def block_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def residual_length(self) -> int:
+        return 0
+
+    def _store_layout(self) -> list[StoreArray]:
+        raise NotImplementedError
+
+    def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        raise NotImplementedError
+
+    def _decode(self) -> tuple[mx.array, mx.array]:
+        raise NotImplementedError
+
+    def _scores(self, q: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def _weighted_values(self, p: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def _check_shape(self, head_dim: int, value_dim: int) -> None:
+        """Refuse a head_dim the method cannot take (QuantizerConfigError naming the layer)."""
+
+    def bits_per_element(self) -> float:
+        """The method's accounting of stored bits per cached K/V element (compressed part)."""
+        raise NotImplementedError
+
+    # ---- the mlx-lm contract ----------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._validate_input(keys, values)
+        self._flush()
+        if self.window_keys is None:
+            self.window_keys, self.window_values = keys, values
+        else:
+            self.window_keys = mx.concatenate([self.window_keys, keys], axis=2)
+            self.window_values = mx.concatenate([self.window_values, values], axis=2)
+        self.offset += keys.shape[2]
+        return self._full_keys_values()
+
+    def _full_keys_values(self):
+        # Lazy: when the dispatcher's attention reads the compressed form these arrays are never
+        # evaluated, so nothing is decoded; unpatched, they are the correct K/V.
+        if self.n_compressed == 0:
+            return self.window_keys, self.window_values
+        keys, values = self._decode()
+        if self.window_keys is None:
+            return keys, values
+        return (
+            mx.concatenate([keys, self.window_keys], axis=2),
+            mx.concatenate([values, self.window_values], axis=2),
+        )
+
+    def attention(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
+        """softmax(q K^T * scale + mask) V over the compressed history and the exact window."""
+        if sinks is not None:
+            raise QuantizerConfigError(
+                f"{type(self).__name__} (layer {self.layer_index}) does not support attention "
+                "sinks; the builder keeps the model's own cache for such layers"
+            )
+        B, n_q_heads, L, D = queries.shape
+        rep = n_q_heads // self.n_kv_heads
+        # GQA folded into the rows: (B, H_kv, rep * L, D); query row r*L + i is position i.
+        q = (queries * scale).reshape(B, self.n_kv_heads, rep * L, D)
+        parts = []
+        if self.n_compressed:
+            parts.append(self._scores(q).astype(mx.float32))
+        if self.window_keys is not None:
+            wk = self.window_keys.astype(q.dtype)
+            parts.append((q @ wk.swapaxes(-1, -2)).astype(mx.float32))
+        scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+        keep = self._keep_mask(L, rep, mask)
+        if keep is not None:
+            scores = mx.where(keep, scores, mx.finfo(mx.float32).min)
+        probs = mx.softmax(scores, axis=-1, precise=True)
+        out = None
+        n_cap = self.capacity if self.n_compressed else 0
+        if self.n_compressed:
+            out = self._weighted_values(probs[..., :n_cap].astype(q.dtype))
+        if self.window_values is not None:
+            wv = self.window_values.astype(q.dtype)
+            window_out = probs[..., n_cap:].astype(q.dtype) @ wv
+            out = window_out if out is None else out + window_out
+        out = out.reshape(B, n_q_heads, L, -1).astype(queries.dtype)
+        self._flush()
+        return out
+
+    def _keep_mask(self, L: int, rep: int, mask):
+        """Boolean (.., rep*L, capacity + window) of the keys each query row may see, or None."""
+        n_window = 0 if self.window_keys is None else self.window_keys.shape[2]
+        n_cap = self.capacity if self.n_compressed else 0
+        # Absolute position of each score column; slack columns get a position past the end.
+        cap_pos = mx.arange(n_cap)
+        cap_pos = mx.where(cap_pos < self.n_compressed, cap_pos, self.offset + 1)
+        key_pos = mx.concatenate([cap_pos, mx.arange(self.n_compressed, self.n_compressed + n_window)])
+        query_pos = mx.arange(self.offset - L, self.offset)
+        if isinstance(mask, mx.array):
+            if mask.dtype != mx.bool_:
+                raise QuantizerConfigError(
+                    f"{type(self).__name__}: additive float masks are not supported; "
+                    "pass a boolean mask or 'causal'"
+                )
+            # mlx-lm's array masks cover the real tokens [0, offset); map them onto columns.
+            cols = mx.where(key_pos < self.offset, key_pos, 0)
+            given = mx.take(mask, cols, axis=-1) & (key_pos < self.offset)
+            given = mx.broadcast_to(given, (*given.shape[:-2], L, key_pos.shape[0]))
+            if given.ndim == 4:  # (B, H_q or 1, L, T): fold GQA rows like the queries
+                b, h = given.shape[:2]
+                if h == 1:
+                    given = mx.tile(given, (1, 1, rep, 1))
+                else:
+                    given = given.reshape(b, h // rep, rep * L, -1)
+            else:
+                given = mx.tile(given, (rep, 1))
+            return given
+        if mask is None and L == 1 and self.capacity == self.n_compressed:
+            return None
+        keep = key_pos[None, :] <= query_pos[:, None]
+        return mx.tile(keep, (rep, 1))
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        if window_size is not None:
+            raise QuantizerConfigError(
+                f"{type(self).__name__}: sliding-window attention is not supported; the "
+                "builder keeps the model's own cache for sliding-window layers"
+            )
+        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=None)
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if not isinstance(n, int) or n < 0:
+            raise QuantizerConfigError(f"{type(self).__name__}.trim(n={n!r}): allowed is an integer >= 0")
+        n = min(self.offset, n)
+        keep = self.offset - n
+        if keep < self.n_compressed:
+            # Re-open the last partial block: decode it into the window, then keep whole blocks.
+            keys, values = self._full_keys_values()
+            whole = (keep // self.block_size) * self.block_size
+            self.n_compressed = whole
+            self.window_keys = keys[:, :, whole:keep]
+            self.window_values = values[:, :, whole:keep]
+            mx.eval(self.window_keys, self.window_values)
+        else:
+            cut = keep - self.n_compressed
+            self.window_keys = self.window_keys[:, :, :cut]
+            self.window_values = self.window_values[:, :, :cut]
+        if self.window_keys is not None and self.window_keys.shape[2] == 0 and keep == 0:
+            self.window_keys = self.window_values = None
+        self.offset = keep
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        total = sum(a.nbytes for a in self.store.values())
+        if self.window_keys is not None:
+            total += self.window_keys.nbytes + self.window_values.nbytes
+        return total
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
+        """mlx-lm's kv_bits path: hand over the whole history, decoded then re-quantized."""
+        quant = QuantizedKVCache(group_size=group_size, bits=bits)
+        if self.offset:
+            keys, values = self._full_keys_values()
+            quant.update_and_fetch(keys, values)
+        return quant
+
+    @classmethod
+    def merge(cls, caches):
+        raise QuantizerConfigError(
+            f"{cls.__name__} cannot be merged into a batch cache yet: run one sequence at a time "
+            "or use the fp16 KVCache for batched generation"
+        )
+
+    # ---- state --------------------------------------------------------------------------------
+    @property
+    def meta_state(self):
+        return (self._meta_json(),)
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self._apply_meta(v[0])
+
+    def _meta_json(self) -> str:
+        return json.dumps(
+            {
+                "format": STATE_FORMAT,
+                "class": type(self).__name__,
+                "config": self.config.to_dict(),
+                "layer_index": self.layer_index,
+                "n_layers": self.n_layers,
+                "offset": self.offset,
+                "n_compressed": self.n_compressed,
+                "capacity": self.capacity,
+                "shape": [self.batch_size, self.n_kv_heads, self.head_dim, self.value_dim],
+                "dtype": None if self.dtype is None else str(self.dtype).split(".")[-1],
+                "store": sorted(self.store),
+            },
+            sort_keys=True,
+        )
+
+    def _apply_meta(self, text: str) -> list[str]:
+        try:
+            meta = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise QuantizerConfigError(f"{type(self).__name__} state: meta is not JSON ({exc})") from None
+        if meta.get("format") != STATE_FORMAT or meta.get("class") != type(self).__name__:
+            raise QuantizerConfigError(
+                f"{type(self).__name__} state: written by class {meta.get('class')!r} format "
+                f"{meta.get('format')!r}; allowed is class {type(self).__name__!r} format {STATE_FORMAT}"
+            )
+        self.config = KVCacheConfig.from_dict(meta["config"])
+        if self.config.method != self.method:
+            raise QuantizerConfigError(
+                f"{type(self).__name__} state: config method {self.config.method!r}, expected {self.method!r}"
+            )
+        self.layer_index, self.n_layers = meta["layer_index"], meta["n_layers"]
+        self.offset, self.n_compressed = meta["offset"], meta["n_compressed"]
+        self.capacity = meta["capacity"]
+        self.batch_size, self.n_kv_heads, self.head_dim, self.value_dim = meta["shape"]
+        self.dtype = None if meta["dtype"] is None else getattr(mx, meta["dtype"])
+        self._setup()
+        return meta["store"]
+
+    @property
+    def state(self):
+        names = sorted(self.store)
+        return (self._meta_json(), self.window_keys, self.window_values, *[self.store[n] for n in names])
+
+    @state.setter
+    def state(self, v):
+        if not isinstance(v, (list, tuple)) or len(v) < 3:
+            raise QuantizerConfigError(
+                f"{type(self).__name__} state must be (meta, window_keys, window_values, *arrays)"
+            )
+        names = self._apply_meta(v[0])
+        if len(v) != 3 + len(names):
+            raise QuantizerConfigError(
+                f"{type(self).__name__} state has {len(v) - 3} arrays, meta names {len(names)}"
+            )
+        self.window_keys, self.window_values = v[1], v[2]
+        self.store = dict(zip(names, v[3:]))
+
+    @classmethod
+    def from_state(cls, state):
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _validate_input(self, keys, values) -> None:
+        name = type(self).__name__
+        for label, a in (("keys", keys), ("values", values)):
+            if not isinstance(a, mx.array) or a.ndim != 4:
+                raise QuantizerConfigError(
+                    f"{name}.update_and_fetch: {label} must be an mx.array of shape "
+                    f"(batch, kv_heads, tokens, head_dim), got {getattr(a, 'shape', type(a).__name__)}"
+                )
+            if a.dtype not in (mx.float16, mx.bfloat16, mx.float32):
+                raise QuantizerConfigError(
+                    f"{name}.update_and_fetch: {label} dtype {a.dtype} is invalid: allowed is "
+                    "float16, bfloat16 or float32"
+                )
+        if keys.shape[:3] != values.shape[:3]:
+            raise QuantizerConfigError(
+                f"{name}.update_and_fetch: keys {keys.shape} and values {values.shape} differ in "
+                "batch, heads or tokens"
+            )
+        B, H, _, D = keys.shape
+        if self.dtype is None:
+            self._check_shape(D, values.shape[3])
+            self.batch_size, self.n_kv_heads, self.head_dim, self.value_dim = B, H, D, values.shape[3]
+            self.dtype = keys.dtype
+        elif (B, H, D, values.shape[3]) != (self.batch_size, self.n_kv_heads, self.head_dim, self.value_dim):
+            raise QuantizerConfigError(
+                f"{name} (layer {self.layer_index}) holds batch={self.batch_size} "
+                f"kv_heads={self.n_kv_heads} head_dim={self.head_dim}; got keys {keys.shape}, "
+                f"values {values.shape}"
+            )
+
+    def _flush(self) -> None:
+        """Encode whole blocks of the window beyond the exact residual into the store."""
+        if self.window_keys is None:
+            return
+        n_window = self.window_keys.shape[2]
+        n = ((n_window - self.residual_length) // self.block_size) * self.block_size
+        if n <= 0:
+            return
+        self._ensure_capacity(self.n_compressed + n)
+        encoded = self._encode(self.window_keys[:, :, :n], self.window_values[:, :, :n])
+        for spec in self._store_layout():
+            start = self.n_compressed // spec.tokens_per_index
+            stop = start + encoded[spec.name].shape[spec.axis]
+            index = [slice(None)] * self.store[spec.name].ndim
+            index[spec.axis] = slice(start, stop)
+            self.store[spec.name][tuple(index)] = encoded[spec.name]
+        self.n_compressed += n
+        self.window_keys = self.window_keys[:, :, n:]
+        self.window_values = self.window_values[:, :, n:]
+        if self.window_keys.shape[2] == 0:
+            self.window_keys = self.window_values = None
+
+    def _ensure_capacity(self, tokens: int) -> None:
+        if tokens <= self.capacity:
+            return
+        step = max(self.step, self.block_size)
+        new_capacity = ((tokens + step - 1) // step) * step
+        for spec in self._store_layout():
+            shape = [self.batch_size, self.n_kv_heads, *spec.trailing]
+            axis = spec.axis % len(shape)
+            grow = (new_capacity - self.capacity) // spec.tokens_per_index
+            shape[axis] = grow
+            extra = mx.zeros(shape, spec.dtype)
+            old = self.store.get(spec.name)
+            self.store[spec.name] = extra if old is None else mx.concatenate([old, extra], axis=axis)
+        self.capacity = new_capacity
