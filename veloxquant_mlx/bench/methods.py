@@ -91,7 +91,7 @@ def parse_spec(name: str) -> CacheSpec:
     if base == "fp16":
         if params:
             raise QuantizerConfigError(f"cache spec {name!r}: fp16 takes no parameters")
-        return CacheSpec(name, "fp16", "fp16 KVCache")
+        return CacheSpec(name, "fp16", "mlx-lm KVCache (unquantized)")
     match = re.fullmatch(r"mlx-q(\d+)", base)
     if match:
         bits = int(match.group(1))

@@ -80,12 +80,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not re-run with Debian's OpenBLAS preloaded on Linux")
 
 
-def resolve_methods(text: str) -> list[str]:
+def resolve_methods(text: str, default: list[str] | None = None) -> list[str]:
+    """Spec names from a --methods text; 'default' expands to `default` (or, when None, mlx-lm's
+    fp16 and 8/4/2-bit caches plus each of our installed methods)."""
     from veloxquant_mlx.bench.methods import DEFAULT_SPECS
 
+    if default is None:
+        default = [*DEFAULT_SPECS, *installed_methods()]
     names = []
     for item in _split_top(text):
-        names.extend([*DEFAULT_SPECS, *installed_methods()] if item == "default" else [item])
+        names.extend(default if item == "default" else [item])
     return list(dict.fromkeys(names))
 
 
