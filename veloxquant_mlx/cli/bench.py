@@ -18,6 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
+HELP = "measure quality, bytes, peak memory and speed of KV caches; JSON + PNG plots"
+
 PARTS = ("quality", "memory", "speed")
 RANDOM_SHAPES = {
     # A model of SmolLM2-135M's shape with random weights (speed does not depend on values).
