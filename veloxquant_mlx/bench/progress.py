@@ -1,8 +1,8 @@
 """A progress bar on stderr: tqdm when installed, else a small one of ours.
 
 Both are silent when `enabled` is False, so tests and `--quiet` runs print nothing. Ours redraws
-one line with a carriage return on a terminal and prints a line per update (at most one a
-second) when stderr is a file, so a log stays readable.
+one line with a carriage return on a terminal and prints a line per update (at most one
+every 5 seconds) when stderr is a file, so a log stays readable.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 
 class _PlainBar:
-    def __init__(self, total: int, desc: str, stream, min_interval_s: float = 1.0):
+    def __init__(self, total: int, desc: str, stream, min_interval_s: float = 5.0):
         self.total = max(int(total), 1)
         self.desc = desc
         self.stream = stream

@@ -8,8 +8,9 @@
    KVCache), then patch the model (`patch_model_kv_cache`) and generate again;
 4. print the compressed cache's bytes against fp16 for the same tokens, and how far the two
    greedy continuations agree (identical prefix, and matching positions).
-`--teacher-forced` adds the fairer figure: top-1 agreement when the patched model is fed the
-fp16 continuation token by token (after a first divergence, free-running texts part ways).
+and the fairer figure: top-1 agreement when the patched model is fed the fp16 continuation
+token by token (after a first divergence, free-running texts part ways, so positions compared
+after it say nothing); `--no-teacher-forced` skips that third run.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "kivi:bit_width_inlier=4)")
     parser.add_argument("--policy", default=None, help="policy file (default: VELOXQUANT_POLICY or "
                         "the packaged policy)")
-    parser.add_argument("--teacher-forced", action="store_true",
-                        help="also measure top-1 agreement along the fp16 continuation")
+    parser.add_argument("--no-teacher-forced", dest="teacher_forced", action="store_false",
+                        help="skip the teacher-forced top-1 agreement run (saves one generation)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.add_argument("--no-openblas", action="store_true",
                         help="do not re-run with Debian's OpenBLAS preloaded on Linux")
@@ -103,8 +104,7 @@ def choose_config(model, seq_len: int, args):
 
     workload = WorkloadSpec.from_model(model, seq_len=seq_len)
     lines = [f"workload: head_dim={workload.head_dim} n_layers={workload.n_layers} "
-             f"seq_len={workload.seq_len} batch_size={workload.batch_size} "
-             f"(fp16 KV would be {workload.fp16_kv_bytes() / 2**20:.2f} MiB)"]
+             f"seq_len={workload.seq_len} batch_size={workload.batch_size}"]
     if args.method:
         from veloxquant_mlx.bench.methods import parse_spec
         from veloxquant_mlx.config import KVCacheConfig
@@ -124,11 +124,10 @@ def choose_config(model, seq_len: int, args):
     result = select_kv_cache_config(workload, hardware, policy=args.policy)
     lines.append(f"hardware: total memory {_mib(hardware.total_memory_bytes)}, "
                  f"active {_mib(hardware.active_memory_bytes)}")
+    explain = getattr(getattr(result, "decision", None), "explain", None)
     lines.append(f"policy decision: {result.reason}")
-    decision = getattr(result, "decision", None)
-    explain = getattr(decision, "explain", None)
-    if callable(explain):
-        lines.extend("  " + line for line in str(explain()).splitlines())
+    if callable(explain):  # the full trail: every rule tried and the facts it saw
+        lines.extend("  " + line for line in str(explain()).splitlines() if not line.startswith("reason:"))
     return result.config, lines
 
 
@@ -160,14 +159,14 @@ def generate(model, make_cache, prompt_ids, n_tokens: int, label: str, show: boo
     return predicted, cache, time.perf_counter() - start
 
 
-def agreement(reference: list[int], other: list[int]) -> tuple[int, int]:
-    """(identical prefix length, positions equal) of two token lists of the same length."""
+def identical_prefix(reference: list[int], other: list[int]) -> int:
+    """How many leading tokens two greedy continuations share."""
     prefix = 0
     for a, b in zip(reference, other):
         if a != b:
             break
         prefix += 1
-    return prefix, sum(a == b for a, b in zip(reference, other))
+    return prefix
 
 
 def run(args) -> int:
@@ -218,15 +217,14 @@ def run(args) -> int:
 
     held = len(prompt_ids) + n - 1  # the last generated token is never fed back
     fp16 = fp16_bytes_for(model, held)
-    prefix, equal = agreement(ref_tokens, q_tokens)
+    prefix = identical_prefix(ref_tokens, q_tokens)
     print(f"\nprompt: {len(prompt_ids)} tokens (...{prompt[-80:]!r})")
     print(f"continuation with {config.method}:\n  {tokenizer.decode(q_tokens)!r}")
     print(f"continuation with the fp16 KVCache:\n  {tokenizer.decode(ref_tokens)!r}")
     print(f"\nKV cache after {held} tokens: {config.method} holds {q_bytes / 2**20:.3f} MiB; fp16 for "
           f"the same tokens is {fp16 / 2**20:.3f} MiB -> {fp16 / max(q_bytes, 1):.2f}x smaller "
           f"(mlx-lm's KVCache held {ref_bytes / 2**20:.3f} MiB in this run: model dtype, growth slack)")
-    print(f"greedy agreement with fp16: first {prefix} of {n} tokens identical, {equal}/{n} "
-          f"positions equal")
+    print(f"greedy agreement with fp16: the first {prefix} of {n} generated tokens are identical")
     if forced_top1 is not None:
         print(f"teacher-forced top-1 agreement along the fp16 continuation: {forced_top1:.1%}")
     print(f"time: fp16 run {ref_s:.1f} s, {config.method} run {q_s:.1f} s, total "
