@@ -11,7 +11,7 @@ from __future__ import annotations
 import traceback
 
 from veloxquant_mlx.bench.memory import fp16_bytes_for
-from veloxquant_mlx.bench.progress import Progress
+from veloxquant_mlx.bench.progress import Progress, Step
 
 
 def run_quality(model, tokenizer, specs, *, progress: bool = True) -> list[dict]:
@@ -19,7 +19,8 @@ def run_quality(model, tokenizer, specs, *, progress: bool = True) -> list[dict]
     from veloxquant_mlx.quality.kv_quality import N_PREFILL, measure_kv_quality, reference_run
 
     tokens = passage_tokens(tokenizer)
-    reference = reference_run(model, tokens, N_PREFILL)
+    with Step(f"quality: reference pass ({len(tokens)} tokens, unquantized KVCache)", enabled=progress):
+        reference = reference_run(model, tokens, N_PREFILL)
     rows = []
     with Progress(len(specs), "quality", enabled=progress) as bar:
         for spec in specs:
