@@ -15,6 +15,10 @@ from veloxquant_mlx.quality import load_passage
 
 pytestmark = pytest.mark.model
 
+# fp32 one-pass PPL of the first 256 passage tokens, measured 2026-11-29 (command in the test).
+# The first 512 tokens give 16.52, the same figure as the teacher-forced reference cache run.
+PPL_REF = 17.970
+
 
 def test_model_shape_comes_from_the_gguf(smollm2):
     model, _ = smollm2
@@ -89,5 +93,3 @@ def test_one_pass_perplexity_matches_the_reference(smollm2):
     ppl = math.exp(-mx.take_along_axis(logprobs, ids[1:, None], axis=-1).mean().item())
     assert ppl == pytest.approx(PPL_REF, rel=0.02)
 
-
-PPL_REF = None  # filled in below once measured
