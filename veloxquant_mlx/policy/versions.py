@@ -1,0 +1,128 @@
+"""Stage 2: pick the schema of the policy_version a document names, and validate against it.
+
+Adding a policy version is a new YAML in policies/, a new schema in schemas/ and one entry in
+VERSIONS (with the compiler for that shape; a shape-compatible version reuses compile_v1).
+Unknown versions are refused, never read with another version's rules.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+
+import jsonschema
+
+from veloxquant_mlx.errors import PolicyError
+from veloxquant_mlx.policy.loader import LoadedDocument, format_path
+from veloxquant_mlx.policy.resources import resource_path
+
+
+@dataclass(frozen=True)
+class PolicyVersion:
+    version: int
+    schema_file: str  # in schemas/
+    default_policy_file: str  # in policies/: the packaged policy of this version
+    compiler: str  # name of the compile function in veloxquant_mlx.policy.compiler
+
+
+VERSIONS: dict[int, PolicyVersion] = {
+    1: PolicyVersion(1, "kv_cache_policy.v1.schema.json", "kv_cache_policy.v1.yaml", "compile_v1"),
+}
+DEFAULT_VERSION = 1
+
+
+def version_of(doc: LoadedDocument) -> PolicyVersion:
+    data = doc.data
+    if not isinstance(data, dict):
+        raise PolicyError(f"{doc.where(())}: <root>: a policy is a mapping with policy_version, "
+                          f"name and rules, got {type(data).__name__}")
+    if "policy_version" not in data:
+        raise PolicyError(f"{doc.where(())}: <root>: policy_version is missing: allowed is one of "
+                          f"{tuple(VERSIONS)}")
+    version = data["policy_version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version not in VERSIONS:
+        raise PolicyError(f"{doc.where(('policy_version',))}: policy_version: {version!r} is unknown: "
+                          f"allowed is one of {tuple(VERSIONS)}")
+    return VERSIONS[version]
+
+
+@lru_cache(maxsize=None)
+def schema_validator(version: int):
+    entry = VERSIONS[version]
+    path = resource_path("schemas", entry.schema_file)
+    schema = json.loads(path.read_text(encoding="utf-8"))
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _message(error) -> str:
+    """A reviewer-friendly sentence for one jsonschema error."""
+    custom = error.schema.get("x-error") if isinstance(error.schema, dict) else None
+    if error.validator == "additionalProperties" or (
+        error.validator == "propertyNames" and isinstance(error.instance, str)
+    ):
+        pass
+    if error.validator == "propertyNames":
+        allowed = error.schema["propertyNames"].get("enum", [])
+        return f"unknown key {error.instance!r}: allowed are {', '.join(allowed)}" if isinstance(
+            error.instance, str) else f"unknown key: allowed are {', '.join(allowed)}"
+    if error.validator == "additionalProperties" and error.validator_value is False:
+        allowed = list(error.schema.get("properties", {}))
+        extra = sorted(set(error.instance) - set(allowed))
+        return f"unknown key {extra[0]!r}: allowed are {', '.join(allowed)}"
+    if error.validator == "enum":
+        return f"{error.instance!r} is unknown: allowed is one of {tuple(error.validator_value)}"
+    if error.validator == "const":
+        return f"{error.instance!r} is invalid: allowed is {error.validator_value!r}"
+    if error.validator == "required":
+        return error.message.replace("is a required property", "is missing (required)")
+    if custom:
+        return f"{_short(error.instance)} is invalid: {custom}"
+    return error.message
+
+
+def _short(value) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _error_location(error, doc: LoadedDocument) -> tuple[str, tuple]:
+    path = tuple(error.absolute_path)
+    # An unknown key is reported at the key itself.
+    if error.validator == "propertyNames" and isinstance(error.instance, str):
+        parent = path
+        return doc.where_key(parent + (error.instance,)), parent + (error.instance,)
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        allowed = set(error.schema.get("properties", {}))
+        extra = sorted(set(error.instance) - allowed)
+        if extra:
+            return doc.where_key(path + (extra[0],)), path + (extra[0],)
+    return doc.where(path), path
+
+
+def _leaf_errors(error):
+    # if/then failures and nested $ref groups: report the innermost concrete errors.
+    if error.context:
+        for sub in error.context:
+            yield from _leaf_errors(sub)
+    else:
+        yield error
+
+
+def validate_schema(doc: LoadedDocument, version: PolicyVersion) -> None:
+    """PolicyError listing every schema violation as file:line:column: path: message."""
+    validator = schema_validator(version.version)
+    errors = list(validator.iter_errors(doc.data))
+    if not errors:
+        return
+    lines = []
+    seen = set()
+    for error in sorted(errors, key=lambda e: [str(p) for p in e.absolute_path]):
+        for leaf in _leaf_errors(error):
+            where, path = _error_location(leaf, doc)
+            line = f"{where}: {format_path(path)}: {_message(leaf)}"
+            if line not in seen:
+                seen.add(line)
+                lines.append(line)
+    raise PolicyError("\n".join(lines[:20]) + (f"\n... and {len(lines) - 20} more" if len(lines) > 20 else ""))
