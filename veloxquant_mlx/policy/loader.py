@@ -135,11 +135,13 @@ class _Converter:
             return value
         if isinstance(node, yaml.SequenceNode):
             if node.tag != _SEQ_TAG:
-                raise _Refused(node.start_mark, f"YAML tag {node.tag!r} is not allowed on a list")
+                raise _Refused(node.start_mark, f"YAML tag {node.tag!r} is not allowed: a policy holds "
+                               "only null, booleans, numbers, strings, lists and mappings")
             return [self.convert(item, path + (i,), depth + 1) for i, item in enumerate(node.value)]
         if isinstance(node, yaml.MappingNode):
             if node.tag != _MAP_TAG:
-                raise _Refused(node.start_mark, f"YAML tag {node.tag!r} is not allowed on a mapping")
+                raise _Refused(node.start_mark, f"YAML tag {node.tag!r} is not allowed: a policy holds "
+                               "only null, booleans, numbers, strings, lists and mappings")
             out: dict = {}
             for key_node, value_node in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":

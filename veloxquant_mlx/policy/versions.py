@@ -56,17 +56,19 @@ def schema_validator(version: int):
     return jsonschema.Draft202012Validator(schema)
 
 
-def _message(error) -> str:
+def _message(error, doc: LoadedDocument) -> str:
     """A reviewer-friendly sentence for one jsonschema error."""
     custom = error.schema.get("x-error") if isinstance(error.schema, dict) else None
-    if error.validator == "additionalProperties" or (
-        error.validator == "propertyNames" and isinstance(error.instance, str)
-    ):
-        pass
-    if error.validator == "propertyNames":
-        allowed = error.schema["propertyNames"].get("enum", [])
-        return f"unknown key {error.instance!r}: allowed are {', '.join(allowed)}" if isinstance(
-            error.instance, str) else f"unknown key: allowed are {', '.join(allowed)}"
+    path = tuple(error.absolute_path)
+    if _is_key_error(error) and path:
+        method = _method_at(doc.data, path)
+        if method is not None:
+            from veloxquant_mlx.config.fields import fields_of
+
+            return (f"{error.instance!r} is not a parameter of {method}: allowed are "
+                    f"{', '.join(fields_of(method))}")
+    if _is_key_error(error):
+        return f"unknown key {error.instance!r}: allowed are {', '.join(error.validator_value)}"
     if error.validator == "additionalProperties" and error.validator_value is False:
         allowed = list(error.schema.get("properties", {}))
         extra = sorted(set(error.instance) - set(allowed))
@@ -82,6 +84,32 @@ def _message(error) -> str:
     return error.message
 
 
+def _is_key_error(error) -> bool:
+    """An error raised by propertyNames: the instance is a mapping key, not a value."""
+    schema_path = list(error.absolute_schema_path)
+    return (len(schema_path) >= 2 and schema_path[-2] == "propertyNames"
+            and error.validator == "enum" and isinstance(error.instance, str))
+
+
+def _method_at(data, path: tuple):
+    """The method a params mapping at path belongs to (select.params or set.METHOD), if any."""
+    if len(path) >= 2 and path[-1] == "params" and path[-2] == "select":
+        node = data
+        for part in path[:-1]:
+            node = node[part]
+        method = node.get("method") if isinstance(node, dict) else None
+        return method if isinstance(method, str) and method in _methods() else None
+    if len(path) >= 2 and path[-2] == "set" and path[-1] in _methods():
+        return path[-1]
+    return None
+
+
+def _methods():
+    from veloxquant_mlx.config.fields import METHODS
+
+    return METHODS
+
+
 def _short(value) -> str:
     text = json.dumps(value, default=str)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -90,9 +118,8 @@ def _short(value) -> str:
 def _error_location(error, doc: LoadedDocument) -> tuple[str, tuple]:
     path = tuple(error.absolute_path)
     # An unknown key is reported at the key itself.
-    if error.validator == "propertyNames" and isinstance(error.instance, str):
-        parent = path
-        return doc.where_key(parent + (error.instance,)), parent + (error.instance,)
+    if _is_key_error(error):
+        return doc.where_key(path + (error.instance,)), path + (error.instance,)
     if error.validator == "additionalProperties" and isinstance(error.instance, dict):
         allowed = set(error.schema.get("properties", {}))
         extra = sorted(set(error.instance) - allowed)
@@ -102,8 +129,11 @@ def _error_location(error, doc: LoadedDocument) -> tuple[str, tuple]:
 
 
 def _leaf_errors(error):
-    # if/then failures and nested $ref groups: report the innermost concrete errors.
-    if error.context:
+    # oneOf/anyOf with an x-error text: one message for the group; otherwise report the
+    # innermost concrete errors.
+    if error.validator in ("oneOf", "anyOf") and isinstance(error.schema, dict) and "x-error" in error.schema:
+        yield error
+    elif error.context:
         for sub in error.context:
             yield from _leaf_errors(sub)
     else:
@@ -117,12 +147,12 @@ def validate_schema(doc: LoadedDocument, version: PolicyVersion) -> None:
     if not errors:
         return
     lines = []
-    seen = set()
+    seen = set()  # one message per location: if/then branches can repeat the same complaint
     for error in sorted(errors, key=lambda e: [str(p) for p in e.absolute_path]):
         for leaf in _leaf_errors(error):
             where, path = _error_location(leaf, doc)
-            line = f"{where}: {format_path(path)}: {_message(leaf)}"
-            if line not in seen:
-                seen.add(line)
-                lines.append(line)
+            if (where, path) in seen:
+                continue
+            seen.add((where, path))
+            lines.append(f"{where}: {format_path(path)}: {_message(leaf, doc)}")
     raise PolicyError("\n".join(lines[:20]) + (f"\n... and {len(lines) - 20} more" if len(lines) > 20 else ""))
