@@ -3,8 +3,8 @@
 Only YAML's JSON-like core is accepted: mappings with string keys, sequences, and scalars that
 are null, bool, int, float or str. Every tag outside that set (`!!python/object`, `!!binary`,
 `!!timestamp`, custom tags), merge keys (`<<`), duplicate keys and multi-document streams are
-refused. The document is composed with PyYAML's SafeLoader (no constructor ever runs on it) and
-converted here node by node, which bounds the work an alias bomb can cause: aliases are
+refused. The document is composed with PyYAML's safe loader (no constructor ever runs on it) and
+converted here node by node, which bounds the work an alias bomb can cause: alias uses are
 counted, and the expanded tree's size and depth are capped.
 """
 
@@ -69,32 +69,9 @@ def format_path(path) -> str:
     return out or "<root>"
 
 
-class _CountingLoader(yaml.SafeLoader):
-    """SafeLoader whose composer counts aliases (refusing too many before any expansion)."""
-
-    def __init__(self, stream):
-        super().__init__(stream)
-        self.alias_count = 0
-
-    def compose_node(self, parent, index):
-        # Depth is checked while composing, before PyYAML's recursion could get deep.
-        self.depth = getattr(self, "depth", 0) + 1
-        try:
-            if self.depth > MAX_DEPTH + 1:
-                mark = self.peek_event().start_mark
-                raise _Refused(mark, f"nesting deeper than {MAX_DEPTH} levels: refused")
-            return self._compose_counted(parent, index)
-        finally:
-            self.depth -= 1
-
-    def _compose_counted(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            self.alias_count += 1
-            if self.alias_count > MAX_ALIASES:
-                event = self.peek_event()
-                mark = event.start_mark
-                raise _Refused(mark, f"more than {MAX_ALIASES} YAML aliases: refused (alias bomb guard)")
-        return super().compose_node(parent, index)
+# libyaml's composer when present (fast; composition builds nodes only, runs no constructor),
+# else PyYAML's pure-Python one. Aliases stay shared nodes until _Converter expands them.
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class _Refused(Exception):
@@ -114,6 +91,8 @@ class _Converter:
         self.marks: dict = {}
         self.key_marks: dict = {}
         self.nodes = 0
+        self.seen: set = set()  # ids of nodes already converted: meeting one again is an alias
+        self.aliases = 0
 
     def convert(self, node, path: tuple, depth: int):
         self.nodes += 1
@@ -121,6 +100,12 @@ class _Converter:
             raise _Refused(node.start_mark, f"document expands to more than {MAX_NODES} nodes: refused")
         if depth > MAX_DEPTH:
             raise _Refused(node.start_mark, f"nesting deeper than {MAX_DEPTH} levels: refused")
+        if id(node) in self.seen:
+            self.aliases += 1
+            if self.aliases > MAX_ALIASES:
+                raise _Refused(node.start_mark, f"more than {MAX_ALIASES} uses of YAML aliases: "
+                               "refused (alias bomb guard)")
+        self.seen.add(id(node))
         self.marks.setdefault(path, _mark(node))
         if isinstance(node, yaml.ScalarNode):
             if node.tag not in _SCALAR_TAGS:
@@ -157,6 +142,25 @@ class _Converter:
         raise _Refused(node.start_mark, f"unsupported YAML node {type(node).__name__}")
 
 
+def _flow_depth_guard(text: str, source: str) -> None:
+    """Refuse deep flow nesting ([[[[... or {{{{...) before PyYAML sees it: its pure-Python
+    scanner looks ahead over every open bracket (quadratic time) before the composer could stop
+    it. Brackets inside strings count too: a string with more than MAX_DEPTH unbalanced opening
+    brackets is refused, a price paid for a linear-time guard."""
+    depth = 0
+    line, column = 1, 0
+    for char in text:
+        column += 1
+        if char == "\n":
+            line, column = line + 1, 0
+        elif char in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise PolicyError(f"{source}:{line}:{column}: nesting deeper than {MAX_DEPTH} levels: refused")
+        elif char in "]}" and depth:
+            depth -= 1
+
+
 def parse_policy_text(text: str | bytes, source: str = "<policy>") -> LoadedDocument:
     """Parse a policy's text; PolicyError (with file:line:column) on anything not allowed."""
     size = len(text.encode("utf-8") if isinstance(text, str) else text)
@@ -167,7 +171,8 @@ def parse_policy_text(text: str | bytes, source: str = "<policy>") -> LoadedDocu
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise PolicyError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    loader = _CountingLoader(text)
+    _flow_depth_guard(text, source)
+    loader = _Loader(text)
     try:
         node = loader.get_single_node()
         if node is None:
