@@ -23,7 +23,7 @@ BOMB = _alias_bomb()
 
 CASES = {
     "malformed yaml": (edited("rules:", "rules: [\n"), r"x\.yaml:\d+:\d+: malformed YAML"),
-    "wrong type": (edited("gte: 0.75", 'gte: "high"'), r"x\.yaml:15:\d+: rules\[0\]\.when\.gte: 'high' is not of type 'number'"),
+    "wrong type": (edited("gte: 0.75", 'gte: "high"'), r"x\.yaml:15:\d+: rules\[0\]\.when\.gte: \"high\" is not of type 'number'"),
     "bool is not a number": (edited("gear_bits: 2", "gear_bits: true"), r"rules\[0\]\.select\.params\.gear_bits: true is invalid"),
     "unknown fact": (edited("fact: head_dim", "fact: head_dims"), r"adjustments\[0\]\.when\.fact: 'head_dims' is unknown: allowed is one of \('head_dim'"),
     "unknown operator": (edited("gte: 256", "geq: 256"), r"adjustments\[0\]\.when\.geq: unknown key 'geq': allowed are fact, lt, lte"),
@@ -67,7 +67,10 @@ CASES = {
     "huge integer": (edited("gte: 0.75", "gte: " + "9" * 5000), r"x\.yaml:15:\d+"),
     "not utf-8": (b"name: \xff\xfe", r"not UTF-8"),
     "bad id": (edited("id: wide-heads", "id: Wide Heads!"), r"adjustments\[0\]\.id: .* is invalid: an id is"),
-    "empty rules": (edited(DEFAULT_TEXT[DEFAULT_TEXT.index("rules:"):DEFAULT_TEXT.index("adjustments:")], "rules: []\n"), r"rules: \[\] should be non-empty"),
+    "too many rules": (edited("rules:\n", "rules:\n" + "".join(
+        f"  - {{id: r{i}, select: {{method: kivi}}, reason: r}}\n" for i in range(300))),
+        r"^policies/x\.yaml:\d+:\d+: rules: \[.{0,60} is invalid: allowed is at most 256 items$"),
+    "empty rules": (edited(DEFAULT_TEXT[DEFAULT_TEXT.index("rules:"):DEFAULT_TEXT.index("adjustments:")], "rules: []\n"), r"rules: \[\] is invalid: allowed is at least 1 item"),
 }
 
 
@@ -96,7 +99,7 @@ def test_every_schema_error_is_listed():
     text = edited("name: default", "name: default\nrulez: []").replace("gte: 0.75", 'gte: "x"')
     with pytest.raises(PolicyError) as info:
         compile_policy_text(text, "x.yaml")
-    assert "rulez" in str(info.value) and "'x' is not of type" in str(info.value)
+    assert "rulez" in str(info.value) and "rules[0].when.gte: \"x\" is not of type" in str(info.value)
 
 
 def test_valid_edits_compile():

@@ -26,7 +26,7 @@ from veloxquant_mlx.config.workload import WorkloadSpec
 from veloxquant_mlx.errors import PolicyError
 from veloxquant_mlx.policy.facts import FACTS, facts_of
 
-MAX_CELLS = 200_000
+MAX_CELLS = 50_000  # about 5 s of lint on a loaded 2-core machine
 
 # Values used for a fact a cell leaves free (a typical mid-size workload).
 _TYPICAL = {"head_dim": 128, "seq_len": 4096, "n_layers": 32, "batch_size": 1,

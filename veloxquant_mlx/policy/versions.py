@@ -82,7 +82,20 @@ def _message(error, doc: LoadedDocument) -> str:
         return error.message.replace("is a required property", "is missing (required)")
     if custom:
         return f"{_short(error.instance)} is invalid: {custom}"
-    return error.message
+    bounds = {
+        "maxItems": "at most {} items", "minItems": "at least {} item(s)",
+        "maxLength": "at most {} characters", "minLength": "at least {} character(s)",
+        "maxProperties": "at most {} keys", "minProperties": "at least {} key(s)",
+    }
+    if error.validator in bounds:
+        return f"{_short(error.instance)} is invalid: allowed is {bounds[error.validator].format(error.validator_value)}"
+    if error.validator == "type":
+        return f"{_short(error.instance)} is not of type {error.validator_value!r}"
+    if error.validator == "pattern":
+        return f"{_short(error.instance)} is invalid: allowed is text matching {error.validator_value}"
+    # Any other validator: jsonschema's message, never the whole (possibly huge) instance.
+    message = error.message
+    return message if len(message) <= 200 else message[:197] + "..."
 
 
 def _is_key_error(error) -> bool:
