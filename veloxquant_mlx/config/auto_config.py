@@ -8,6 +8,9 @@ from veloxquant_mlx.config.hardware import HardwareInfo, detect_hardware_info
 from veloxquant_mlx.config.kv_cache_config import KVCacheConfig
 from veloxquant_mlx.config.workload import WorkloadSpec
 from veloxquant_mlx.errors import QuantizerConfigError
+from veloxquant_mlx.policy.evaluator import decide
+from veloxquant_mlx.policy.facts import facts_of
+from veloxquant_mlx.policy.sources import resolve_policy
 
 
 @dataclass(frozen=True)
@@ -28,10 +31,6 @@ def select_kv_cache_config(workload: WorkloadSpec, hardware: HardwareInfo | None
                            policy=None) -> AutoConfigResult:
     """Choose a KV-cache config for a workload. hardware None means detect_hardware_info().
     policy: None (VELOXQUANT_POLICY or the packaged default), a path, or a CompiledPolicy."""
-    from veloxquant_mlx.policy.evaluator import decide
-    from veloxquant_mlx.policy.facts import facts_of
-    from veloxquant_mlx.policy.sources import resolve_policy
-
     if not isinstance(workload, WorkloadSpec):
         raise QuantizerConfigError(f"workload={workload!r} is invalid: allowed is a WorkloadSpec")
     if hardware is None:

@@ -132,8 +132,9 @@ class CompiledPolicy:
     description: str
     rules: tuple
     adjustments: tuple
-    # (rule index, indices of the adjustments that applied) -> KVCacheConfig, filled lazily:
-    # configs are frozen, so one instance per combination is shared by every decision.
+    # (rule index, indices of the adjustments that applied) -> KVCacheConfig, and
+    # ("text", rule index, indices) -> the reason's outcome text; filled lazily. Configs are
+    # frozen, so one instance per combination is shared by every decision.
     config_cache: dict = field(default_factory=dict, repr=False)
 
     def thresholds(self) -> dict:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from veloxquant_mlx.config.kv_cache_config import KVCacheConfig
 
+# NamedTuples, not frozen dataclasses: immutable too, and several times cheaper to build,
+# which matters because every decision builds one per rule tried (20 us budget per decision).
 
-@dataclass(frozen=True)
-class RuleTrace:
+
+class RuleTrace(NamedTuple):
     """One rule as the evaluator tried it, with the values of the facts it reads."""
 
     rule_id: str
@@ -19,8 +21,7 @@ class RuleTrace:
         return {"rule": self.rule_id, "matched": self.matched, "facts": dict(self.facts)}
 
 
-@dataclass(frozen=True)
-class AdjustmentTrace:
+class AdjustmentTrace(NamedTuple):
     """One adjustment: whether its condition held, and what it set on the chosen method
     (empty when it held but does not name that method)."""
 
@@ -34,18 +35,54 @@ class AdjustmentTrace:
                 "applied": dict(self.applied), "facts": dict(self.facts)}
 
 
-@dataclass(frozen=True)
-class Decision:
-    policy_name: str
-    policy_version: int
-    policy_sha256: str
-    policy_source: str
-    rule_id: str
+class Decision(NamedTuple):
+    """What a policy decided for one fact dict. Only what the evaluator learnt is stored (the
+    rule that matched, which adjustment conditions held); the trail is derived from it on
+    access: with first-match semantics every rule before the chosen one was tried and did not
+    match, and the facts each saw are the decision's facts."""
+
+    policy: object  # the CompiledPolicy
+    rule_index: int
+    adjustments_matched: tuple  # one bool per adjustment, in order
     config: KVCacheConfig
     reason: str
-    rules: tuple  # RuleTrace, in order, up to and including the one that matched
-    adjustments: tuple  # AdjustmentTrace, every adjustment
     facts: dict
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy.name
+
+    @property
+    def policy_version(self) -> int:
+        return self.policy.version
+
+    @property
+    def policy_sha256(self) -> str:
+        return self.policy.sha256
+
+    @property
+    def policy_source(self) -> str:
+        return self.policy.source
+
+    @property
+    def rule_id(self) -> str:
+        return self.policy.rules[self.rule_index].id
+
+    @property
+    def rules(self) -> tuple:
+        """RuleTrace for every rule tried, in order: all before the chosen one, which matched."""
+        facts = self.facts
+        return tuple(RuleTrace(rule.id, rule.index == self.rule_index, {n: facts[n] for n in rule.facts})
+                     for rule in self.policy.rules[:self.rule_index + 1])
+
+    @property
+    def adjustments(self) -> tuple:
+        facts = self.facts
+        method = self.config.method
+        return tuple(
+            AdjustmentTrace(adj.id, matched, dict(adj.sets.get(method, {})) if matched else {},
+                            {n: facts[n] for n in adj.facts})
+            for adj, matched in zip(self.policy.adjustments, self.adjustments_matched))
 
     def to_dict(self) -> dict:
         return {

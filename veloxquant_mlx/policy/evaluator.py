@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from veloxquant_mlx.errors import PolicyError
 from veloxquant_mlx.policy.compiler import CompiledPolicy
-from veloxquant_mlx.policy.decision import AdjustmentTrace, Decision, RuleTrace
+from veloxquant_mlx.policy.decision import Decision
 from veloxquant_mlx.policy.templates import render
 
 
@@ -29,37 +29,42 @@ def _params_text(params: dict) -> str:
     return ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in params.items())
 
 
+def _outcome_text(policy: CompiledPolicy, rule, applied: tuple) -> str:
+    """", so METHOD with PARAMS" for a rule and the adjustments applied: the same for every
+    decision with that (rule, adjustments), so it is built once and kept."""
+    key = ("text", rule.index, applied)
+    text = policy.config_cache.get(key)
+    if text is None:
+        params = dict(rule.params)
+        for index in applied:
+            params.update(policy.adjustments[index].sets[rule.method])
+        text = f", so {rule.method}" + (f" with {_params_text(params)}" if params else "")
+        policy.config_cache[key] = text
+    return text
+
+
 def decide(policy: CompiledPolicy, facts: dict) -> Decision:
-    traces = []
-    chosen = None
+    """The decision for one fact dict, with its trail (see Decision). The facts dict is kept
+    by the decision: do not mutate it afterwards."""
     for rule in policy.rules:
-        matched = rule.test(facts)
-        traces.append(RuleTrace(rule.id, matched, {name: facts[name] for name in rule.facts}))
-        if matched:
-            chosen = rule
+        if rule.test(facts):
             break
-    if chosen is None:
+    else:
         shown = ", ".join(f"{k}={v}" for k, v in facts.items())
         raise PolicyError(f"{policy.source}: policy {policy.name} v{policy.version}: no rule matches "
                           f"the workload ({shown}); `veloxquant policy lint` lists such gaps")
-    method = chosen.method
-    adj_traces = []
+    method = rule.method
+    matched = []
     applied = []
-    set_params = dict(chosen.params)
-    adj_reasons = []
+    adj_reasons = ""
     for adj in policy.adjustments:
-        matched = adj.test(facts)
-        sets = adj.sets.get(method) if matched else None
-        if sets:
+        held = adj.test(facts)
+        matched.append(held)
+        if held and method in adj.sets:
             applied.append(adj.index)
-            set_params.update(sets)
-            adj_reasons.append(f"adjustment {adj.id}: {render(adj.reason, facts)}")
-        adj_traces.append(AdjustmentTrace(adj.id, matched, dict(sets or {}),
-                                          {name: facts[name] for name in adj.facts}))
-    config = policy.config_for(chosen.index, tuple(applied))
-    reason = (f"Policy {policy.name} v{policy.version}, rule {chosen.id}: "
-              f"{render(chosen.reason, facts)}, so {method}"
-              + (f" with {_params_text(set_params)}" if set_params else "")
-              + "".join(f"; {text}" for text in adj_reasons) + ".")
-    return Decision(policy.name, policy.version, policy.sha256, policy.source, chosen.id, config,
-                    reason, tuple(traces), tuple(adj_traces), facts)
+            adj_reasons += f"; adjustment {adj.id}: {render(adj.reason, facts)}"
+    applied = tuple(applied)
+    config = policy.config_for(rule.index, applied)
+    reason = (f"Policy {policy.name} v{policy.version}, rule {rule.id}: {render(rule.reason, facts)}"
+              f"{_outcome_text(policy, rule, applied)}{adj_reasons}.")
+    return Decision(policy, rule.index, tuple(matched), config, reason, facts)
