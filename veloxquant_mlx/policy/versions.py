@@ -75,9 +75,9 @@ def _message(error, doc: LoadedDocument) -> str:
         extra = sorted(set(error.instance) - set(allowed))
         return f"unknown key {extra[0]!r}: allowed are {', '.join(allowed)}"
     if error.validator == "enum":
-        return f"{error.instance!r} is unknown: allowed is one of {tuple(error.validator_value)}"
+        return f"{_short_repr(error.instance)} is unknown: allowed is one of {tuple(error.validator_value)}"
     if error.validator == "const":
-        return f"{error.instance!r} is invalid: allowed is {error.validator_value!r}"
+        return f"{_short_repr(error.instance)} is invalid: allowed is {error.validator_value!r}"
     if error.validator == "required":
         return error.message.replace("is a required property", "is missing (required)")
     if custom:
@@ -122,6 +122,11 @@ def _methods():
     from veloxquant_mlx.config.fields import METHODS
 
     return METHODS
+
+
+def _short_repr(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _short(value) -> str:
