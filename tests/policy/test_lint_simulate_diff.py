@@ -9,7 +9,7 @@ from veloxquant_mlx.policy.diff import diff_policies, format_diff
 from veloxquant_mlx.policy.lint import format_report, lint_policy
 from veloxquant_mlx.policy.simulate import format_table, simulate_policy
 from veloxquant_mlx.policy.sources import default_policy_path, load_policy
-from tests.policy.helpers import compile_edit, edited, DEFAULT_TEXT
+from tests.policy.helpers import compile_edit, edited
 from veloxquant_mlx.policy import compile_policy_text
 
 DEFAULT = load_policy(default_policy_path())

@@ -43,7 +43,7 @@ def test_every_valid_workload_is_decided_by_the_seed_rules(workload, hw):
     method, group = _expected(workload, hw)
     config = result.config
     assert config.method == method
-    assert f"Policy default v1, rule " in result.reason
+    assert "Policy default v1, rule " in result.reason
     group_field = {"kivi": "kivi_group_size", "kvquant": "kvquant_group_size", "gear": "gear_group_size"}
     if method in group_field:
         assert getattr(config, group_field[method]) == group

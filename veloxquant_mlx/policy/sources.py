@@ -13,6 +13,7 @@ changed too (a `touch` costs one read, not a compile).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -63,8 +64,6 @@ def load_policy(path: str | os.PathLike) -> CompiledPolicy:
     if cached is not None and cached[0] == stat.st_mtime_ns and cached[1] == stat.st_size:
         return cached[2]
     data = _read(resolved, shown)
-    import hashlib
-
     if cached is not None and hashlib.sha256(data).hexdigest() == cached[2].sha256:
         policy = cached[2]
     else:
