@@ -11,8 +11,6 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 
-import jsonschema
-
 from veloxquant_mlx.errors import PolicyError
 from veloxquant_mlx.policy.loader import LoadedDocument, format_path
 from veloxquant_mlx.policy.resources import resource_path
@@ -49,6 +47,10 @@ def version_of(doc: LoadedDocument) -> PolicyVersion:
 
 @lru_cache(maxsize=None)
 def schema_validator(version: int):
+    # Imported here: jsonschema takes 0.2-0.4 s to import on this machine, and `import
+    # veloxquant_mlx` should not pay that unless a policy file is actually compiled.
+    import jsonschema
+
     entry = VERSIONS[version]
     path = resource_path("schemas", entry.schema_file)
     schema = json.loads(path.read_text(encoding="utf-8"))
