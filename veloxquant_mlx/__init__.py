@@ -8,12 +8,24 @@ from veloxquant_mlx.config import (
     WorkloadSpec,
     detect_hardware_info,
 )
+from veloxquant_mlx.cache import STANDALONE_METHODS, KVCacheBuilder, KVCacheFactory
+from veloxquant_mlx.integration import (
+    patch_model_kv_cache,
+    patch_vlm_kv_cache,
+    unpatch_model_kv_cache,
+)
 
 __all__ = [
     "HardwareInfo",
+    "KVCacheBuilder",
     "KVCacheConfig",
+    "KVCacheFactory",
     "PolicyError",
     "QuantizerConfigError",
+    "STANDALONE_METHODS",
     "WorkloadSpec",
     "detect_hardware_info",
+    "patch_model_kv_cache",
+    "patch_vlm_kv_cache",
+    "unpatch_model_kv_cache",
 ]
