@@ -302,13 +302,13 @@ class CompressedKVCache(_BaseCache):
             keys, values = self._full_keys_values()
             whole = (keep // self.block_size) * self.block_size
             self.n_compressed = whole
-            self.window_keys = keys[:, :, whole:keep]
-            self.window_values = values[:, :, whole:keep]
+            self.window_keys = mx.contiguous(keys[:, :, whole:keep])
+            self.window_values = mx.contiguous(values[:, :, whole:keep])
             mx.eval(self.window_keys, self.window_values)
         else:
             cut = keep - self.n_compressed
-            self.window_keys = self.window_keys[:, :, :cut]
-            self.window_values = self.window_values[:, :, :cut]
+            self.window_keys = mx.contiguous(self.window_keys[:, :, :cut])
+            self.window_values = mx.contiguous(self.window_values[:, :, :cut])
         if self.window_keys is not None and self.window_keys.shape[2] == 0 and keep == 0:
             self.window_keys = self.window_values = None
         self.offset = keep
@@ -459,10 +459,12 @@ class CompressedKVCache(_BaseCache):
             index[spec.axis] = slice(start, stop)
             self.store[spec.name][tuple(index)] = encoded[spec.name]
         self.n_compressed += n
-        self.window_keys = self.window_keys[:, :, n:]
-        self.window_values = self.window_values[:, :, n:]
-        if self.window_keys.shape[2] == 0:
+        if self.window_keys.shape[2] == n:
             self.window_keys = self.window_values = None
+        else:
+            # A slice is a view that keeps the whole chunk's buffer alive: copy the remainder.
+            self.window_keys = mx.contiguous(self.window_keys[:, :, n:])
+            self.window_values = mx.contiguous(self.window_values[:, :, n:])
 
     def _ensure_capacity(self, tokens: int) -> None:
         if tokens <= self.capacity:
