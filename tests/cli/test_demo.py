@@ -79,3 +79,15 @@ def test_missing_wheel_gives_one_clear_line(monkeypatch, capsys):
 def test_identical_prefix():
     assert demo.identical_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
     assert demo.identical_prefix([1, 2], [1, 2]) == 2
+
+
+def test_a_method_without_its_cache_module_is_one_clear_line(tiny, monkeypatch, capsys):
+    import veloxquant_mlx.cli.demo as demo_module
+
+    def missing(model, config):
+        raise ModuleNotFoundError("No module named 'veloxquant_mlx.cache.turboquant_rvq'")
+
+    monkeypatch.setattr("veloxquant_mlx.integration.patch_model_kv_cache", missing)
+    code = demo_module.run(_args("--method", "kivi", "--prompt", "abc", "--max-tokens", "2", "--quiet"))
+    assert code == 1
+    assert "has no cache in this install" in capsys.readouterr().err

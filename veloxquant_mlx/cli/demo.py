@@ -202,7 +202,12 @@ def run(args) -> int:
                                             "fp16 KVCache", show)
     ref_bytes = sum(c.nbytes for c in ref_cache)
     del ref_cache
-    patch_model_kv_cache(model, config)
+    try:
+        patch_model_kv_cache(model, config)
+    except ModuleNotFoundError as exc:  # a method whose cache module this build lacks
+        _err(f"the chosen method {config.method!r} has no cache in this install ({exc}); "
+             "pick another with --method")
+        return 1
     try:
         q_tokens, q_cache, q_s = generate(model, model.make_cache, prompt_ids, n, config.method, show)
         q_bytes = sum(c.nbytes for c in q_cache)
