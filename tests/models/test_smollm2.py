@@ -93,7 +93,31 @@ def test_one_pass_perplexity_matches_the_reference(smollm2, n_tokens, ppl_ref):
       print(math.exp(-mx.take_along_axis(lp, ids[1:, None], axis=-1).mean().item()))"
     -> 40.693 (64 tokens), 16.523 (512 tokens: the same figure as the teacher-forced reference
     run of the quality protocol). The 64-token case stays in the fast subset (a few seconds
-    without BLAS). A broken weight mapping (e.g. q/k rows left permuted) is far off.
+    without BLAS). q/k rows left in llama.cpp's order with non-traditional RoPE give 141.3 on
+    64 tokens: far outside the tolerance.
     """
     model, tokenizer = smollm2
     assert _one_pass_ppl(model, tokenizer, n_tokens) == pytest.approx(ppl_ref, rel=0.02)
+
+
+def test_unpermuted_rows_equal_llama_cpp_rows_with_traditional_rope(smollm2):
+    """Our choice (undo the permutation, rotate-half RoPE) and llama.cpp's own (permuted rows,
+    interleaved RoPE) are the same model: max |logit difference| observed 8e-5 of 42."""
+    from veloxquant_mlx.models import gguf_llama
+    from veloxquant_mlx.models.smollm2 import smollm2_gguf_path
+
+    model, tokenizer = smollm2
+    raw, metadata = mx.load(str(smollm2_gguf_path()), return_metadata=True)
+    args = gguf_llama.model_args_from_gguf(metadata, has_output_tensor=False)
+    args.rope_traditional = True
+    as_llama_cpp = llama.Model(args)
+    weights = {}
+    for base, value in gguf_llama.dequantized_tensors(raw, mx.float32).items():
+        parts = base.split(".")
+        if parts[0] == "blk":
+            weights[f"model.layers.{parts[1]}.{gguf_llama._BLOCK_TENSOR_NAMES[parts[2]]}.weight"] = value
+        else:
+            weights[f"{gguf_llama._TOP_TENSOR_NAMES[base]}.weight"] = value
+    as_llama_cpp.load_weights(list(weights.items()), strict=True)
+    ids = mx.array([tokenizer.encode("It is a truth universally acknowledged, that a single man")])
+    assert mx.allclose(model(ids), as_llama_cpp(ids), atol=1e-3).item()
