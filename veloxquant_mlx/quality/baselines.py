@@ -18,6 +18,7 @@ import time
 from functools import partial
 
 import mlx.core as mx
+import mlx_lm
 from mlx_lm.models.cache import QuantizedKVCache
 
 from veloxquant_mlx.models import load_smollm2
@@ -36,6 +37,17 @@ BASELINE_ROWS = [
 
 def quantized_cache(model, bits: int, group_size: int) -> list:
     return [QuantizedKVCache(group_size=group_size, bits=bits) for _ in model.layers]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main(argv=None) -> int:
@@ -66,10 +78,11 @@ def main(argv=None) -> int:
         "n_prefill": args.n_prefill,
         "machine": {
             "platform": platform.platform(),
-            "processor": platform.machine(),
+            "cpu": _cpu_model(),
             "cpu_count": os.cpu_count(),
             "mlx_device": str(mx.default_device()),
             "mlx_version": mx.__version__,
+            "mlx_lm_version": mlx_lm.__version__,
             "ld_preload": os.environ.get("LD_PRELOAD", ""),
             "note": "shared CPU, loaded by other jobs: the seconds are not speed figures",
         },
