@@ -4,7 +4,7 @@ SmolLM2-135M's shape (speed does not depend on weight values).
 
 Run (CPU, with OpenBLAS for fp32 matmul, see shared FACTS.md):
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-  python benchmarks/turboquant_rvq_speed.py --context 4096 --out results/turboquant_rvq_speed.json
+  python scripts/bench_turboquant_rvq_speed.py --context 4096 --out results/turboquant_rvq_speed.json
 
 Until the integration's dispatcher lands, the model module's scaled_dot_product_attention is
 wrapped here so our caches get their own attention (every other cache passes through).
@@ -102,7 +102,7 @@ def main():
     q4_med = statistics.median(times["mlx_quantized_4bit_g64"])
     report = {
         "command": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python "
-        f"benchmarks/turboquant_rvq_speed.py --context {a.context} --steps {a.steps} --rounds {a.rounds} --bits {a.bits}",
+        f"scripts/bench_turboquant_rvq_speed.py --context {a.context} --steps {a.steps} --rounds {a.rounds} --bits {a.bits}",
         "machine": f"{platform.machine()} {platform.processor() or ''} CPU, MLX {mx.__version__}; shared by other jobs (noisy)",
         "model": "random-weight llama, SmolLM2-135M shape (30 layers, 9 q / 3 kv heads, head_dim 64), float32",
         "context": a.context,

@@ -2,7 +2,7 @@
 4-bit QuantizedKVCache, for SmolLM2-135M's KV shape (30 layers, 3 KV heads, head_dim 64) with
 fp16 keys and values. Byte counts do not depend on the values, so the K/V are random.
 
-  python benchmarks/turboquant_rvq_bytes.py --context 4096 --out results/turboquant_rvq_bytes.json
+  python scripts/bench_turboquant_rvq_bytes.py --context 4096 --out results/turboquant_rvq_bytes.json
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main():
         }
     fp16 = per_layer["fp16_kvcache"]
     report = {
-        "command": f"python benchmarks/turboquant_rvq_bytes.py --context {a.context}",
+        "command": f"python scripts/bench_turboquant_rvq_bytes.py --context {a.context}",
         "shape": f"{N_LAYERS} layers x {N_KV_HEADS} kv heads x head_dim {HEAD_DIM}, fp16 K/V",
         "context": a.context,
         "bytes_all_layers": {k: v * N_LAYERS for k, v in per_layer.items()},
