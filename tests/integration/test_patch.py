@@ -43,14 +43,28 @@ def model():
 def test_patched_generate_matches_the_dequantized_path_and_never_decodes(model, monkeypatch):
     # Unpatched attention over the K/V our caches decode: the reference.
     dequantized = _tokens(model, KVCacheBuilder.for_model(model, CONFIG))
-    decodes = []
-    original = KIVICache._decode
-    monkeypatch.setattr(KIVICache, "_decode", lambda self: decodes.append(1) or original(self))
+    # Each _decode call records whether it happened inside a decode step (fewer query rows
+    # than a prefill chunk); prefill chunks may decode the history once per layer.
+    step_rows, decodes = [], []
+    original_decode, original_attention = KIVICache._decode, KIVICache.attention
+
+    def spy_attention(self, queries, *args, **kwargs):
+        step_rows.append(queries.shape[2])
+        return original_attention(self, queries, *args, **kwargs)
+
+    def spy_decode(self):
+        decodes.append(step_rows[-1] if step_rows else None)
+        return original_decode(self)
+
+    monkeypatch.setattr(KIVICache, "attention", spy_attention)
+    monkeypatch.setattr(KIVICache, "_decode", spy_decode)
     first = patch_model_kv_cache(model, CONFIG)
     assert [type(c) for c in first] == [KIVICache, KIVICache]
     patched = _tokens(model)  # mlx-lm calls model.make_cache() itself
     assert patched == dequantized
-    assert decodes == []  # the history was never dequantized
+    assert step_rows.count(1) >= 2 * 39  # the decode steps went through our attention
+    # ... and none of them dequantized the history.
+    assert all(rows >= KIVICache.prefill_rows for rows in decodes)
     # Plain fp16 KVCache gives something else at 2 bits: the cache is really in the loop.
     unpatch_model_kv_cache(model)
     assert _tokens(model) != patched

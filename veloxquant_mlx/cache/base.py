@@ -190,6 +190,10 @@ class CompressedKVCache(_BaseCache):
                 "heads must be a multiple of the kv heads"
             )
         rep = n_q_heads // self.n_kv_heads
+        if L >= self.prefill_rows:
+            out = self._attend_prefill(queries, scale, mask)
+            self._flush()
+            return out
         n_cols = (self.capacity if self.n_compressed else 0) + self._window_length()
         row_bytes = B * n_q_heads * n_cols * 4
         rows = max(1, self.attention_tile_bytes // max(row_bytes, 1))
@@ -209,6 +213,29 @@ class CompressedKVCache(_BaseCache):
             out = mx.concatenate(tiles, axis=2)
         self._flush()
         return out
+
+    # A chunk of at least this many queries is a prefill: its attention decodes this layer's
+    # history once (a transient of one layer, freed before the next layer runs, so the peak
+    # stays below the fp16 cache of all layers) and runs the fused mx.fast attention. Per
+    # query row that decode is amortised over the whole chunk, and the fused kernel tiles its
+    # score matrix itself; measured on the H200 it turned a 32K prefill from 33 s into about
+    # the fp16 time. Decode steps (fewer rows) always read the compressed form.
+    prefill_rows: ClassVar[int] = 16
+
+    def _attend_prefill(self, queries: mx.array, scale: float, mask) -> mx.array:
+        keys, values = self._full_keys_values()
+        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+            raise QuantizerConfigError(
+                f"{type(self).__name__}: additive float masks are not supported; "
+                "pass a boolean mask or 'causal'"
+            )
+        return mx.fast.scaled_dot_product_attention(
+            queries,
+            keys.astype(queries.dtype),
+            values.astype(queries.dtype),
+            scale=scale,
+            mask=mask,
+        )
 
     def _window_length(self) -> int:
         return 0 if self.window_keys is None else self.window_keys.shape[2]

@@ -41,6 +41,7 @@ from fractions import Fraction
 import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
+from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
 from veloxquant_mlx.errors import QuantizerConfigError
 
 
@@ -141,9 +142,9 @@ class KIVICache(CompressedKVCache):
 
     def _weighted_values(self, p: mx.array) -> mx.array:
         s = self.store
-        return mx.quantized_matmul(
+        return quantized_weighted_sum(
             p, s["value_codes"], s["value_scales"], s["value_biases"],
-            transpose=False, group_size=self.group_size, bits=self.value_bits,
+            group_size=self.group_size, bits=self.value_bits,
         )
 
     def bits_per_element(self) -> float:
