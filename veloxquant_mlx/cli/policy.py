@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from veloxquant_mlx.cli.common import add_json_flag, add_workload_flags, print_json, workload_from
+from veloxquant_mlx.cli.common import add_json_flag, add_workload_flags, workload_from
 from veloxquant_mlx.policy.diff import diff_policies, format_diff
 from veloxquant_mlx.policy.evaluator import decide
 from veloxquant_mlx.policy.facts import facts_of
+from veloxquant_mlx.policy.layers import json_text
 from veloxquant_mlx.policy.lint import format_report, lint_policy
 from veloxquant_mlx.policy.simulate import format_table, simulate_policy
 from veloxquant_mlx.policy.sources import load_policy
 
 HELP = "validate, lint, explain, simulate or diff policy files"
+
+
+def print_json(data) -> None:
+    # Per-layer bit lists (v2 policies) on one line each; otherwise json.dumps(indent=2).
+    print(json_text(data))
 
 
 def _validate(args) -> int:
