@@ -231,4 +231,4 @@ def test_key_bits_out_of_range_for_the_method():
 def test_layer_profile_equality_ignores_the_spec_text():
     a = LayerProfile("spans", base=2, first=(2, 4), last=(2, 4), spec={"x": 1})
     b = LayerProfile("spans", base=2, first=(2, 4), last=(2, 4), spec={"y": 2})
-    assert a.resolve(7) == b.resolve(7)
+    assert a == b and hash(a) == hash(b) and a.resolve(7) == b.resolve(7)

@@ -25,7 +25,7 @@ such a workload raises PolicyError naming the rule, never a late crash in a cach
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from veloxquant_mlx.errors import PolicyError
 
@@ -43,7 +43,7 @@ class LayerProfile:
     first: tuple = (0, None)  # (layers, bits)
     last: tuple = (0, None)
     values: tuple = ()  # kind "list"
-    spec: object = None  # the YAML node as written (shown in the trail), not compared
+    spec: object = field(default=None, compare=False)  # the YAML node as written (JSON output)
 
     def resolve(self, n_layers: int):
         """A tuple with one bit width per attention layer (or `base` past MAX_RESOLVED_LAYERS).
