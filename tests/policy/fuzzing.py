@@ -58,14 +58,33 @@ def _get(node, path):
     return node
 
 
-def mutate_document(rng: random.Random) -> str:
-    doc = copy.deepcopy(DEFAULT_DOC)
+def _random_profile(rng: random.Random):
+    """A v2 layer profile, valid or not (for mutations of a v2 policy)."""
+    span = lambda: {rng.choice(["layers", "layers", "bits", "bogus"]): rng.choice([0, 1, 2, 64, 65, -1, "2", 2.5]),  # noqa: E731
+                    rng.choice(["bits", "bits", "layers"]): rng.choice([1, 2, 3, 4, 8, 9, None, [4]])}
+    profile = {"base": rng.choice([1, 2, 3, 4, 8, 0, "4", None, 2.0])}
+    for key in rng.sample(["edges", "first", "last", "bogus"], rng.randint(0, 2)):
+        profile[key] = span() if rng.random() < 0.9 else rng.choice([2, [], None])
+    if rng.random() < 0.2:
+        return [rng.choice([2, 3, 4, 8, 9]) for _ in range(rng.randint(0, 5))]
+    return profile
+
+
+def mutate_document(rng: random.Random, base_doc=None, profiles: bool = False) -> str:
+    doc = copy.deepcopy(DEFAULT_DOC if base_doc is None else base_doc)
     for _ in range(rng.randint(1, 4)):
         paths = [p for p in _paths(doc) if p]
         path = rng.choice(paths)
         parent = _get(doc, path[:-1])
         key = path[-1]
-        action = rng.randrange(6)
+        action = rng.randrange(7 if profiles else 6)
+        if action == 6:  # a v2 layer profile where a parameter was (or a new one)
+            params_paths = [p for p in _paths(doc) if len(p) >= 2 and p[-1] in ("params",) + METHODS
+                            and isinstance(_get(doc, p), dict)]
+            if params_paths:
+                target = _get(doc, rng.choice(params_paths))
+                target[rng.choice(["bit_width_inlier"] * 3 + ["key_bits", "gear_bits"])] = _random_profile(rng)
+            continue
         if action == 0:  # delete
             del parent[key]
         elif action == 1:  # replace with a random value
@@ -85,8 +104,8 @@ def mutate_document(rng: random.Random) -> str:
     return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
 
 
-def mutate_text(rng: random.Random) -> str:
-    text = DEFAULT_TEXT
+def mutate_text(rng: random.Random, base_text: str = DEFAULT_TEXT) -> str:
+    text = base_text
     for _ in range(rng.randint(1, 5)):
         action = rng.randrange(4)
         at = rng.randrange(len(text) + 1)
@@ -108,3 +127,11 @@ def mutate_text(rng: random.Random) -> str:
 def mutated_policy(seed: int) -> str:
     rng = random.Random(seed)
     return mutate_document(rng) if rng.random() < 0.6 else mutate_text(rng)
+
+
+def mutated_policy_v2(seed: int, text: str) -> str:
+    """A mutation of a v2 policy's text: v1's mutations plus layer profiles put in params."""
+    rng = random.Random(seed)
+    if rng.random() < 0.6:
+        return mutate_document(rng, yaml.safe_load(text), profiles=True)
+    return mutate_text(rng, text)

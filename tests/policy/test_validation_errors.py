@@ -37,7 +37,7 @@ CASES = {
     "duplicate ids": (edited("id: long-context", "id: short-context"), r"rules\[3\]\.id: 'short-context' is a duplicate id: already used by rules\[1\] \(policies/x\.yaml:21:9\)"),
     "duplicate id across adjustments": (edited("id: wide-heads", "id: short-context"), r"adjustments\[0\]\.id: 'short-context' is a duplicate id"),
     "duplicate yaml key": (edited("name: default", "name: default\nname: other"), r"duplicate key 'name'"),
-    "unknown version": (edited("policy_version: 1", "policy_version: 2"), r"x\.yaml:7:17: policy_version: 2 is unknown: allowed is one of \(1,\)"),
+    "unknown version": (edited("policy_version: 1", "policy_version: 3"), r"x\.yaml:7:17: policy_version: 3 is unknown: allowed is one of \(1, 2\)"),
     "missing version": (edited("policy_version: 1", "policy_versio: 1"), r"policy_version is missing"),
     "python tag": (edited("name: default", 'name: !!python/object/apply:os.system ["touch /tmp/vq_pwned"]'), r"x\.yaml:8:7: YAML tag 'tag:yaml\.org,2002:python/object/apply:os\.system' is not allowed"),
     "python name tag": (edited("name: default", "name: !!python/name:os.system"), r"YAML tag .*python/name:os\.system' is not allowed"),

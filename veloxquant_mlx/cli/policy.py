@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from veloxquant_mlx.cli.common import add_json_flag, add_workload_flags, print_json, workload_from
+from veloxquant_mlx.cli.common import add_json_flag, add_workload_flags, workload_from
 from veloxquant_mlx.policy.diff import diff_policies, format_diff
 from veloxquant_mlx.policy.evaluator import decide
 from veloxquant_mlx.policy.facts import facts_of
+from veloxquant_mlx.policy.layers import json_text
 from veloxquant_mlx.policy.lint import format_report, lint_policy
 from veloxquant_mlx.policy.simulate import format_table, simulate_policy
 from veloxquant_mlx.policy.sources import load_policy
 
 HELP = "validate, lint, explain, simulate or diff policy files"
+
+
+def print_json(data) -> None:
+    # Per-layer bit lists (v2 policies) on one line each; otherwise json.dumps(indent=2).
+    print(json_text(data))
 
 
 def _validate(args) -> int:
@@ -40,9 +46,20 @@ def _explain(args) -> int:
 
 
 def _simulate(args) -> int:
-    result = simulate_policy(load_policy(args.file))
+    policy = load_policy(args.file)
+    if args.plot:
+        from veloxquant_mlx.policy.plot import _pyplot
+
+        _pyplot()  # no matplotlib: one clear line (exit 2) before any work
+    result = simulate_policy(policy)
+    if args.plot:
+        from veloxquant_mlx.policy.plot import plot_decision_map
+
+        result["plot"] = str(plot_decision_map(policy, args.plot))
     print_json(result) if args.json else print(format_table(result))
-    return 1 if any(row["decision"] == "GAP" for row in result["rows"]) else 0
+    if args.plot and not args.json:
+        print(f"decision map written to {result['plot']}")
+    return 1 if any(row["decision"] in ("GAP", "ERROR") for row in result["rows"]) else 0
 
 
 def _diff(args) -> int:
@@ -68,6 +85,9 @@ def add_arguments(parser) -> None:
     p = sub.add_parser("simulate", help="decisions over seq_len x head_dim x pressure bands "
                                         "(exit 1 if a band has no decision)")
     p.add_argument("file")
+    p.add_argument("--plot", metavar="OUT.png", default=None,
+                   help="also draw the decision map (seq_len x memory pressure, coloured by method, "
+                        "one panel per head_dim band) to this PNG; needs matplotlib")
     p.set_defaults(_run=_simulate)
     p = sub.add_parser("diff", help="regions of the fact space whose decision changes (exit 1 if any)")
     p.add_argument("old")

@@ -5,6 +5,10 @@ parameter is owned by the method it is given for and in the range KVCacheConfig 
 from config/fields.py, the same registry KVCacheConfig uses); ids are unique across rules and
 adjustments; reason templates name facts only; numbers in comparisons are finite. Conditions
 are compiled to closures (the evaluator runs them) and kept as a tree (lint reads it).
+
+Version 2 adds layer profiles for bit_width_inlier (policy/layers.py): the compiler checks every
+bit width a profile can produce against the method's range, and keeps the profile; the decision
+resolves it against the workload's n_layers (config_for).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 from veloxquant_mlx.config.fields import FIELDS, METHOD_RANGES, fields_of
 from veloxquant_mlx.config.kv_cache_config import KVCacheConfig
 from veloxquant_mlx.errors import PolicyError, QuantizerConfigError
+from veloxquant_mlx.policy.layers import LayerProfile, has_profile, profile_from_node, resolve_params
 from veloxquant_mlx.policy.loader import LoadedDocument, format_path, parse_policy_text
 from veloxquant_mlx.policy.templates import TemplateError, compile_template, template_facts
 from veloxquant_mlx.policy import versions
@@ -132,9 +137,10 @@ class CompiledPolicy:
     description: str
     rules: tuple
     adjustments: tuple
-    # (rule index, indices of the adjustments that applied) -> KVCacheConfig, and
-    # ("text", rule index, indices) -> the reason's outcome text; filled lazily. Configs are
-    # frozen, so one instance per combination is shared by every decision.
+    # (rule index, indices of the adjustments that applied) -> KVCacheConfig (or, when a
+    # layer profile is involved, a _ProfiledConfig that resolves per n_layers), and
+    # ("text", rule index, indices[, n_layers]) -> the reason's outcome text; filled lazily.
+    # Configs are frozen, so one instance per combination is shared by every decision.
     config_cache: dict = field(default_factory=dict, repr=False)
 
     def thresholds(self) -> dict:
@@ -142,27 +148,95 @@ class CompiledPolicy:
         for item in (*self.rules, *self.adjustments):
             for name, values in item.condition.thresholds().items():
                 out.setdefault(name, set()).update(values)
+        # v2 layer profiles cut n_layers too, so lint, simulate and diff see on its own the
+        # band where a profile changes shape: an explicit list of L entries fits only
+        # n_layers == L; spans overlap (all layers get edge bits) when n_layers <= first + last.
+        for params in self._all_params():
+            for value in params.values():
+                if isinstance(value, LayerProfile):
+                    cut = (len(value.values) if value.kind == "list"
+                           else value.first[0] + value.last[0] + 0.5)
+                    out.setdefault("n_layers", set()).add(cut)
         return out
 
-    def config_for(self, rule_index: int, applied: tuple) -> KVCacheConfig:
+    def _all_params(self):
+        for rule in self.rules:
+            yield rule.params
+        for adj in self.adjustments:
+            yield from adj.sets.values()
+
+    def merged_params(self, rule_index: int, applied: tuple) -> dict:
+        """The parameters a rule sets, updated by the adjustments applied (in order)."""
+        rule = self.rules[rule_index]
+        params = dict(rule.params)
+        for index in applied:
+            params.update(self.adjustments[index].sets[rule.method])
+        return params
+
+    def depends_on_layers(self, rule_index: int, applied: tuple) -> bool:
+        return type(self._config_entry(rule_index, applied)) is _ProfiledConfig
+
+    def _config_entry(self, rule_index: int, applied: tuple):
         key = (rule_index, applied)
-        config = self.config_cache.get(key)
-        if config is None:
+        entry = self.config_cache.get(key)
+        if entry is None:
             rule = self.rules[rule_index]
-            params = dict(rule.params)
-            for index in applied:
-                params.update(self.adjustments[index].sets[rule.method])
+            params = self.merged_params(rule_index, applied)
+            if has_profile(params):
+                entry = _ProfiledConfig(self.source, rule.id, rule.method, params)
+            else:
+                entry = _build_config(self.source, rule.id, rule.method, params)
+            self.config_cache[key] = entry
+        return entry
+
+    def config_for(self, rule_index: int, applied: tuple, n_layers: int | None = None) -> KVCacheConfig:
+        """The config of a rule with the adjustments applied. n_layers (the workload's) is
+        needed only when a layer profile is involved (v2); PolicyError when an explicit
+        per-layer list does not fit it."""
+        entry = self._config_entry(rule_index, applied)
+        if type(entry) is _ProfiledConfig:
+            if n_layers is None:
+                raise PolicyError(f"{self.source}: rule {self.rules[rule_index].id}: a layer profile "
+                                  "needs the workload's n_layers to resolve")
+            return entry.resolve(n_layers)
+        return entry
+
+
+def _build_config(source: str, rule_id: str, method: str, params: dict) -> KVCacheConfig:
+    try:
+        return KVCacheConfig(method=method, **params)
+    except QuantizerConfigError as exc:  # each value was checked; a guard, not a path
+        raise PolicyError(f"{source}: rule {rule_id}: {exc}") from None
+
+
+class _ProfiledConfig:
+    """A rule's parameters with layer profiles: one KVCacheConfig per n_layers, built on first
+    use and kept (bounded: real workloads bring a handful of depths)."""
+
+    MAX_KEPT = 256
+
+    def __init__(self, source: str, rule_id: str, method: str, params: dict):
+        self.source, self.rule_id, self.method, self.params = source, rule_id, method, params
+        self.by_layers: dict = {}
+
+    def resolve(self, n_layers: int) -> KVCacheConfig:
+        config = self.by_layers.get(n_layers)
+        if config is None:
             try:
-                config = KVCacheConfig(method=rule.method, **params)
-            except QuantizerConfigError as exc:  # each value was checked; a guard, not a path
-                raise PolicyError(f"{self.source}: rule {rule.id}: {exc}") from None
-            self.config_cache[key] = config
+                params = resolve_params(self.params, n_layers)
+            except PolicyError as exc:
+                raise PolicyError(f"{self.source}: rule {self.rule_id}: {exc}") from None
+            config = _build_config(self.source, self.rule_id, self.method, params)
+            if len(self.by_layers) >= self.MAX_KEPT:
+                self.by_layers.clear()
+            self.by_layers[n_layers] = config
         return config
 
 
 class _Compiler:
-    def __init__(self, doc: LoadedDocument):
+    def __init__(self, doc: LoadedDocument, layer_profiles: bool = False):
         self.doc = doc
+        self.layer_profiles = layer_profiles  # v2: bit_width_inlier may be a profile or a list
         self.ids: dict = {}  # id -> path of its first use
 
     def fail(self, path: tuple, message: str, key: bool = False):
@@ -200,6 +274,9 @@ class _Compiler:
             check, allowed = METHOD_RANGES.get((method, name), (spec.check, spec.allowed))
             if value is None and spec.defaults[method] is None:
                 continue
+            if spec.per_layer and self.layer_profiles and isinstance(value, (list, dict)):
+                self.profile_bits(method, name, value, at, check, allowed)
+                continue
             if spec.per_layer and isinstance(value, list):
                 for i, item in enumerate(value):
                     if not check(item):
@@ -207,11 +284,26 @@ class _Compiler:
                 continue
             if not check(value):
                 self.fail(at, f"{value!r} is invalid for {method}: allowed is {allowed}")
+        if self.layer_profiles:
+            params = {k: profile_from_node(v) if FIELDS[k].per_layer and isinstance(v, (list, dict)) else v
+                      for k, v in params.items()}
         try:  # the same constructor a decision uses: a last guard that they agree
-            KVCacheConfig(method=method, **params)
+            KVCacheConfig(method=method, **_sample(params))
         except QuantizerConfigError as exc:
             self.fail(path, str(exc))
         return {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+
+    def profile_bits(self, method: str, name: str, value, at: tuple, check, allowed) -> None:
+        """Every bit width of a v2 layer profile or explicit list, in the method's range."""
+        if isinstance(value, list):
+            items = [(at + (i,), item) for i, item in enumerate(value)]
+        else:
+            items = [(at + ("base",), value["base"])]
+            items += [(at + (span, "bits"), value[span]["bits"])
+                      for span in ("edges", "first", "last") if span in value]
+        for where, bits in items:
+            if not check(bits):
+                self.fail(where, f"{bits!r} is invalid for {method}.{name}: allowed is {allowed}")
 
     def template(self, text: str, path: tuple) -> tuple:
         try:
@@ -240,9 +332,28 @@ class _Compiler:
         return CompiledAdjustment(node["id"], index, cond, sets, reason, facts, _compile_test(cond))
 
 
+def _sample(params: dict) -> dict:
+    """params with each layer profile resolved at a depth that produces all its values."""
+    out = {}
+    for name, value in params.items():
+        if isinstance(value, LayerProfile):
+            value = value.values if value.kind == "list" else value.resolve(value.first[0] + value.last[0] + 1)
+        out[name] = value
+    return out
+
+
 def compile_v1(doc: LoadedDocument, sha256: str) -> CompiledPolicy:
+    return _compile(doc, sha256, layer_profiles=False)
+
+
+def compile_v2(doc: LoadedDocument, sha256: str) -> CompiledPolicy:
+    """Version 2: v1's shape, plus layer profiles for bit_width_inlier (policy/layers.py)."""
+    return _compile(doc, sha256, layer_profiles=True)
+
+
+def _compile(doc: LoadedDocument, sha256: str, layer_profiles: bool) -> CompiledPolicy:
     data = doc.data
-    compiler = _Compiler(doc)
+    compiler = _Compiler(doc, layer_profiles)
     rules = tuple(compiler.rule(node, i) for i, node in enumerate(data["rules"]))
     adjustments = tuple(compiler.adjustment(node, i) for i, node in enumerate(data.get("adjustments", [])))
     return CompiledPolicy(
@@ -251,7 +362,7 @@ def compile_v1(doc: LoadedDocument, sha256: str) -> CompiledPolicy:
     )
 
 
-_COMPILERS = {"compile_v1": compile_v1}
+_COMPILERS = {"compile_v1": compile_v1, "compile_v2": compile_v2}
 
 
 def compile_policy_text(text: str | bytes, source: str = "<policy>") -> CompiledPolicy:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from veloxquant_mlx.config.kv_cache_config import KVCacheConfig
+from veloxquant_mlx.policy.layers import LayerProfile, show_value
 
 # NamedTuples, not frozen dataclasses: immutable too, and several times cheaper to build,
 # which matters because every decision builds one per rule tried (20 us budget per decision).
@@ -80,9 +81,19 @@ class Decision(NamedTuple):
         facts = self.facts
         method = self.config.method
         return tuple(
-            AdjustmentTrace(adj.id, matched, dict(adj.sets.get(method, {})) if matched else {},
+            AdjustmentTrace(adj.id, matched, self._resolved(adj.sets.get(method, {})) if matched else {},
                             {n: facts[n] for n in adj.facts})
             for adj, matched in zip(self.policy.adjustments, self.adjustments_matched))
+
+    def _resolved(self, params: dict) -> dict:
+        """What an adjustment set, a layer profile (v2) as the list it resolved to here."""
+        out = {}
+        for name, value in params.items():
+            if isinstance(value, LayerProfile):
+                value = value.resolve(self.facts["n_layers"])
+                value = list(value) if isinstance(value, tuple) else value
+            out[name] = value
+        return out
 
     def to_dict(self) -> dict:
         return {
@@ -107,14 +118,14 @@ class Decision(NamedTuple):
             lines.append(f"  rule {trace.rule_id}: {mark} ({seen})")
         for trace in self.adjustments:
             if trace.applied:
-                state = "applied " + ", ".join(f"{k}={v}" for k, v in trace.applied.items())
+                state = "applied " + ", ".join(f"{k}={show_value(v)}" for k, v in trace.applied.items())
             elif trace.matched:
                 state = f"held, but does not name {self.config.method}"
             else:
                 state = "no"
             seen = ", ".join(f"{k}={_show(v)}" for k, v in trace.facts.items())
             lines.append(f"  adjustment {trace.adjustment_id}: {state} ({seen})")
-        lines.append("config: " + ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items()))
+        lines.append("config: " + ", ".join(f"{k}={show_value(v)}" for k, v in self.config.to_dict().items()))
         lines.append(f"reason: {self.reason}")
         return "\n".join(lines)
 

@@ -7,8 +7,10 @@ cells whose final config differs (or that one policy leaves undecided) are merge
 from __future__ import annotations
 
 from veloxquant_mlx.policy.bands import cells, describe_region, dims_of, merge_regions, witness, workload_flags
+from veloxquant_mlx.errors import PolicyError
 from veloxquant_mlx.policy.compiler import CompiledPolicy
 from veloxquant_mlx.policy.evaluator import choose
+from veloxquant_mlx.policy.layers import LayerProfile, show_value
 
 
 def _outcome(policy: CompiledPolicy, facts: dict):
@@ -16,9 +18,19 @@ def _outcome(policy: CompiledPolicy, facts: dict):
     if chosen is None:
         return None, "no rule (gap)"
     rule, applied = chosen
-    config = policy.config_for(rule.index, applied)
-    params = ", ".join(f"{k}={v}" for k, v in config.to_dict().items() if k != "method" and v is not None)
-    return config.to_dict(), f"{config.method}({params}) by {rule.id}"
+    try:
+        config = policy.config_for(rule.index, applied, facts["n_layers"])
+    except PolicyError:  # v2: an explicit per-layer list that does not fit n_layers
+        return "error", f"error in {rule.id} (per-layer list does not fit n_layers {facts['n_layers']})"
+    params = ", ".join(f"{k}={show_value(v)}" for k, v in config.to_dict().items()
+                       if k != "method" and v is not None)
+    # Compared: the config, with a per-layer field as written (a v2 layer profile's spec), so
+    # two policies agree on a cell when they give the same profile, whatever depth the witness has.
+    compared = config.to_dict()
+    for name, value in policy.merged_params(rule.index, applied).items():
+        if isinstance(value, LayerProfile):
+            compared[name] = value.spec
+    return compared, f"{config.method}({params}) by {rule.id}"
 
 
 def diff_policies(old: CompiledPolicy, new: CompiledPolicy) -> dict:

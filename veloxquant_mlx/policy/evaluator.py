@@ -11,6 +11,7 @@ from __future__ import annotations
 from veloxquant_mlx.errors import PolicyError
 from veloxquant_mlx.policy.compiler import CompiledPolicy
 from veloxquant_mlx.policy.decision import Decision
+from veloxquant_mlx.policy.layers import show_value
 from veloxquant_mlx.policy.templates import render
 
 
@@ -29,16 +30,25 @@ def _params_text(params: dict) -> str:
     return ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in params.items())
 
 
-def _outcome_text(policy: CompiledPolicy, rule, applied: tuple) -> str:
+def _params_text_v2(params: dict, config) -> str:
+    """v2: the values the decision resolved (a layer profile as its per-layer list, compact)."""
+    return ", ".join(f"{k}={show_value(getattr(config, k))}" for k in params)
+
+
+def _outcome_text(policy: CompiledPolicy, rule, applied: tuple, config, n_layers) -> str:
     """", so METHOD with PARAMS" for a rule and the adjustments applied: the same for every
-    decision with that (rule, adjustments), so it is built once and kept."""
-    key = ("text", rule.index, applied)
+    decision with that (rule, adjustments) -- and n_layers, when a layer profile resolves
+    differently per depth -- so it is built once and kept."""
+    layered = policy.depends_on_layers(rule.index, applied)
+    key = ("text", rule.index, applied, n_layers) if layered else ("text", rule.index, applied)
     text = policy.config_cache.get(key)
     if text is None:
-        params = dict(rule.params)
-        for index in applied:
-            params.update(policy.adjustments[index].sets[rule.method])
-        text = f", so {rule.method}" + (f" with {_params_text(params)}" if params else "")
+        params = policy.merged_params(rule.index, applied)
+        shown = _params_text(params) if policy.version < 2 else _params_text_v2(params, config)
+        text = f", so {rule.method}" + (f" with {shown}" if params else "")
+        if layered and len(policy.config_cache) > 4096:  # bounded: one entry per depth seen
+            for old in [k for k in policy.config_cache if len(k) == 4 and k[0] == "text"]:
+                del policy.config_cache[old]
         policy.config_cache[key] = text
     return text
 
@@ -64,7 +74,8 @@ def decide(policy: CompiledPolicy, facts: dict) -> Decision:
             applied.append(adj.index)
             adj_reasons += f"; adjustment {adj.id}: {render(adj.reason, facts)}"
     applied = tuple(applied)
-    config = policy.config_for(rule.index, applied)
+    n_layers = facts["n_layers"]
+    config = policy.config_for(rule.index, applied, n_layers)
     reason = (f"Policy {policy.name} v{policy.version}, rule {rule.id}: {render(rule.reason, facts)}"
-              f"{_outcome_text(policy, rule, applied)}{adj_reasons}.")
+              f"{_outcome_text(policy, rule, applied, config, n_layers)}{adj_reasons}.")
     return Decision(policy, rule.index, tuple(matched), config, reason, facts)

@@ -8,7 +8,10 @@ Findings, each with a concrete workload (as CLI flags) that shows it:
                     condition holds for no valid workload;
   inert-adjustment  an adjustment never changes a decision: where its condition holds, none of
                     the methods it names is chosen;
-  inert-adjustment-method  one method an adjustment names is never chosen where it holds.
+  inert-adjustment-method  one method an adjustment names is never chosen where it holds;
+  layer-list        (v2) a rule decides a workload whose n_layers an explicit per-layer
+                    bit_width_inlier list does not fit (the policy cuts n_layers at the list's
+                    length, so this is exact too).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from veloxquant_mlx.policy.bands import (
     cells, describe_region, dims_of, merge_regions, witness, workload_flags,
 )
+from veloxquant_mlx.errors import PolicyError
 from veloxquant_mlx.policy.compiler import CompiledPolicy
 from veloxquant_mlx.policy.evaluator import choose
 
@@ -71,6 +75,21 @@ def lint_policy(policy: CompiledPolicy) -> LintReport:
         region = describe_region(dims, ranges)
         findings.append(Finding("gap", region, f"no rule decides workloads where {region}",
                                 workload_flags(workload, hardware)))
+
+    # Per-layer lists that do not fit the depth of a workload the rule decides (v2).
+    reported = set()
+    for chosen, (workload, hardware, facts) in outcomes.values():
+        if chosen is None or chosen[0].index in reported:  # one finding per rule
+            continue
+        try:
+            policy.config_for(chosen[0].index, chosen[1], facts["n_layers"])
+        except PolicyError as exc:
+            reported.add(chosen[0].index)
+            by = "".join(f" + adjustment {policy.adjustments[i].id}" for i in chosen[1])
+            findings.append(Finding("layer-list", chosen[0].id,
+                                    f"rule {chosen[0].id}{by} cannot resolve its per-layer bits: "
+                                    f"{str(exc).split(': ', 2)[-1]}",
+                                    workload_flags(workload, hardware)))
 
     # Rules that never decide.
     for rule in policy.rules:

@@ -7,6 +7,7 @@ decision cannot change (for the facts shown; other facts take the witness's valu
 from __future__ import annotations
 
 from veloxquant_mlx.policy.bands import bands_of, cells, describe_range, witness
+from veloxquant_mlx.errors import PolicyError
 from veloxquant_mlx.policy.compiler import CompiledPolicy
 from veloxquant_mlx.policy.evaluator import choose
 
@@ -30,7 +31,12 @@ def simulate_policy(policy: CompiledPolicy) -> dict:
             rows.append({**labels, "decision": "GAP", "rule": None, "adjustments": [], "witness": facts})
             continue
         rule, applied = chosen
-        config = policy.config_for(rule.index, applied)
+        try:
+            config = policy.config_for(rule.index, applied, facts["n_layers"])
+        except PolicyError as exc:  # v2: an explicit per-layer list that does not fit n_layers
+            rows.append({**labels, "decision": "ERROR", "rule": rule.id, "error": str(exc),
+                         "adjustments": [policy.adjustments[i].id for i in applied], "witness": facts})
+            continue
         rows.append({**labels, "decision": config.to_dict(), "rule": rule.id,
                      "adjustments": [policy.adjustments[i].id for i in applied], "witness": facts})
     return {"policy": f"{policy.name} v{policy.version}", "axes": list(AXES), "rows": rows}
@@ -39,12 +45,26 @@ def simulate_policy(policy: CompiledPolicy) -> dict:
 def _short(row) -> str:
     if row["decision"] is None:
         return "(no workload)"
-    if row["decision"] == "GAP":
-        return "GAP"
-    text = f"{row['decision']['method']} ({row['rule']}"
+    if row["decision"] in ("GAP", "ERROR"):
+        return row["decision"] + (f" ({row['rule']})" if row.get("rule") else "")
+    text = f"{row['decision']['method']}{_per_layer_mark(row['decision'])} ({row['rule']}"
     if row["adjustments"]:
         text += "+" + "+".join(row["adjustments"])
     return text + ")"
+
+
+def _per_layer_mark(config: dict) -> str:
+    """' [K4/V2..4]'-style marks for the table: separate key/value bits and per-layer lists,
+    so a v2 refinement is visible in a cell without printing one entry per layer."""
+    bits = config.get("bit_width_inlier")
+    if bits is None:
+        return ""
+    if isinstance(bits, list):
+        bits = f"{min(bits)}..{max(bits)}" if min(bits) != max(bits) else str(bits[0])
+    key, value = config.get("key_bits"), config.get("value_bits")
+    if key is None and value is None:
+        return f" [{bits}b]" if isinstance(config.get("bit_width_inlier"), list) else ""
+    return f" [K{key if key is not None else bits}/V{value if value is not None else bits}]"
 
 
 def format_table(result: dict) -> str:

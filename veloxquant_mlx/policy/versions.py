@@ -26,6 +26,9 @@ class PolicyVersion:
 
 VERSIONS: dict[int, PolicyVersion] = {
     1: PolicyVersion(1, "kv_cache_policy.v1.schema.json", "kv_cache_policy.v1.yaml", "compile_v1"),
+    # v2: v1 plus per-layer bit widths as layer profiles (policy/layers.py). Not the default:
+    # the seed rules (v1) stay what select_kv_cache_config uses without a policy argument.
+    2: PolicyVersion(2, "kv_cache_policy.v2.schema.json", "kv_cache_policy.v2.yaml", "compile_v2"),
 }
 DEFAULT_VERSION = 1
 
