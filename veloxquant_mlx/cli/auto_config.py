@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from veloxquant_mlx.cli.common import add_json_flag, add_workload_flags, print_json, workload_from
 from veloxquant_mlx.config.auto_config import select_kv_cache_config
+from veloxquant_mlx.policy.layers import show_value
 
 HELP = "choose a KV-cache config for a workload through the policy"
 
@@ -28,6 +29,6 @@ def run(args) -> int:
     elif args.explain:
         print(result.decision.explain())
     else:
-        print("config: " + ", ".join(f"{k}={v}" for k, v in result.config.to_dict().items()))
+        print("config: " + ", ".join(f"{k}={show_value(v)}" for k, v in result.config.to_dict().items()))
         print(f"reason: {result.reason}")
     return 0

@@ -53,4 +53,7 @@ def workload_from(args) -> tuple[WorkloadSpec, HardwareInfo]:
 
 
 def print_json(data) -> None:
-    print(json.dumps(data, indent=2, sort_keys=False))
+    # Per-layer bit lists stay on one line (json_text), the rest is indented JSON.
+    from veloxquant_mlx.policy.layers import json_text
+
+    print(json_text(data))
