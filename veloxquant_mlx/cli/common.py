@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from veloxquant_mlx.config.hardware import HardwareInfo, detect_hardware_info
 from veloxquant_mlx.config.workload import WorkloadSpec
