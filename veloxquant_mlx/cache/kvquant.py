@@ -63,12 +63,14 @@ class KVQuantCache(CompressedKVCache):
     decode_chunk_tokens = 4096
 
     def _setup(self) -> None:
-        self.bits = self.config.kvquant_bits
+        # Not named `bits`: mlx-lm routes any cache with a `bits` attribute to its own
+        # quantized attention, which would misread our decoded K/V when unpatched.
+        self.code_bits = self.config.kvquant_bits
         self.group_size = self.config.kvquant_group_size
         self.outlier_fraction = self.config.kvquant_outlier_fraction
-        if self.bits not in (2, 3, 4):
+        if self.code_bits not in (2, 3, 4):
             raise QuantizerConfigError(
-                f"KVQuantCache: kvquant_bits={self.bits!r} is invalid: allowed is 2, 3 or 4"
+                f"KVQuantCache: kvquant_bits={self.code_bits!r} is invalid: allowed is 2, 3 or 4"
             )
 
     @property
@@ -95,10 +97,10 @@ class KVQuantCache(CompressedKVCache):
     def _store_layout(self) -> list[StoreArray]:
         G, D, Dv, dt = self.group_size, self.head_dim, self.value_dim, self.dtype
         per_block = [
-            ("key_codes", mx.uint32, packed_length(G * D, self.bits)),
+            ("key_codes", mx.uint32, packed_length(G * D, self.code_bits)),
             ("key_scale", dt, D),
             ("key_zero", dt, D),
-            ("value_codes", mx.uint32, packed_length(G * Dv, self.bits)),
+            ("value_codes", mx.uint32, packed_length(G * Dv, self.code_bits)),
         ]
         for prefix, dim in (("key", D), ("value", Dv)):
             if self._outliers(dim):
@@ -116,7 +118,7 @@ class KVQuantCache(CompressedKVCache):
         a fixed few hundred bytes per layer, left out)."""
         G, D, Dv = self.group_size, self.head_dim or 128, self.value_dim or self.head_dim or 128
         side = 8 * (self.dtype.size if self.dtype is not None else 2)
-        bits = 32 * (packed_length(G * D, self.bits) + packed_length(G * Dv, self.bits))
+        bits = 32 * (packed_length(G * D, self.code_bits) + packed_length(G * Dv, self.code_bits))
         bits += 2 * side * D  # key scale + zero per channel per block
         bits += 2 * side * G  # value scale + zero per token
         bits += (16 + side) * (self._outliers(D) + self._outliers(Dv))
@@ -155,10 +157,10 @@ class KVQuantCache(CompressedKVCache):
                 normalized = (dense - z32[..., None]) / s32[..., None]
             if first:
                 self.store[f"{prefix}_codebook"] = fit_codebook(
-                    normalized.reshape(B, H, -1), 1 << self.bits
+                    normalized.reshape(B, H, -1), 1 << self.code_bits
                 )
             codes = nearest_level(normalized, self.store[f"{prefix}_codebook"])
-            out[f"{prefix}_codes"] = pack_codes(codes.reshape(B, H, nb, -1), self.bits)
+            out[f"{prefix}_codes"] = pack_codes(codes.reshape(B, H, nb, -1), self.code_bits)
             if axis == -1:  # per-token side data is stored per token
                 zero, scale = zero.reshape(B, H, nb * G), scale.reshape(B, H, nb * G)
             out[f"{prefix}_zero"], out[f"{prefix}_scale"] = zero, scale
@@ -173,7 +175,7 @@ class KVQuantCache(CompressedKVCache):
 
     def _normalized(self, prefix: str, b0: int, b1: int, dim: int) -> mx.array:
         """Codebook values of blocks [b0, b1): (B, H, blocks, G * dim) float32."""
-        codes = unpack_codes(self.store[f"{prefix}_codes"][:, :, b0:b1], self.bits, self.group_size * dim)
+        codes = unpack_codes(self.store[f"{prefix}_codes"][:, :, b0:b1], self.code_bits, self.group_size * dim)
         return lookup(self.store[f"{prefix}_codebook"], codes)
 
     def _outlier_deltas(self, prefix, normalized, b0, b1, dim):
