@@ -41,8 +41,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
-from veloxquant_mlx.cache.nonuniform_codebook import fit_codebook, lookup, nearest_level
-from veloxquant_mlx.cache.packing import pack_codes, packed_length, unpack_codes
+from veloxquant_mlx.cache.nonuniform_codebook import fit_codebook, lookup_packed, nearest_level
+from veloxquant_mlx.cache.packing import pack_codes, packed_length
 from veloxquant_mlx.cache.sparse_outliers import (
     gather_entries,
     outlier_count,
@@ -175,8 +175,8 @@ class KVQuantCache(CompressedKVCache):
 
     def _normalized(self, prefix: str, b0: int, b1: int, dim: int) -> mx.array:
         """Codebook values of blocks [b0, b1): (B, H, blocks, G * dim) float32."""
-        codes = unpack_codes(self.store[f"{prefix}_codes"][:, :, b0:b1], self.code_bits, self.group_size * dim)
-        return lookup(self.store[f"{prefix}_codebook"], codes)
+        words = self.store[f"{prefix}_codes"][:, :, b0:b1]
+        return lookup_packed(self.store[f"{prefix}_codebook"], words, self.code_bits, self.group_size * dim)
 
     def _outlier_deltas(self, prefix, normalized, b0, b1, dim):
         """Each outlier of blocks [b0, b1) as (token within the chunk, channel, exact value minus
