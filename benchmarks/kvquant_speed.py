@@ -3,9 +3,8 @@
 Speed: a random-weight llama of SmolLM2-135M's shape in float32 on the CPU (weights do not change
 speed), a `--context`-token prompt prefilled in chunks of 512, then `--steps` single-token decode
 steps, each timed; every cache runs in the same process, interleaved round by round so machine
-load hits them alike. Our cache's attention is installed by wrapping the llama module's
-`scaled_dot_product_attention` for CompressedKVCache instances only (a stand-in for the package's
-dispatcher). Bytes: 30 layers x 3 KV heads x head_dim 64 fed `--context` fp16 tokens, nbytes
+load hits them alike. Our cache's attention is the package's dispatcher
+(veloxquant_mlx.integration.patch_model_kv_cache), installed once in the llama module. Bytes: 30 layers x 3 KV heads x head_dim 64 fed `--context` fp16 tokens, nbytes
 against the fp16 KVCache.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
@@ -25,8 +24,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.cache.base import CompressedKVCache
 from veloxquant_mlx.cache.kvquant import KVQuantCache
+from veloxquant_mlx.integration import patch_model_kv_cache
 
 SMOLLM2 = dict(
     model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
@@ -35,15 +34,11 @@ SMOLLM2 = dict(
 )
 
 
-def install_dispatch():
-    original = llama.scaled_dot_product_attention
-
-    def dispatch(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, CompressedKVCache):
-            return cache.attention(queries, scale=scale, mask=mask, sinks=sinks)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-    llama.scaled_dot_product_attention = dispatch
+def install_dispatch(model):
+    """The package's attention dispatcher (veloxquant_mlx.integration), installed in the llama
+    module: CompressedKVCache instances get their own attention over the compressed form, every
+    other cache goes to mlx-lm's function untouched."""
+    patch_model_kv_cache(model, KVCacheConfig(method="kvquant"))
 
 
 def kvquant_caches(bits, n_layers):
@@ -59,11 +54,11 @@ def main():
     ap.add_argument("--bits", type=int, nargs="+", default=[3])
     ap.add_argument("--out")
     args = ap.parse_args()
-    install_dispatch()
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs(**SMOLLM2))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
+    install_dispatch(model)
     n = SMOLLM2["num_hidden_layers"]
     makers = {"fp16 KVCache (fp32 model)": lambda: [KVCache() for _ in range(n)],
               "mlx-lm QuantizedKVCache 4-bit g64": lambda: [QuantizedKVCache(64, 4) for _ in range(n)]}
