@@ -185,3 +185,21 @@ def test_outlier_count_refuses_blocks_too_large_for_uint16():
     assert outlier_count(0.01, 32, 64) == 20
     with pytest.raises(QuantizerConfigError, match="uint16"):
         outlier_count(0.01, 128, 1024)
+
+
+def test_save_and_load_prompt_cache_round_trip(tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from veloxquant_mlx.cache import KVCacheFactory
+
+    cache = KVCacheFactory.create(KVCacheConfig(method="kvquant"))
+    assert isinstance(cache, KVQuantCache)
+    k, v = _kv(100, mx.float16)
+    cache.update_and_fetch(k, v)
+    cache._flush()
+    path = str(tmp_path / "prompt.safetensors")
+    save_prompt_cache(path, [cache])
+    (loaded,) = load_prompt_cache(path)
+    assert isinstance(loaded, KVQuantCache) and loaded.offset == 100
+    q = mx.random.normal((1, 6, 1, 64)).astype(mx.float16)
+    assert mx.array_equal(cache.attention(q, 0.125), loaded.attention(q, 0.125)).item()
