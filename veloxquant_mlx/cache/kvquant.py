@@ -185,18 +185,18 @@ class KVQuantCache(CompressedKVCache):
             return None
         B, H = self.batch_size, self.n_kv_heads
         pos = self.store[f"{prefix}_outlier_position"][:, :, b0:b1].astype(mx.uint32)
-        exact = self.store[f"{prefix}_outlier_value"][:, :, b0:b1].astype(mx.float32)
+        exact = self.store[f"{prefix}_outlier_value"][:, :, b0:b1]
         level = mx.take_along_axis(normalized, pos, axis=-1)
         row, col = pos // dim, pos % dim
         if prefix == "key":
-            scale = mx.take_along_axis(self.store["key_scale"][:, :, b0:b1].astype(mx.float32), col, axis=-1)
-            zero = mx.take_along_axis(self.store["key_zero"][:, :, b0:b1].astype(mx.float32), col, axis=-1)
+            scale = mx.take_along_axis(self.store["key_scale"][:, :, b0:b1], col, axis=-1)
+            zero = mx.take_along_axis(self.store["key_zero"][:, :, b0:b1], col, axis=-1)
         else:
             G = self.group_size
             s = self.store["value_scale"][:, :, b0 * G : b1 * G].reshape(B, H, b1 - b0, G)
             z = self.store["value_zero"][:, :, b0 * G : b1 * G].reshape(B, H, b1 - b0, G)
-            scale = mx.take_along_axis(s.astype(mx.float32), row, axis=-1)
-            zero = mx.take_along_axis(z.astype(mx.float32), row, axis=-1)
+            scale = mx.take_along_axis(s, row, axis=-1)
+            zero = mx.take_along_axis(z, row, axis=-1)
         token = row + (mx.arange(b1 - b0, dtype=mx.uint32) * self.group_size)[:, None]
         delta = exact - (level * scale + zero)
         return tuple(a.reshape(B, H, -1) for a in (token, col, delta, exact))
@@ -210,8 +210,8 @@ class KVQuantCache(CompressedKVCache):
             nbc = b1 - b0
             u = self._normalized("key", b0, b1, D)
             blocks = u.reshape(B, H, nbc, G, D)
-            scale = self.store["key_scale"][:, :, b0:b1].astype(mx.float32)
-            zero = self.store["key_zero"][:, :, b0:b1].astype(mx.float32)
+            scale = self.store["key_scale"][:, :, b0:b1]
+            zero = self.store["key_zero"][:, :, b0:b1]
             if rows < G:
                 # Fold each block's channel scales into the query: rows x D per block instead of
                 # G x D multiplies, then one batched product per block.
@@ -247,8 +247,8 @@ class KVQuantCache(CompressedKVCache):
             t0, t1 = b0 * G, b1 * G
             u = self._normalized("value", b0, b1, Dv)
             pc = p[..., t0:t1]
-            scale = self.store["value_scale"][:, :, None, t0:t1].astype(mx.float32)
-            zero = self.store["value_zero"][:, :, None, t0:t1].astype(mx.float32)
+            scale = self.store["value_scale"][:, :, None, t0:t1]
+            zero = self.store["value_zero"][:, :, None, t0:t1]
             out = out + (pc * scale) @ u.reshape(B, H, t1 - t0, Dv) + (pc * zero).sum(-1, keepdims=True)
             found = self._outlier_deltas("value", u, b0, b1, Dv)
             if found is not None:
