@@ -1,0 +1,300 @@
+"""KVQuant: per-channel keys, per-token values, non-uniform codebooks, dense-and-sparse outliers.
+
+Hooper et al. 2024, "KVQuant: Towards 10 Million Context Length LLM Inference with KV Cache
+Quantization", arXiv 2401.18079. What this cache stores per block of G = kvquant_group_size
+tokens and KV head:
+  keys   : per-channel normalization (zero = mid-range, scale = half-range of each channel over
+           the G tokens, outliers excluded), codes of the normalized values, packed in uint32
+           words over the whole block (G * head_dim codes, so 3-bit codes waste < 1% padding);
+  values : per-token normalization (mid / half-range over head_dim), codes packed the same way;
+  codes  : indices into a non-uniform codebook of 2**kvquant_bits levels ("nuqX"), one for keys
+           and one for values per KV head, fitted by Lloyd / k-means on the first block encoded;
+  sparse : round(kvquant_outlier_fraction * G * head_dim) entries per block, kept exactly
+           (uint16 position + value in the cache dtype), removed before normalization;
+  sink   : the first token's keys and values exactly (the paper's attention-sink handling).
+Nothing else is held: no recent fp16 window (residual_length 0); the base's window only holds the
+< G tokens of a block not yet full.
+
+Attention reads this form (see `_scores`, `_weighted_values`): codes are looked up in the codebook
+chunk by chunk of at most `decode_chunk_tokens` tokens; the per-channel key scale is folded into
+the query and the per-token value scale into the probabilities, so the only full-size work per
+step is unpacking and one gather per element; outliers and the sink add small corrections.
+
+Deviations from the paper (all because a cache sees no calibration data and post-RoPE keys):
+  - Keys are quantized after RoPE: mlx-lm hands the cache rotated keys and the attention
+    receives rotated queries, so pre-RoPE quantization would need the model's RoPE inside the
+    cache (a different contract). The paper reports pre-RoPE helps most at 2-3 bits.
+  - Key scales are per channel per group of G tokens, computed online, instead of one per
+    channel calibrated offline; value scales are per token online, as in the paper.
+  - The nuq codebook is fitted online on the first encoded block (normally the prefill), per KV
+    head, with plain (unweighted) k-means; the paper fits one per layer offline on calibration
+    data with Fisher-information (sensitivity) weights. Later blocks reuse it; trimming the
+    whole history refits it.
+  - Outliers: a fixed count per block, ranked by distance from their vector (per channel for
+    keys, per token for values) in units of that vector's std, instead of per-vector thresholds
+    with a variable count stored as CSR/CSC. Dense-part holes are filled with the vector mean.
+  - No Q-Norm (the paper's centroid shift for 2-bit); the first-token sink is kept.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
+from veloxquant_mlx.cache.nonuniform_codebook import fit_codebook, lookup_packed, nearest_level
+from veloxquant_mlx.cache.packing import pack_codes, packed_length
+from veloxquant_mlx.cache.sparse_outliers import (
+    gather_entries,
+    outlier_count,
+    replace_with_vector_mean,
+    select_outliers,
+)
+from veloxquant_mlx.errors import QuantizerConfigError
+
+MIN_HEAD_DIM = 8
+# Smallest stored scale (the smallest normal fp16): keeps (outlier - zero) / scale finite.
+MIN_SCALE = 2.0**-14
+
+
+class KVQuantCache(CompressedKVCache):
+    method = "kvquant"
+    # Tokens whose codes are looked up at once in attention: bounds the per-step transient to
+    # chunk * head_dim floats per head whatever the context length.
+    decode_chunk_tokens = 4096
+
+    def _setup(self) -> None:
+        # Not named `bits`: mlx-lm routes any cache with a `bits` attribute to its own
+        # quantized attention, which would misread our decoded K/V when unpatched.
+        self.code_bits = self.config.kvquant_bits
+        self.group_size = self.config.kvquant_group_size
+        self.outlier_fraction = self.config.kvquant_outlier_fraction
+        if self.code_bits not in (2, 3, 4):
+            raise QuantizerConfigError(
+                f"KVQuantCache: kvquant_bits={self.code_bits!r} is invalid: allowed is 2, 3 or 4"
+            )
+
+    @property
+    def block_size(self) -> int:
+        return self.group_size
+
+    @property
+    def residual_length(self) -> int:
+        return 0
+
+    def _check_shape(self, head_dim: int, value_dim: int) -> None:
+        for label, dim in (("head_dim", head_dim), ("value head_dim", value_dim)):
+            if dim < MIN_HEAD_DIM or dim * self.group_size > 1 << 16:
+                raise QuantizerConfigError(
+                    f"KVQuantCache (layer {self.layer_index}): {label}={dim} is invalid for "
+                    f"kvquant_group_size={self.group_size}: allowed is {MIN_HEAD_DIM} <= {label} "
+                    f"<= {(1 << 16) // self.group_size} (outlier positions are uint16 per block)"
+                )
+
+    # ---- layout -------------------------------------------------------------------------------
+    def _outliers(self, dim: int) -> int:
+        return outlier_count(self.outlier_fraction, self.group_size, dim)
+
+    def _store_layout(self) -> list[StoreArray]:
+        G, D, Dv, dt = self.group_size, self.head_dim, self.value_dim, self.dtype
+        per_block = [
+            ("key_codes", mx.uint32, packed_length(G * D, self.code_bits)),
+            ("key_scale", dt, D),
+            ("key_zero", dt, D),
+            ("value_codes", mx.uint32, packed_length(G * Dv, self.code_bits)),
+        ]
+        for prefix, dim in (("key", D), ("value", Dv)):
+            if self._outliers(dim):
+                per_block.append((f"{prefix}_outlier_position", mx.uint16, self._outliers(dim)))
+                per_block.append((f"{prefix}_outlier_value", dt, self._outliers(dim)))
+        layout = [StoreArray(n, axis=2, tokens_per_index=G, dtype=t, trailing=(-1, w)) for n, t, w in per_block]
+        layout += [
+            StoreArray("value_scale", axis=2, tokens_per_index=1, dtype=dt, trailing=(-1,)),
+            StoreArray("value_zero", axis=2, tokens_per_index=1, dtype=dt, trailing=(-1,)),
+        ]
+        return layout
+
+    def bits_per_element(self) -> float:
+        """Stored bits per cached K/V element of the compressed history (sink and codebooks,
+        a fixed few hundred bytes per layer, left out)."""
+        G, D, Dv = self.group_size, self.head_dim or 128, self.value_dim or self.head_dim or 128
+        side = 8 * (self.dtype.size if self.dtype is not None else 2)
+        bits = 32 * (packed_length(G * D, self.code_bits) + packed_length(G * Dv, self.code_bits))
+        bits += 2 * side * D  # key scale + zero per channel per block
+        bits += 2 * side * G  # value scale + zero per token
+        bits += (16 + side) * (self._outliers(D) + self._outliers(Dv))
+        return bits / (G * (D + Dv))
+
+    # ---- encoding -----------------------------------------------------------------------------
+    def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        B, H, n, _ = keys.shape
+        G, nb = self.group_size, keys.shape[2] // self.group_size
+        first = self.n_compressed == 0
+        kb = keys.reshape(B, H, nb, G, self.head_dim)
+        vb = values.reshape(B, H, nb, G, self.value_dim)
+        if first:
+            # The attention sink: kept exactly, and kept out of its block's statistics (its
+            # entries are often far larger than the rest) by copying token 1 over it.
+            self.store["sink_keys"] = keys[:, :, :1]
+            self.store["sink_values"] = values[:, :, :1]
+            kb = _copy_row(kb)
+            vb = _copy_row(vb)
+        out = {}
+        for prefix, blocks, axis in (("key", kb, -2), ("value", vb, -1)):
+            count = self._outliers(blocks.shape[-1])
+            dense = blocks.astype(mx.float32)
+            if count:
+                positions = select_outliers(blocks, count, axis)
+                out[f"{prefix}_outlier_position"] = positions
+                out[f"{prefix}_outlier_value"] = gather_entries(blocks, positions).astype(self.dtype)
+                dense = replace_with_vector_mean(dense, positions, axis)
+            lo, hi = dense.min(axis=axis), dense.max(axis=axis)
+            zero = ((hi + lo) * 0.5).astype(self.dtype)
+            scale = mx.maximum((hi - lo) * 0.5, MIN_SCALE).astype(self.dtype)
+            z32, s32 = zero.astype(mx.float32), scale.astype(mx.float32)
+            if axis == -2:
+                normalized = (dense - z32[..., None, :]) / s32[..., None, :]
+            else:
+                normalized = (dense - z32[..., None]) / s32[..., None]
+            if first:
+                self.store[f"{prefix}_codebook"] = fit_codebook(
+                    normalized.reshape(B, H, -1), 1 << self.code_bits
+                )
+            codes = nearest_level(normalized, self.store[f"{prefix}_codebook"])
+            out[f"{prefix}_codes"] = pack_codes(codes.reshape(B, H, nb, -1), self.code_bits)
+            if axis == -1:  # per-token side data is stored per token
+                zero, scale = zero.reshape(B, H, nb * G), scale.reshape(B, H, nb * G)
+            out[f"{prefix}_zero"], out[f"{prefix}_scale"] = zero, scale
+        return out
+
+    # ---- reading ------------------------------------------------------------------------------
+    def _chunks(self):
+        """(first block, last block) ranges of at most decode_chunk_tokens tokens."""
+        n_blocks = self.n_compressed // self.group_size
+        per = max(1, self.decode_chunk_tokens // self.group_size)
+        return [(b, min(b + per, n_blocks)) for b in range(0, n_blocks, per)]
+
+    def _normalized(self, prefix: str, b0: int, b1: int, dim: int) -> mx.array:
+        """Codebook values of blocks [b0, b1): (B, H, blocks, G * dim) float32."""
+        words = self.store[f"{prefix}_codes"][:, :, b0:b1]
+        return lookup_packed(self.store[f"{prefix}_codebook"], words, self.code_bits, self.group_size * dim)
+
+    def _outlier_deltas(self, prefix, normalized, b0, b1, dim):
+        """Each outlier of blocks [b0, b1) as (token within the chunk, channel, exact value minus
+        its dense reconstruction, exact value), each (B, H, n); None without outliers."""
+        if f"{prefix}_outlier_position" not in self.store:
+            return None
+        B, H = self.batch_size, self.n_kv_heads
+        pos = self.store[f"{prefix}_outlier_position"][:, :, b0:b1].astype(mx.uint32)
+        exact = self.store[f"{prefix}_outlier_value"][:, :, b0:b1]
+        level = mx.take_along_axis(normalized, pos, axis=-1)
+        row, col = pos // dim, pos % dim
+        if prefix == "key":
+            scale = mx.take_along_axis(self.store["key_scale"][:, :, b0:b1], col, axis=-1)
+            zero = mx.take_along_axis(self.store["key_zero"][:, :, b0:b1], col, axis=-1)
+        else:
+            G = self.group_size
+            s = self.store["value_scale"][:, :, b0 * G : b1 * G].reshape(B, H, b1 - b0, G)
+            z = self.store["value_zero"][:, :, b0 * G : b1 * G].reshape(B, H, b1 - b0, G)
+            scale = mx.take_along_axis(s, row, axis=-1)
+            zero = mx.take_along_axis(z, row, axis=-1)
+        token = row + (mx.arange(b1 - b0, dtype=mx.uint32) * self.group_size)[:, None]
+        delta = exact - (level * scale + zero)
+        return tuple(a.reshape(B, H, -1) for a in (token, col, delta, exact))
+
+    def _scores(self, q: mx.array) -> mx.array:
+        B, H, rows, D = q.shape
+        G = self.group_size
+        q = q.astype(mx.float32)
+        parts = []
+        for b0, b1 in self._chunks():
+            nbc = b1 - b0
+            u = self._normalized("key", b0, b1, D)
+            blocks = u.reshape(B, H, nbc, G, D)
+            scale = self.store["key_scale"][:, :, b0:b1]
+            zero = self.store["key_zero"][:, :, b0:b1]
+            if rows < G:
+                # Fold each block's channel scales into the query: rows x D per block instead of
+                # G x D multiplies, then one batched product per block.
+                qs = q[:, :, None] * scale[:, :, :, None, :]
+                s = qs @ blocks.swapaxes(-1, -2) + (q[:, :, None] * zero[:, :, :, None, :]).sum(-1, keepdims=True)
+                s = s.transpose(0, 1, 3, 2, 4).reshape(B, H, rows, nbc * G)
+            else:
+                k_hat = (blocks * scale[:, :, :, None, :] + zero[:, :, :, None, :]).reshape(B, H, nbc * G, D)
+                s = q @ k_hat.swapaxes(-1, -2)
+            found = self._outlier_deltas("key", u, b0, b1, D)
+            if found is not None:
+                token, col, delta, _ = found
+                n = token.shape[-1]
+                q_at = mx.take_along_axis(q, mx.broadcast_to(col[:, :, None], (B, H, rows, n)), axis=-1)
+                s = s.at[_bh_index(B, H, rows) + (token[:, :, None],)].add(q_at * delta[:, :, None])
+            parts.append(s)
+        if "sink_keys" in self.store:
+            sink = q @ self.store["sink_keys"].astype(mx.float32).swapaxes(-1, -2)
+            parts[0] = mx.concatenate([sink, parts[0][..., 1:]], axis=-1)
+        pad = self.capacity - self.n_compressed
+        if pad:
+            parts.append(mx.zeros((B, H, rows, pad), mx.float32))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    def _weighted_values(self, p: mx.array) -> mx.array:
+        B, H, rows, _ = p.shape
+        G, Dv = self.group_size, self.value_dim
+        p = p[..., : self.n_compressed].astype(mx.float32)
+        sink_p = p[..., :1]
+        p = mx.concatenate([mx.zeros_like(sink_p), p[..., 1:]], axis=-1)
+        out = sink_p @ self.store["sink_values"].astype(mx.float32)
+        for b0, b1 in self._chunks():
+            t0, t1 = b0 * G, b1 * G
+            u = self._normalized("value", b0, b1, Dv)
+            pc = p[..., t0:t1]
+            scale = self.store["value_scale"][:, :, None, t0:t1]
+            zero = self.store["value_zero"][:, :, None, t0:t1]
+            out = out + (pc * scale) @ u.reshape(B, H, t1 - t0, Dv) + (pc * zero).sum(-1, keepdims=True)
+            found = self._outlier_deltas("value", u, b0, b1, Dv)
+            if found is not None:
+                token, col, delta, _ = found
+                n = token.shape[-1]
+                p_at = mx.take_along_axis(pc, mx.broadcast_to(token[:, :, None], (B, H, rows, n)), axis=-1)
+                out = out.at[_bh_index(B, H, rows) + (col[:, :, None],)].add(p_at * delta[:, :, None])
+        return out
+
+    def _decode(self) -> tuple[mx.array, mx.array]:
+        B, H, G, T = self.batch_size, self.n_kv_heads, self.group_size, self.n_compressed
+        keys, values = [], []
+        for b0, b1 in self._chunks():
+            nbc = b1 - b0
+            for prefix, dim, acc in (("key", self.head_dim, keys), ("value", self.value_dim, values)):
+                u = self._normalized(prefix, b0, b1, dim)
+                if prefix == "key":
+                    scale = self.store["key_scale"][:, :, b0:b1, None, :]
+                    zero = self.store["key_zero"][:, :, b0:b1, None, :]
+                else:
+                    scale = self.store["value_scale"][:, :, b0 * G : b1 * G].reshape(B, H, nbc, G, 1)
+                    zero = self.store["value_zero"][:, :, b0 * G : b1 * G].reshape(B, H, nbc, G, 1)
+                x = u.reshape(B, H, nbc, G, dim) * scale.astype(mx.float32) + zero.astype(mx.float32)
+                x = x.reshape(B, H, nbc * G * dim)
+                found = self._outlier_deltas(prefix, u, b0, b1, dim)
+                if found is not None:
+                    token, col, _, exact = found
+                    x = mx.put_along_axis(x, (token * dim + col).astype(mx.uint32), exact, axis=-1)
+                acc.append(x.reshape(B, H, nbc * G, dim))
+        k = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
+        v = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
+        k = mx.concatenate([self.store["sink_keys"].astype(mx.float32), k[:, :, 1:T]], axis=2)
+        v = mx.concatenate([self.store["sink_values"].astype(mx.float32), v[:, :, 1:T]], axis=2)
+        return k.astype(self.dtype), v.astype(self.dtype)
+
+
+def _copy_row(blocks: mx.array) -> mx.array:
+    """blocks (B, H, nb, G, D) with token 0 of block 0 replaced by token 1."""
+    first = mx.concatenate([blocks[:, :, :1, 1:2], blocks[:, :, :1, 1:]], axis=3)
+    return mx.concatenate([first, blocks[:, :, 1:]], axis=2)
+
+
+def _bh_index(B: int, H: int, rows: int) -> tuple:
+    """Broadcast index arrays for the (batch, head, row) axes of a scatter-add."""
+    return (
+        mx.arange(B).reshape(B, 1, 1, 1),
+        mx.arange(H).reshape(1, H, 1, 1),
+        mx.arange(rows).reshape(1, 1, rows, 1),
+    )

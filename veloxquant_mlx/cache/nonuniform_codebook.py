@@ -1,0 +1,78 @@
+"""Non-uniform scalar codebooks for normalized values, fitted online by Lloyd's algorithm.
+
+KVQuant (Hooper et al. 2024, arXiv 2401.18079, section 3.3 "nuqX") quantizes each normalized
+element to one of 2**bits levels of a non-uniform datatype derived per layer by k-means on
+calibration data. We have no calibration pass inside a cache, so the levels are fitted on the
+first block the cache encodes (normally the prefill) and then reused for every later block.
+
+All functions work on a leading batch of independent codebooks (e.g. one per batch element and
+KV head): samples (..., N) and codebooks (..., K) with the same leading shape.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+# Enough samples for 16 levels to settle; more only costs time at the first flush.
+MAX_FIT_SAMPLES = 16384
+
+
+def fit_codebook(samples: mx.array, n_levels: int, iterations: int = 20) -> mx.array:
+    """Lloyd / 1-D k-means: samples (..., N) float -> sorted levels (..., n_levels) float32.
+
+    Starts from the samples' quantiles (each level begins with an equal share of samples), which
+    for 1-D data converges in a few iterations. A level that loses all its samples keeps its
+    previous value, so the result always has n_levels finite entries.
+    """
+    x = samples.astype(mx.float32)
+    n = x.shape[-1]
+    if n > MAX_FIT_SAMPLES:  # a strided subsample keeps every part of the block represented
+        x = x[..., :: (n + MAX_FIT_SAMPLES - 1) // MAX_FIT_SAMPLES]
+        n = x.shape[-1]
+    ordered = mx.sort(x, axis=-1)
+    picks = ((mx.arange(n_levels) + 0.5) * n / n_levels).astype(mx.int32)
+    levels = mx.take(ordered, mx.minimum(picks, n - 1), axis=-1)
+    one = mx.arange(n_levels)
+    for _ in range(iterations):
+        codes = nearest_level(x, levels)
+        hits = (codes[..., None] == one).astype(mx.float32)  # (..., N, K)
+        counts = hits.sum(axis=-2)
+        sums = (hits * x[..., None]).sum(axis=-2)
+        levels = mx.where(counts > 0, sums / mx.maximum(counts, 1.0), levels)
+        levels = mx.sort(levels, axis=-1)
+    return levels
+
+
+def nearest_level(x: mx.array, levels: mx.array) -> mx.array:
+    """Index of the nearest level for each element: x (..., N), sorted levels (..., K) -> uint8.
+
+    For sorted levels the nearest one is the number of midpoints below x, which needs K - 1
+    comparisons per element and no gather.
+    """
+    mids = (levels[..., 1:] + levels[..., :-1]) * 0.5  # (..., K-1)
+    expand = mids.reshape(*mids.shape[:-1], *([1] * (x.ndim - mids.ndim + 1)), mids.shape[-1])
+    return (x[..., None] > expand).sum(axis=-1).astype(mx.uint8)
+
+
+def lookup(levels: mx.array, codes: mx.array) -> mx.array:
+    """levels (B, H, K), codes (B, H, ...) integer -> float32 level values of codes' shape."""
+    B, H = codes.shape[:2]
+    flat = codes.reshape(B, H, -1).astype(mx.uint32)
+    return mx.take_along_axis(levels.astype(mx.float32), flat, axis=-1).reshape(codes.shape)
+
+
+def lookup_packed(levels: mx.array, words: mx.array, bits: int, n_codes: int) -> mx.array:
+    """Level values of codes packed by `packing.pack_codes` along the last axis.
+
+    levels (B, H, K); words (B, H, ..., W) uint32 -> float32 (B, H, ..., n_codes). Same result as
+    `lookup(levels, unpack_codes(words, bits, n_codes))`, but gathers with the uint32 indices
+    straight from the shift-and-mask and drops the padding after the gather, saving three
+    full-size passes (slice, uint8 cast, uint32 cast) in the decode step's hottest loop.
+    """
+    per = 32 // bits
+    shifts = mx.arange(per, dtype=mx.uint32) * bits
+    codes = mx.bitwise_and(mx.right_shift(words[..., None], shifts), mx.array((1 << bits) - 1, mx.uint32))
+    B, H = words.shape[:2]
+    values = mx.take_along_axis(levels.astype(mx.float32), codes.reshape(B, H, -1), axis=-1)
+    values = values.reshape(*words.shape[:-1], words.shape[-1] * per)
+    return values if values.shape[-1] == n_codes else values[..., :n_codes]
