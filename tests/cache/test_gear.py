@@ -161,6 +161,19 @@ def test_trim_into_the_compressed_history():
     assert mx.all(mx.isfinite(out)).item()
 
 
+def test_unpatched_mlx_lm_attention_gets_correct_kv():
+    # mlx-lm routes caches with a `bits` attribute to its quantized SDPA; ours must not have one.
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    cache, keys, values = _filled()
+    assert not hasattr(cache, "bits")
+    q = mx.random.normal((1, 6, 1, 64)).astype(mx.float16)
+    k, v = cache.update_and_fetch(keys[:, :, :1], values[:, :, :1])
+    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=0.125, mask=None)
+    ref = mx.fast.scaled_dot_product_attention(q, mx.repeat(k, 3, axis=1), mx.repeat(v, 3, axis=1), scale=0.125)
+    assert mx.allclose(out, ref, atol=1e-3).item()
+
+
 def test_bad_input_is_refused():
     with pytest.raises(QuantizerConfigError, match="gear_bits"):
         KVCacheConfig(method="gear", gear_bits=5)

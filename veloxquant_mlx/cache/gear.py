@@ -42,15 +42,9 @@ import math
 import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
+from veloxquant_mlx.cache.gear_attention import scores_function, values_function
 from veloxquant_mlx.cache.gear_lowrank import low_rank_factors
-from veloxquant_mlx.cache.gear_outliers import (
-    block_positions,
-    densify,
-    index_dtype,
-    select_outliers,
-    sparse_scores,
-    sparse_weighted_values,
-)
+from veloxquant_mlx.cache.gear_outliers import block_positions, densify, index_dtype, select_outliers
 from veloxquant_mlx.errors import QuantizerConfigError
 
 # Tokens per low-rank / outlier block; also the base's encoding unit and growth step, so a
@@ -63,8 +57,10 @@ class GEARCache(CompressedKVCache):
     step = BLOCK_TOKENS
 
     def _setup(self) -> None:
-        self.bits = self.config.gear_bits
-        self.group_size = self.config.gear_group_size
+        # Not named `bits` / `group_size`: mlx-lm's scaled_dot_product_attention sends any cache
+        # with a `bits` attribute down its QuantizedKVCache path, which would break unpatched use.
+        self.code_bits = self.config.gear_bits
+        self.code_group = self.config.gear_group_size
         self.rank = self.config.gear_rank
         self.outlier_fraction = float(self.config.gear_outlier_fraction)
 
@@ -83,10 +79,10 @@ class GEARCache(CompressedKVCache):
 
     def _check_shape(self, head_dim: int, value_dim: int) -> None:
         for label, dim in (("head_dim", head_dim), ("value head_dim", value_dim)):
-            if dim % self.group_size:
+            if dim % self.code_group:
                 raise QuantizerConfigError(
                     f"GEARCache (layer {self.layer_index}): {label}={dim} is not a multiple of "
-                    f"gear_group_size={self.group_size}; allowed is a multiple of the group size "
+                    f"gear_group_size={self.code_group}; allowed is a multiple of the group size "
                     "(values are quantized per token in groups along head_dim)"
                 )
             if self.rank > dim:
@@ -97,13 +93,13 @@ class GEARCache(CompressedKVCache):
 
     # ---- storage ----------------------------------------------------------------------------
     def _store_layout(self) -> list[StoreArray]:
-        D, Dv, g, side = self.head_dim, self.value_dim, self.group_size, self.side_dtype
-        words = self.bits  # 32 tokens of one channel at `bits` bits fill `bits` uint32 words
+        D, Dv, g, side = self.head_dim, self.value_dim, self.code_group, self.side_dtype
+        words = self.code_bits  # 32 tokens of one channel at `bits` bits fill `bits` uint32 words
         layout = [
             StoreArray("k_codes", 3, 32, mx.uint32, (D, -1, words)),
             StoreArray("k_scales", 3, g, side, (D, -1)),
             StoreArray("k_zeros", 3, g, side, (D, -1)),
-            StoreArray("v_codes", 2, 1, mx.uint32, (-1, Dv * self.bits // 32)),
+            StoreArray("v_codes", 2, 1, mx.uint32, (-1, Dv * self.code_bits // 32)),
             StoreArray("v_scales", 2, 1, side, (-1, Dv // g)),
             StoreArray("v_zeros", 2, 1, side, (-1, Dv // g)),
         ]
@@ -124,7 +120,7 @@ class GEARCache(CompressedKVCache):
         side_bits = 16
         per_token = 0.0
         for dim in (self.head_dim, self.value_dim):
-            per_token += dim * (self.bits + 2 * side_bits / self.group_size)
+            per_token += dim * (self.code_bits + 2 * side_bits / self.code_group)
             per_token += self.rank * side_bits * (1 + dim / BLOCK_TOKENS)
             index_bits = 8 * index_dtype(BLOCK_TOKENS * dim).size
             per_token += self._outlier_count(dim) * (side_bits + index_bits) / BLOCK_TOKENS
@@ -140,7 +136,7 @@ class GEARCache(CompressedKVCache):
     def _group_means(self, blocks: mx.array, per_channel: bool, weights=None) -> mx.array:
         """Each entry's quantization-group mean (over `weights`-selected entries if given)."""
         *lead, nb, d = blocks.shape
-        g = self.group_size
+        g = self.code_group
         shape = (*lead, nb // g, g, d) if per_channel else (*lead, nb, d // g, g)
         axis = -2 if per_channel else -1
         x = blocks.reshape(shape)
@@ -153,7 +149,7 @@ class GEARCache(CompressedKVCache):
 
     def _encode_side(self, s: str, x: mx.array, per_channel: bool) -> dict[str, mx.array]:
         B, H, n, d = x.shape
-        n_blocks, side, g = n // BLOCK_TOKENS, self.side_dtype, self.group_size
+        n_blocks, side, g = n // BLOCK_TOKENS, self.side_dtype, self.code_group
         blocks = x.reshape(B, H, n_blocks, BLOCK_TOKENS, d)
         count = self._outlier_count(d)
         dense = blocks
@@ -166,11 +162,11 @@ class GEARCache(CompressedKVCache):
         dense = dense.reshape(B, H, n, d).astype(side)
         result = {}
         if per_channel:
-            codes, scales, zeros = mx.quantize(dense.swapaxes(-1, -2), group_size=g, bits=self.bits)
+            codes, scales, zeros = mx.quantize(dense.swapaxes(-1, -2), group_size=g, bits=self.code_bits)
             approx = self._dequantize(codes, scales, zeros).swapaxes(-1, -2)
-            codes = codes.reshape(B, H, d, n // 32, self.bits)
+            codes = codes.reshape(B, H, d, n // 32, self.code_bits)
         else:
-            codes, scales, zeros = mx.quantize(dense, group_size=g, bits=self.bits)
+            codes, scales, zeros = mx.quantize(dense, group_size=g, bits=self.code_bits)
             approx = self._dequantize(codes, scales, zeros)
         result[f"{s}_codes"], result[f"{s}_scales"], result[f"{s}_zeros"] = codes, scales, zeros
         approx = approx.reshape(blocks.shape)
@@ -195,9 +191,9 @@ class GEARCache(CompressedKVCache):
 
     def decode_float32(self) -> tuple[mx.array, mx.array]:
         """The compressed history as float32 K, V (what the compressed attention computes with)."""
-        n, g, st = self.n_compressed, self.group_size, self.store
+        n, g, st = self.n_compressed, self.code_group, self.store
         B, H, D = self.batch_size, self.n_kv_heads, self.head_dim
-        k_codes = st["k_codes"][:, :, :, : n // 32].reshape(B, H, D, n * self.bits // 32)
+        k_codes = st["k_codes"][:, :, :, : n // 32].reshape(B, H, D, n * self.code_bits // 32)
         keys = self._dequantize(k_codes, st["k_scales"][..., : n // g], st["k_zeros"][..., : n // g])
         values = self._dequantize(st["v_codes"][:, :, :n], st["v_scales"][:, :, :n], st["v_zeros"][:, :, :n])
         keys = self._add_residual("k", keys.swapaxes(-1, -2), n)
@@ -207,7 +203,7 @@ class GEARCache(CompressedKVCache):
     def _dequantize(self, codes, scales, zeros) -> mx.array:
         # float32 scales: w * s + z computed exactly as quantized_matmul does, not rounded to fp16.
         return mx.dequantize(
-            codes, scales.astype(mx.float32), zeros.astype(mx.float32), group_size=self.group_size, bits=self.bits
+            codes, scales.astype(mx.float32), zeros.astype(mx.float32), group_size=self.code_group, bits=self.code_bits
         )
 
     def _add_residual(self, s: str, x: mx.array, n: int) -> mx.array:
@@ -225,39 +221,20 @@ class GEARCache(CompressedKVCache):
         return x
 
     # ---- attention over the compressed form ---------------------------------------------------
-    def _scores(self, q: mx.array) -> mx.array:
-        st, cap, g = self.store, self.capacity, self.group_size
-        B, H, M, D = q.shape
-        k_codes = st["k_codes"].reshape(B, H, D, cap * self.bits // 32)
-        scores = mx.quantized_matmul(
-            q, k_codes, st["k_scales"], st["k_zeros"], transpose=False, group_size=g, bits=self.bits
-        )
-        n_blocks = cap // BLOCK_TOKENS
+    def _side(self, s: str) -> list[mx.array]:
+        names = [f"{s}_codes", f"{s}_scales", f"{s}_zeros"]
         if self.rank:
-            # (q B_k) A_k^T per block: (B, H, n_blocks, M, r) @ (B, H, n_blocks, r, nb).
-            q_channels = q[:, :, None] @ st["k_lr_channels"].astype(q.dtype)
-            tokens = st["k_lr_tokens"].reshape(B, H, n_blocks, BLOCK_TOKENS, self.rank).astype(q.dtype)
-            low = (q_channels @ tokens.swapaxes(-1, -2)).transpose(0, 1, 3, 2, 4).reshape(B, H, M, cap)
-            scores = scores + low.astype(scores.dtype)
-        if "k_out_values" in st:
-            token, channel = block_positions(st["k_out_index"], BLOCK_TOKENS, D)
-            scores = sparse_scores(q, token, channel, st["k_out_values"].reshape(B, H, -1), scores)
-        return scores
+            names += [f"{s}_lr_tokens", f"{s}_lr_channels"]
+        if f"{s}_out_values" in self.store:
+            names += [f"{s}_out_index", f"{s}_out_values"]
+        return [self.store[n] for n in names]
+
+    def _scores(self, q: mx.array) -> mx.array:
+        outliers = "k_out_values" in self.store
+        fn = scores_function(self.code_bits, self.code_group, self.rank, outliers, BLOCK_TOKENS, self.head_dim)
+        return fn(q, *self._side("k"))
 
     def _weighted_values(self, p: mx.array) -> mx.array:
-        st, cap, g = self.store, self.capacity, self.group_size
-        B, H, M, _ = p.shape
-        out = mx.quantized_matmul(
-            p, st["v_codes"], st["v_scales"], st["v_zeros"], transpose=False, group_size=g, bits=self.bits
-        )
-        n_blocks = cap // BLOCK_TOKENS
-        if self.rank:
-            p_blocks = p.reshape(B, H, M, n_blocks, BLOCK_TOKENS).swapaxes(2, 3)
-            tokens = st["v_lr_tokens"].reshape(B, H, n_blocks, BLOCK_TOKENS, self.rank).astype(p.dtype)
-            channels = st["v_lr_channels"].astype(p.dtype)
-            low = ((p_blocks @ tokens) @ channels.swapaxes(-1, -2)).sum(axis=2)
-            out = out + low.astype(out.dtype)
-        if "v_out_values" in st:
-            token, channel = block_positions(st["v_out_index"], BLOCK_TOKENS, self.value_dim)
-            out = sparse_weighted_values(p, token, channel, st["v_out_values"].reshape(B, H, -1), out)
-        return out
+        outliers = "v_out_values" in self.store
+        fn = values_function(self.code_bits, self.code_group, self.rank, outliers, BLOCK_TOKENS, self.value_dim)
+        return fn(p, *self._side("v"))
