@@ -147,6 +147,10 @@ class GEARCache(CompressedKVCache):
             mean = mx.sum(x * w, axis=axis, keepdims=True) / mx.maximum(mx.sum(w, axis=axis, keepdims=True), 1)
         return mx.broadcast_to(mean, shape).reshape(blocks.shape)
 
+    def _selection_centres(self, blocks: mx.array, per_channel: bool) -> mx.array:
+        """What an outlier's distance is measured from: its quantization group's mean."""
+        return self._group_means(blocks, per_channel)
+
     def _encode_side(self, s: str, x: mx.array, per_channel: bool) -> dict[str, mx.array]:
         B, H, n, d = x.shape
         n_blocks, side, g = n // BLOCK_TOKENS, self.side_dtype, self.code_group
@@ -154,7 +158,7 @@ class GEARCache(CompressedKVCache):
         count = self._outlier_count(d)
         dense = blocks
         if count:
-            index, mask = select_outliers(blocks, self._group_means(blocks, per_channel), count)
+            index, mask = select_outliers(blocks, self._selection_centres(blocks, per_channel), count)
             # Fill the holes with the mean of the rest of their group: inside its range, so a
             # removed outlier no longer widens the group's scale.
             fill = self._group_means(blocks, per_channel, weights=(~mask).astype(mx.float32))
