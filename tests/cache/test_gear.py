@@ -108,7 +108,7 @@ def test_decoded_error_bounds():
         assert _mse(got, want) < 0.25 * mx.mean(want.astype(mx.float32) ** 2).item()
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 8])
 def test_compressed_attention_equals_attention_over_decoded_kv(bits):
     cache, keys, _ = _filled(KVCacheConfig(method="gear", gear_bits=bits), dtype=mx.float32)
     dk, dv = cache.decode_float32()
@@ -123,6 +123,20 @@ def test_compressed_attention_equals_attention_over_decoded_kv(bits):
             q, mx.repeat(fk, 3, axis=1), mx.repeat(fv, 3, axis=1), scale=0.125, mask=mask
         )
         assert mx.allclose(out, ref, atol=2e-4, rtol=1e-3).item(), mx.max(mx.abs(out - ref)).item()
+
+
+def test_bfloat16_input_and_wider_values():
+    mx.random.seed(5)
+    cache = GEARCache(KVCacheConfig(method="gear", gear_group_size=64))
+    keys = mx.random.normal((1, 1, BLOCK_TOKENS + 3, 64)).astype(mx.bfloat16)
+    values = mx.random.normal((1, 1, BLOCK_TOKENS + 3, 128)).astype(mx.bfloat16)
+    fk, fv = cache.update_and_fetch(keys, values)
+    out = cache.attention(mx.random.normal((1, 2, BLOCK_TOKENS + 3, 64)).astype(mx.bfloat16), 0.125, mask="causal")
+    assert out.shape == (1, 2, BLOCK_TOKENS + 3, 128) and out.dtype == mx.bfloat16
+    assert cache.store["v_out_values"].dtype == mx.bfloat16  # bf16 range kept for bf16 models
+    dk, dv = cache._full_keys_values()
+    assert dk.dtype == mx.bfloat16 and dv.shape == values.shape
+    assert _mse(dv, values) < 0.25
 
 
 def test_decode_steps_cross_a_block_boundary():
