@@ -37,7 +37,7 @@ Deviations from the paper, all deliberate:
 
 from __future__ import annotations
 
-import math
+from typing import ClassVar
 
 import mlx.core as mx
 
@@ -55,6 +55,8 @@ BLOCK_TOKENS = 256
 class GEARCache(CompressedKVCache):
     method = "gear"
     step = BLOCK_TOKENS
+    # Tokens per block (a subclass may shrink it for experiments; it must divide `step`).
+    block_tokens: ClassVar[int] = BLOCK_TOKENS
 
     def _setup(self) -> None:
         # Not named `bits` / `group_size`: mlx-lm's scaled_dot_product_attention sends any cache
@@ -66,7 +68,7 @@ class GEARCache(CompressedKVCache):
 
     @property
     def block_size(self) -> int:
-        return BLOCK_TOKENS
+        return self.block_tokens
 
     @property
     def side_dtype(self) -> mx.Dtype:
@@ -75,7 +77,7 @@ class GEARCache(CompressedKVCache):
     def _outlier_count(self, dim: int) -> int:
         if self.outlier_fraction == 0:
             return 0
-        return max(1, round(self.outlier_fraction * BLOCK_TOKENS * dim))
+        return max(1, round(self.outlier_fraction * self.block_tokens * dim))
 
     def _check_shape(self, head_dim: int, value_dim: int) -> None:
         for label, dim in (("head_dim", head_dim), ("value head_dim", value_dim)):
@@ -106,12 +108,12 @@ class GEARCache(CompressedKVCache):
         for s, dim in (("k", D), ("v", Dv)):
             if self.rank:
                 layout.append(StoreArray(f"{s}_lr_tokens", 2, 1, side, (-1, self.rank)))
-                layout.append(StoreArray(f"{s}_lr_channels", 2, BLOCK_TOKENS, side, (-1, dim, self.rank)))
+                layout.append(StoreArray(f"{s}_lr_channels", 2, self.block_tokens, side, (-1, dim, self.rank)))
             count = self._outlier_count(dim)
             if count:
-                layout.append(StoreArray(f"{s}_out_values", 2, BLOCK_TOKENS, side, (-1, count)))
+                layout.append(StoreArray(f"{s}_out_values", 2, self.block_tokens, side, (-1, count)))
                 layout.append(
-                    StoreArray(f"{s}_out_index", 2, BLOCK_TOKENS, index_dtype(BLOCK_TOKENS * dim), (-1, count))
+                    StoreArray(f"{s}_out_index", 2, self.block_tokens, index_dtype(self.block_tokens * dim), (-1, count))
                 )
         return layout
 
@@ -121,9 +123,9 @@ class GEARCache(CompressedKVCache):
         per_token = 0.0
         for dim in (self.head_dim, self.value_dim):
             per_token += dim * (self.code_bits + 2 * side_bits / self.code_group)
-            per_token += self.rank * side_bits * (1 + dim / BLOCK_TOKENS)
-            index_bits = 8 * index_dtype(BLOCK_TOKENS * dim).size
-            per_token += self._outlier_count(dim) * (side_bits + index_bits) / BLOCK_TOKENS
+            per_token += self.rank * side_bits * (1 + dim / self.block_tokens)
+            index_bits = 8 * index_dtype(self.block_tokens * dim).size
+            per_token += self._outlier_count(dim) * (side_bits + index_bits) / self.block_tokens
         return per_token / (self.head_dim + self.value_dim)
 
     # ---- encoding ---------------------------------------------------------------------------
@@ -153,8 +155,8 @@ class GEARCache(CompressedKVCache):
 
     def _encode_side(self, s: str, x: mx.array, per_channel: bool) -> dict[str, mx.array]:
         B, H, n, d = x.shape
-        n_blocks, side, g = n // BLOCK_TOKENS, self.side_dtype, self.code_group
-        blocks = x.reshape(B, H, n_blocks, BLOCK_TOKENS, d)
+        n_blocks, side, g = n // self.block_tokens, self.side_dtype, self.code_group
+        blocks = x.reshape(B, H, n_blocks, self.block_tokens, d)
         count = self._outlier_count(d)
         dense = blocks
         if count:
@@ -183,9 +185,9 @@ class GEARCache(CompressedKVCache):
             approx = approx + tokens.astype(mx.float32) @ channels.astype(mx.float32).swapaxes(-1, -2)
         if count:
             # The correction that makes Q(D) + A B^T + S return the original entry.
-            missing = (blocks - approx).reshape(B, H, n_blocks, BLOCK_TOKENS * d)
+            missing = (blocks - approx).reshape(B, H, n_blocks, self.block_tokens * d)
             result[f"{s}_out_values"] = mx.take_along_axis(missing, index, axis=-1).astype(side)
-            result[f"{s}_out_index"] = index.astype(index_dtype(BLOCK_TOKENS * d))
+            result[f"{s}_out_index"] = index.astype(index_dtype(self.block_tokens * d))
         return result
 
     # ---- decoding (unpatched path, trim, to_quantized) ----------------------------------------
@@ -212,14 +214,14 @@ class GEARCache(CompressedKVCache):
 
     def _add_residual(self, s: str, x: mx.array, n: int) -> mx.array:
         B, H, _, d = x.shape
-        n_blocks, st = n // BLOCK_TOKENS, self.store
+        n_blocks, st = n // self.block_tokens, self.store
         if self.rank:
-            tokens = st[f"{s}_lr_tokens"][:, :, :n].reshape(B, H, n_blocks, BLOCK_TOKENS, self.rank)
+            tokens = st[f"{s}_lr_tokens"][:, :, :n].reshape(B, H, n_blocks, self.block_tokens, self.rank)
             channels = st[f"{s}_lr_channels"][:, :, :n_blocks]
             low = tokens.astype(mx.float32) @ channels.astype(mx.float32).swapaxes(-1, -2)
             x = x + low.reshape(B, H, n, d)
         if f"{s}_out_values" in st:
-            token, channel = block_positions(st[f"{s}_out_index"][:, :, :n_blocks], BLOCK_TOKENS, d)
+            token, channel = block_positions(st[f"{s}_out_index"][:, :, :n_blocks], self.block_tokens, d)
             values = st[f"{s}_out_values"][:, :, :n_blocks].reshape(B, H, -1)
             x = x + densify(token, channel, values, n, d, mx.float32)
         return x
@@ -235,10 +237,10 @@ class GEARCache(CompressedKVCache):
 
     def _scores(self, q: mx.array) -> mx.array:
         outliers = "k_out_values" in self.store
-        fn = scores_function(self.code_bits, self.code_group, self.rank, outliers, BLOCK_TOKENS, self.head_dim)
+        fn = scores_function(self.code_bits, self.code_group, self.rank, outliers, self.block_tokens, self.head_dim)
         return fn(q, *self._side("k"))
 
     def _weighted_values(self, p: mx.array) -> mx.array:
         outliers = "v_out_values" in self.store
-        fn = values_function(self.code_bits, self.code_group, self.rank, outliers, BLOCK_TOKENS, self.value_dim)
+        fn = values_function(self.code_bits, self.code_group, self.rank, outliers, self.block_tokens, self.value_dim)
         return fn(p, *self._side("v"))
