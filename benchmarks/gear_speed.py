@@ -8,14 +8,13 @@ Run (CPU, float32 model, OpenBLAS preloaded):
 The prompt's K/V are computed once with the plain KVCache; every cache under test is filled
 from the same per-layer K/V (GEAR encodes them exactly as a prefill would), then each decodes
 the same tokens. Decode steps are timed one token at a time; medians and spread are reported.
-Until the integration's dispatcher lands on main, the llama module's attention is wrapped here
-so that our caches answer with their own compressed-form attention.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -27,23 +26,13 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.base import CompressedKVCache
 from veloxquant_mlx.cache.gear import GEARCache
+from veloxquant_mlx.integration.dispatch import install, module_names_of
 
 SMOLLM2 = dict(
     model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
     num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
     vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
 )
-
-
-def install_attention_wrapper():
-    original = llama.scaled_dot_product_attention
-
-    def attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, CompressedKVCache):
-            return cache.attention(queries, scale=scale, mask=mask, sinks=sinks)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-    llama.scaled_dot_product_attention = attention
 
 
 def fill(make, kv, dtype):
@@ -76,9 +65,12 @@ def main():
     ap.add_argument("--out", default="results/gear_speed.json")
     args = ap.parse_args()
 
-    install_attention_wrapper()
+    load_at_start = os.getloadavg()
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs.from_dict(SMOLLM2))
+    # The integration's dispatcher (veloxquant_mlx.integration): our caches attend over their
+    # compressed form; mlx-lm's caches go to mlx-lm's attention untouched.
+    install(module_names_of([layer.self_attn for layer in model.layers]))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     prompt = mx.random.randint(0, 49152, (1, args.context))
@@ -128,6 +120,7 @@ def main():
         "machine": f"{platform.machine()} {platform.processor() or ''} CPU, MLX {mx.__version__} "
         "cpu backend; 2 cores shared with other engineers' jobs (loaded, noisy)",
         "model": "random-weight llama, SmolLM2-135M shape (30 layers, 9 q / 3 kv heads, head_dim 64), float32",
+        "load_average_start_end": [load_at_start, os.getloadavg()],
         "context": args.context,
         "gear_config": config.to_dict(),
         "decode_tokens_per_s_median": tps,
