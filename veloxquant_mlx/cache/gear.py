@@ -87,10 +87,11 @@ class GEARCache(CompressedKVCache):
                     f"gear_group_size={self.code_group}; allowed is a multiple of the group size "
                     "(values are quantized per token in groups along head_dim)"
                 )
-            if self.rank > dim:
+            if self.rank > min(dim, self.block_tokens):
                 raise QuantizerConfigError(
                     f"GEARCache (layer {self.layer_index}): gear_rank={self.rank} exceeds "
-                    f"{label}={dim}; allowed is 0..{dim}"
+                    f"{label}={dim} or the block of {self.block_tokens} tokens; allowed is "
+                    f"0..{min(dim, self.block_tokens)}"
                 )
 
     # ---- storage ----------------------------------------------------------------------------
