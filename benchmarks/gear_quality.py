@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import platform
+import shlex
 import time
 
 import mlx.core as mx
@@ -105,7 +106,7 @@ def write(args, ref, tokens, rows, start):
     _, _, ppl_ref = compare(ref, ref, tokens, N_PREFILL - 1)
     result = {
         "command": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 "
-        f"/work/venv/bin/python benchmarks/gear_quality.py --out {args.out}" + (f" --only {args.only}" if args.only else ""),
+        f"/work/venv/bin/python benchmarks/gear_quality.py --out {args.out}" + (f" --only {shlex.quote(args.only)}" if args.only else ""),
         "machine": f"{platform.machine()} CPU, MLX {mx.__version__} cpu backend, float32 model",
         "protocol": "SmolLM2-135M-Instruct (GGUF Q4_1 -> float32), 512 tokens of Pride and Prejudice, "
         "prefill 128, decode 384 teacher-forced; KL(ref || cache) of next-token distributions",
