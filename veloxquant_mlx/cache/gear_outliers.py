@@ -59,15 +59,17 @@ def scatter_add_last(target: mx.array, columns: mx.array, contrib: mx.array) -> 
 
 def sparse_scores(q: mx.array, token, channel, values, scores: mx.array) -> mx.array:
     """scores[m, token_j] += q[m, channel_j] * value_j (q: (B, H, M, d))."""
-    M = q.shape[2]
-    picked = mx.take_along_axis(q, mx.broadcast_to(channel[:, :, None, :], (*channel.shape[:2], M, channel.shape[-1])), axis=-1)
+    B, H, K = channel.shape
+    where = mx.broadcast_to(channel[:, :, None, :], (B, H, q.shape[2], K))
+    picked = mx.take_along_axis(q, where, axis=-1)
     return scatter_add_last(scores, token, picked * values[:, :, None, :].astype(q.dtype))
 
 
 def sparse_weighted_values(p: mx.array, token, channel, values, out: mx.array) -> mx.array:
     """out[m, channel_j] += p[m, token_j] * value_j (p: (B, H, M, capacity))."""
-    M = p.shape[2]
-    picked = mx.take_along_axis(p, mx.broadcast_to(token[:, :, None, :], (*token.shape[:2], M, token.shape[-1])), axis=-1)
+    B, H, K = token.shape
+    where = mx.broadcast_to(token[:, :, None, :], (B, H, p.shape[2], K))
+    picked = mx.take_along_axis(p, where, axis=-1)
     return scatter_add_last(out, channel, picked * values[:, :, None, :].astype(p.dtype))
 
 
