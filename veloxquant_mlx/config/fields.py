@@ -78,6 +78,19 @@ FIELDS: dict[str, FieldSpec] = {
         ),
         FieldSpec("xquant_group_size", {"xquant": 32}, f"one of {_GROUPS}", _int_in(_GROUPS)),
         FieldSpec(
+            "xquant_residual_length",
+            {"xquant": 128},
+            "an integer >= 0 (most recent tokens kept exact)",
+            _int_at_least(0),
+        ),
+        FieldSpec(
+            "xquant_eta",
+            {"xquant": None},
+            "None (0.05 at 2 bits, 0 at 3 and 4) or a number from 0 to 0.45 (data-free "
+            "calibration: how far the outer quantization levels move in)",
+            _fraction(0.0, 0.45),
+        ),
+        FieldSpec(
             "minicache_start_fraction",
             {"minicache": 0.5},
             "a number from 0 to 1 (where in depth merging starts)",

@@ -58,6 +58,8 @@ class KVCacheConfig:
     gear_rank: int | None = None
     gear_outlier_fraction: float | None = None
     xquant_group_size: int | None = None
+    xquant_residual_length: int | None = None
+    xquant_eta: float | None = None
     minicache_start_fraction: float | None = None
     minicache_threshold: float | None = None
     pyramidkv_budget: int | None = None
