@@ -111,6 +111,18 @@ FIELDS: dict[str, FieldSpec] = {
         FieldSpec(
             "pyramidkv_window", {"pyramidkv": 32}, "an integer >= 1 (observation window)", _int_at_least(1)
         ),
+        FieldSpec(
+            "pyramidkv_beta",
+            {"pyramidkv": 20},
+            "an integer >= 1 (the top layer keeps (budget - window) / beta selected tokens)",
+            _int_at_least(1),
+        ),
+        FieldSpec(
+            "pyramidkv_kernel",
+            {"pyramidkv": 5},
+            "an odd integer >= 1 (average-pooling width over the attention votes)",
+            lambda v: _int_at_least(1)(v) and v % 2 == 1,
+        ),
     )
 }
 

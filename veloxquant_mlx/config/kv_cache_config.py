@@ -64,6 +64,8 @@ class KVCacheConfig:
     minicache_threshold: float | None = None
     pyramidkv_budget: int | None = None
     pyramidkv_window: int | None = None
+    pyramidkv_beta: int | None = None
+    pyramidkv_kernel: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
