@@ -103,6 +103,25 @@ FIELDS: dict[str, FieldSpec] = {
             _fraction(-1.0, 1.0),
         ),
         FieldSpec(
+            "minicache_bits",
+            {"minicache": None},
+            "None (merged directions in fp16) or one of 2, 3, 4, 8 (quantized per token, "
+            "groups of 32 channels)",
+            _int_in((2, 3, 4, 8)),
+        ),
+        FieldSpec(
+            "minicache_retain_slots",
+            {"minicache": 4},
+            "one of 0, 1, 2, 4, 8, 16 (tokens per 32 per head that may stay unmerged)",
+            _int_in((0, 1, 2, 4, 8, 16)),
+        ),
+        FieldSpec(
+            "minicache_residual_length",
+            {"minicache": 0},
+            "an integer >= 0 (most recent tokens kept exact before merging)",
+            _int_at_least(0),
+        ),
+        FieldSpec(
             "pyramidkv_budget",
             {"pyramidkv": 1024},
             "an integer >= 16 (mean tokens kept per layer)",

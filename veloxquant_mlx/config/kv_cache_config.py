@@ -62,6 +62,9 @@ class KVCacheConfig:
     xquant_eta: float | None = None
     minicache_start_fraction: float | None = None
     minicache_threshold: float | None = None
+    minicache_bits: int | None = None
+    minicache_retain_slots: int | None = None
+    minicache_residual_length: int | None = None
     pyramidkv_budget: int | None = None
     pyramidkv_window: int | None = None
     pyramidkv_beta: int | None = None
