@@ -126,3 +126,22 @@ def test_bad_input():
         cache.update_and_fetch(mx.zeros((2, 64)), mx.zeros((2, 64)))
     with pytest.raises(QuantizerConfigError, match="XQuantCache"):
         XQuantCache(KVCacheConfig(method="kivi"))
+
+
+def test_share_from_limits_sharing_and_the_fit_beats_min_max():
+    config = KVCacheConfig(method="xquant", xquant_share_from=0.5, xquant_residual_length=0)
+    caches = XQuantCache.build_layers(config, 4)
+    step(caches, 64, 0)
+    assert [c.shared for c in caches] == [False, False, False, True]
+    # The follower's fitted side data reconstructs its own block no worse than min/max would.
+    from veloxquant_mlx.cache.xquant import minmax_params
+    leader, follower = caches[2], caches[3]
+    k, _ = kv(64, 3)  # what step() fed layer 3
+    fk, _ = follower._full_keys_values()
+    codes, _ = follower._leader_codes(0, 64)
+    groups = k.swapaxes(2, 3).reshape(B, H, D, 2, 32).astype(mx.float32)
+    _, _, s_cal, z_cal = minmax_params(groups, 2, 0.05)
+    paper = (codes * s_cal + z_cal).reshape(B, H, D, 64).swapaxes(2, 3)
+    ours_err = mx.sum((fk.astype(mx.float32) - k.astype(mx.float32)) ** 2).item()
+    paper_err = mx.sum((paper - k.astype(mx.float32)) ** 2).item()
+    assert ours_err <= paper_err * 1.01

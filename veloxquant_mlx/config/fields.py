@@ -84,6 +84,12 @@ FIELDS: dict[str, FieldSpec] = {
             _int_at_least(0),
         ),
         FieldSpec(
+            "xquant_share_from",
+            {"xquant": 0.0},
+            "a number from 0 to 1 (depth from which layer pairs share codes; 1 shares none)",
+            _fraction(0.0, 1.0),
+        ),
+        FieldSpec(
             "xquant_eta",
             {"xquant": None},
             "None (0.05 at 2 bits, 0 at 3 and 4) or a number from 0 to 0.45 (data-free "

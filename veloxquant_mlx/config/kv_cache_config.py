@@ -60,6 +60,7 @@ class KVCacheConfig:
     xquant_group_size: int | None = None
     xquant_residual_length: int | None = None
     xquant_eta: float | None = None
+    xquant_share_from: float | None = None
     minicache_start_fraction: float | None = None
     minicache_threshold: float | None = None
     minicache_bits: int | None = None
