@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import mlx.core as mx
+import mlx_lm.models.cache as mlx_lm_cache
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
 
 from veloxquant_mlx.config.kv_cache_config import KVCacheConfig
@@ -43,7 +44,9 @@ STATE_FORMAT = 1
 class StoreArray:
     """One array of the compressed history: its shape with `capacity` tokens is
     `shape_for(tokens)`; the token axis is `axis`, `tokens_per_index` tokens share an index
-    along it (e.g. 16 two-bit codes per uint32 word, 32 tokens per per-channel scale)."""
+    along it (e.g. 16 two-bit codes per uint32 word, 32 tokens per per-channel scale); it may be
+    a fractions.Fraction (32/3 three-bit codes per word) as long as every block of `block_size`
+    tokens and every growth step covers a whole number of indices."""
 
     name: str
     axis: int
@@ -52,9 +55,34 @@ class StoreArray:
     trailing: tuple  # shape without the leading (B, H) and with the token axis as -1 marker
 
 
+def register_with_mlx_lm(cls: type) -> None:
+    """Make `mlx_lm.models.cache.load_prompt_cache` able to rebuild `cls`.
+
+    mlx-lm's loader finds a saved cache's class by name in its own module's globals
+    (`globals()[name].from_state(state)`), so every subclass of CompressedKVCache is bound there
+    under its class name when it is defined (see __init_subclass__); importing
+    `veloxquant_mlx.cache` imports every method module, so loading works after
+    `import veloxquant_mlx`. A name mlx-lm already uses for something else is never replaced.
+    """
+    existing = getattr(mlx_lm_cache, cls.__name__, None)
+    if existing is not None and not (isinstance(existing, type) and issubclass(existing, CompressedKVCache)):
+        raise QuantizerConfigError(
+            f"cache class name {cls.__name__!r} clashes with mlx_lm.models.cache.{cls.__name__}: "
+            "rename the class"
+        )
+    setattr(mlx_lm_cache, cls.__name__, cls)
+
+
 class CompressedKVCache(_BaseCache):
     method: ClassVar[str] = ""
     step: ClassVar[int] = 256
+    # Set (per instance) by the attention dispatcher of veloxquant_mlx.integration when it hands
+    # this cache its own attention; see update_and_fetch.
+    _dispatcher = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        register_with_mlx_lm(cls)
 
     def __init__(self, config: KVCacheConfig, layer_index: int = 0, n_layers: int = 1):
         if config.method != self.method:
@@ -122,6 +150,11 @@ class CompressedKVCache(_BaseCache):
             self.window_keys = mx.concatenate([self.window_keys, keys], axis=2)
             self.window_values = mx.concatenate([self.window_values, values], axis=2)
         self.offset += keys.shape[2]
+        dispatcher = self._dispatcher
+        if dispatcher is not None and getattr(dispatcher, "installed", False):
+            # The integration's dispatcher reads the compressed form and ignores the K/V we
+            # return: skip even building the (lazy) decode graph. Unpatching clears `installed`.
+            return self.window_keys, self.window_values
         return self._full_keys_values()
 
     def _full_keys_values(self):
@@ -137,6 +170,11 @@ class CompressedKVCache(_BaseCache):
             mx.concatenate([values, self.window_values], axis=2),
         )
 
+    # Bytes of float32 scores one attention tile may hold: a long prefill chunk is split over
+    # query rows so the score matrix never exceeds this (mlx-lm's own quantized attention does
+    # not tile, which raises its peak memory during long prefills).
+    attention_tile_bytes: ClassVar[int] = 64 << 20
+
     def attention(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
         """softmax(q K^T * scale + mask) V over the compressed history and the exact window."""
         if sinks is not None:
@@ -145,7 +183,39 @@ class CompressedKVCache(_BaseCache):
                 "sinks; the builder keeps the model's own cache for such layers"
             )
         B, n_q_heads, L, D = queries.shape
+        if self.n_kv_heads == 0 or n_q_heads % self.n_kv_heads:
+            raise QuantizerConfigError(
+                f"{type(self).__name__} (layer {self.layer_index}).attention: {n_q_heads} query "
+                f"heads for {self.n_kv_heads} kv heads; call update_and_fetch first, and the query "
+                "heads must be a multiple of the kv heads"
+            )
         rep = n_q_heads // self.n_kv_heads
+        n_cols = (self.capacity if self.n_compressed else 0) + self._window_length()
+        row_bytes = B * n_q_heads * n_cols * 4
+        rows = max(1, self.attention_tile_bytes // max(row_bytes, 1))
+        if rows >= L:
+            out = self._attend(queries, scale, mask, rep, first=self.offset - L)
+        else:
+            tiles = []
+            for start in range(0, L, rows):
+                stop = min(L, start + rows)
+                tile_mask = mask
+                if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
+                    tile_mask = mask[..., start:stop, :]
+                tile = self._attend(queries[:, :, start:stop], scale, tile_mask, rep, first=self.offset - L + start)
+                # Evaluate each tile so its score matrix is freed before the next one is built.
+                mx.eval(tile)
+                tiles.append(tile)
+            out = mx.concatenate(tiles, axis=2)
+        self._flush()
+        return out
+
+    def _window_length(self) -> int:
+        return 0 if self.window_keys is None else self.window_keys.shape[2]
+
+    def _attend(self, queries: mx.array, scale: float, mask, rep: int, first: int) -> mx.array:
+        """Attention of the query positions [first, first + L) over everything cached."""
+        B, n_q_heads, L, D = queries.shape
         # GQA folded into the rows: (B, H_kv, rep * L, D); query row r*L + i is position i.
         q = (queries * scale).reshape(B, self.n_kv_heads, rep * L, D)
         parts = []
@@ -155,7 +225,7 @@ class CompressedKVCache(_BaseCache):
             wk = self.window_keys.astype(q.dtype)
             parts.append((q @ wk.swapaxes(-1, -2)).astype(mx.float32))
         scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
-        keep = self._keep_mask(L, rep, mask)
+        keep = self._keep_mask(L, rep, mask, first)
         if keep is not None:
             scores = mx.where(keep, scores, mx.finfo(mx.float32).min)
         probs = mx.softmax(scores, axis=-1, precise=True)
@@ -167,19 +237,20 @@ class CompressedKVCache(_BaseCache):
             wv = self.window_values.astype(q.dtype)
             window_out = probs[..., n_cap:].astype(q.dtype) @ wv
             out = window_out if out is None else out + window_out
-        out = out.reshape(B, n_q_heads, L, -1).astype(queries.dtype)
-        self._flush()
-        return out
+        return out.reshape(B, n_q_heads, L, -1).astype(queries.dtype)
 
-    def _keep_mask(self, L: int, rep: int, mask):
-        """Boolean (.., rep*L, capacity + window) of the keys each query row may see, or None."""
-        n_window = 0 if self.window_keys is None else self.window_keys.shape[2]
+    def _keep_mask(self, L: int, rep: int, mask, first: int | None = None):
+        """Boolean (.., rep*L, capacity + window) of the keys each query row may see, or None.
+        The query rows are the positions [first, first + L) (default: the last L tokens)."""
+        if first is None:
+            first = self.offset - L
+        n_window = self._window_length()
         n_cap = self.capacity if self.n_compressed else 0
         # Absolute position of each score column; slack columns get a position past the end.
         cap_pos = mx.arange(n_cap)
         cap_pos = mx.where(cap_pos < self.n_compressed, cap_pos, self.offset + 1)
         key_pos = mx.concatenate([cap_pos, mx.arange(self.n_compressed, self.n_compressed + n_window)])
-        query_pos = mx.arange(self.offset - L, self.offset)
+        query_pos = mx.arange(first, first + L)
         if isinstance(mask, mx.array):
             if mask.dtype != mx.bool_:
                 raise QuantizerConfigError(
@@ -231,13 +302,13 @@ class CompressedKVCache(_BaseCache):
             keys, values = self._full_keys_values()
             whole = (keep // self.block_size) * self.block_size
             self.n_compressed = whole
-            self.window_keys = keys[:, :, whole:keep]
-            self.window_values = values[:, :, whole:keep]
+            self.window_keys = mx.contiguous(keys[:, :, whole:keep])
+            self.window_values = mx.contiguous(values[:, :, whole:keep])
             mx.eval(self.window_keys, self.window_values)
         else:
             cut = keep - self.n_compressed
-            self.window_keys = self.window_keys[:, :, :cut]
-            self.window_values = self.window_values[:, :, :cut]
+            self.window_keys = mx.contiguous(self.window_keys[:, :, :cut])
+            self.window_values = mx.contiguous(self.window_values[:, :, :cut])
         if self.window_keys is not None and self.window_keys.shape[2] == 0 and keep == 0:
             self.window_keys = self.window_values = None
         self.offset = keep
@@ -388,10 +459,12 @@ class CompressedKVCache(_BaseCache):
             index[spec.axis] = slice(start, stop)
             self.store[spec.name][tuple(index)] = encoded[spec.name]
         self.n_compressed += n
-        self.window_keys = self.window_keys[:, :, n:]
-        self.window_values = self.window_values[:, :, n:]
-        if self.window_keys.shape[2] == 0:
+        if self.window_keys.shape[2] == n:
             self.window_keys = self.window_values = None
+        else:
+            # A slice is a view that keeps the whole chunk's buffer alive: copy the remainder.
+            self.window_keys = mx.contiguous(self.window_keys[:, :, n:])
+            self.window_values = mx.contiguous(self.window_values[:, :, n:])
 
     def _ensure_capacity(self, tokens: int) -> None:
         if tokens <= self.capacity:

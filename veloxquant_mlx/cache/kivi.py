@@ -1,0 +1,152 @@
+"""KIVI: asymmetric low-bit KV cache quantization.
+
+Liu, Yuan, Jin, Zhong, Xu, Braverman, Chen, Hu. "KIVI: A Tuning-Free Asymmetric 2bit
+Quantization for KV Cache", ICML 2024, arXiv:2402.02750.
+
+What the paper does and what this cache stores:
+- Keys are quantized per channel: each channel (a coordinate of head_dim) is quantized in groups
+  of `kivi_group_size` consecutive tokens, because key outliers sit in fixed channels. We store
+  K^T, shape (B, H, head_dim, tokens), quantized with `mx.quantize` along the token axis
+  (asymmetric affine: uint32-packed codes, one scale and one bias per group).
+- Values are quantized per token, in groups of `kivi_group_size` along head_dim: shape
+  (B, H, tokens, value_dim) quantized along value_dim.
+- The most recent `kivi_residual_length` tokens stay exact (the paper's residual R), plus the
+  not yet full group of keys (the paper's "streaming" part); whole groups leave the window
+  once more than R tokens are exact.
+- Attention never dequantizes the history: scores = quantized_matmul(q, K^T codes, transpose=
+  False) and out = quantized_matmul(p, V codes, transpose=False), the two products the paper's
+  fused kernels compute, plus exact attention over the window, under one softmax (the base).
+
+Bits: `bit_width_inlier` (2, 3, 4 or 8; per layer from a list), or `key_bits` / `value_bits`
+when set, so keys and values can get different widths.
+
+Deviations from the paper:
+- Scales and biases are stored in float16 (bfloat16 for a bfloat16 model) even when the model
+  runs in float32: this halves the side data (1 bit per element instead of 2 at group 32) and its
+  rounding error (~5e-4 relative) is far below the 2-bit quantization error.
+- Values leave the exact window in whole groups of `kivi_group_size` tokens, like keys (the paper
+  quantizes each value token as soon as it leaves the residual window). So between R and
+  R + group - 1 tokens are exact, never fewer than R.
+- The rounding is MLX's affine quantizer (scale = range / (2^bits - 1), bias = group minimum,
+  round to nearest), which is the paper's scheme; the paper's CUDA kernels are replaced by
+  `mx.quantized_matmul`, which runs on CPU, CUDA and Metal.
+- value_dim must be a multiple of the group size (the paper's setting: head_dim 128, group 32);
+  a layer that does not fit is refused rather than padded.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import mlx.core as mx
+
+from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
+from veloxquant_mlx.errors import QuantizerConfigError
+
+
+def _tokens_per_word(bits: int):
+    # 16 two-bit codes per uint32 word; 32/3 three-bit codes (mx.quantize packs 3-bit codes
+    # across word boundaries), hence a Fraction: a whole group of 32 tokens is always 3 words.
+    return Fraction(32, bits) if 32 % bits else 32 // bits
+
+
+class KIVICache(CompressedKVCache):
+    method = "kivi"
+
+    def _setup(self) -> None:
+        config = self.config
+        bits = config.bits_for_layer(self.layer_index, self.n_layers)
+        self.key_bits = config.key_bits if config.key_bits is not None else bits
+        self.value_bits = config.value_bits if config.value_bits is not None else bits
+        self.group_size = config.kivi_group_size
+        self._residual_length = config.kivi_residual_length
+        # NB: never name an attribute `bits`: mlx-lm's scaled_dot_product_attention treats any
+        # cache with `bits` as its own QuantizedKVCache.
+
+    @property
+    def block_size(self) -> int:
+        return self.group_size
+
+    @property
+    def residual_length(self) -> int:
+        return self._residual_length
+
+    def _side_dtype(self) -> mx.Dtype:
+        return mx.bfloat16 if self.dtype == mx.bfloat16 else mx.float16
+
+    def _check_shape(self, head_dim: int, value_dim: int) -> None:
+        if value_dim % self.group_size:
+            raise QuantizerConfigError(
+                f"KIVICache (layer {self.layer_index}): value head_dim={value_dim} is not a "
+                f"multiple of kivi_group_size={self.group_size}: allowed is a kivi_group_size "
+                f"dividing the head_dim (e.g. 32)"
+            )
+        if head_dim < 1:
+            raise QuantizerConfigError(f"KIVICache (layer {self.layer_index}): head_dim={head_dim} must be >= 1")
+
+    def _store_layout(self) -> list[StoreArray]:
+        D, Dv, G = self.head_dim, self.value_dim, self.group_size
+        side = self._side_dtype()
+        key_tokens_per_word = _tokens_per_word(self.key_bits)
+        return [
+            # K^T: (B, H, D, tokens) -> codes (B, H, D, tokens * bits / 32), side (B, H, D, tokens / G)
+            StoreArray("key_codes", axis=3, tokens_per_index=key_tokens_per_word, dtype=mx.uint32, trailing=(D, -1)),
+            StoreArray("key_scales", axis=3, tokens_per_index=G, dtype=side, trailing=(D, -1)),
+            StoreArray("key_biases", axis=3, tokens_per_index=G, dtype=side, trailing=(D, -1)),
+            # V: (B, H, tokens, Dv) -> codes (B, H, tokens, Dv * bits / 32), side (B, H, tokens, Dv / G)
+            StoreArray("value_codes", axis=2, tokens_per_index=1, dtype=mx.uint32, trailing=(-1, Dv * self.value_bits // 32)),
+            StoreArray("value_scales", axis=2, tokens_per_index=1, dtype=side, trailing=(-1, Dv // G)),
+            StoreArray("value_biases", axis=2, tokens_per_index=1, dtype=side, trailing=(-1, Dv // G)),
+        ]
+
+    def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        G, side = self.group_size, self._side_dtype()
+        key_codes, key_scales, key_biases = mx.quantize(keys.swapaxes(-1, -2), group_size=G, bits=self.key_bits)
+        value_codes, value_scales, value_biases = mx.quantize(values, group_size=G, bits=self.value_bits)
+        return {
+            "key_codes": key_codes,
+            "key_scales": key_scales.astype(side),
+            "key_biases": key_biases.astype(side),
+            "value_codes": value_codes,
+            "value_scales": value_scales.astype(side),
+            "value_biases": value_biases.astype(side),
+        }
+
+    def _decode(self) -> tuple[mx.array, mx.array]:
+        n, G, s, dtype = self.n_compressed, self.group_size, self.store, self.dtype
+        key_words = int(n // _tokens_per_word(self.key_bits))
+        # Side data cast up first: dequantize computes in the scales' dtype.
+        keys_t = mx.dequantize(
+            s["key_codes"][..., :key_words],
+            s["key_scales"][..., : n // G].astype(dtype),
+            s["key_biases"][..., : n // G].astype(dtype),
+            group_size=G,
+            bits=self.key_bits,
+        )
+        values = mx.dequantize(
+            s["value_codes"][:, :, :n],
+            s["value_scales"][:, :, :n].astype(dtype),
+            s["value_biases"][:, :, :n].astype(dtype),
+            group_size=G,
+            bits=self.value_bits,
+        )
+        return keys_t.swapaxes(-1, -2), values
+
+    def _scores(self, q: mx.array) -> mx.array:
+        s = self.store
+        return mx.quantized_matmul(
+            q, s["key_codes"], s["key_scales"], s["key_biases"],
+            transpose=False, group_size=self.group_size, bits=self.key_bits,
+        )
+
+    def _weighted_values(self, p: mx.array) -> mx.array:
+        s = self.store
+        return mx.quantized_matmul(
+            p, s["value_codes"], s["value_scales"], s["value_biases"],
+            transpose=False, group_size=self.group_size, bits=self.value_bits,
+        )
+
+    def bits_per_element(self) -> float:
+        # codes plus a 16-bit scale and a 16-bit bias per group, averaged over keys and values
+        side = 2 * 16 / self.group_size
+        return (self.key_bits + self.value_bits) / 2 + side
