@@ -1,7 +1,6 @@
 """Cross-layer caches inside a tiny random llama (mlx_lm.models.llama, 4 layers).
 
-The integration's dispatcher lives on another branch; here a test-local one hands our caches
-their own `attention` (the compressed read), so the model runs exactly as it will when patched.
+The integration's dispatcher hands our caches their own `attention` (the compressed read).
 Checks: the patched run (attention reads the compressed form) gives the same logits as the
 unpatched one (mlx-lm's attention over the K/V that update_and_fetch returns), and the caches
 share one coordinator."""
@@ -13,6 +12,7 @@ from mlx_lm.models.cache import KVCache
 
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.cross_layer import CrossLayerCoordinator
+from veloxquant_mlx.integration import dispatch as dispatch_module
 
 N_LAYERS = 4
 
@@ -30,16 +30,13 @@ def tiny_llama():
 
 
 @pytest.fixture
-def dispatch(monkeypatch):
-    """Route attention to cache.attention for caches that have one (what the integration does)."""
-    original = llama.scaled_dot_product_attention
-
-    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-        if hasattr(cache, "attention"):
-            return cache.attention(queries, scale=scale, mask=mask, sinks=sinks)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-    monkeypatch.setattr(llama, "scaled_dot_product_attention", sdpa)
+def dispatch():
+    """The integration's attention dispatcher on mlx_lm.models.llama (hands our caches their
+    own attention, which reads the compressed form), removed afterwards."""
+    names = ["mlx_lm.models.llama"]
+    dispatch_module.install(names)
+    yield
+    dispatch_module.uninstall(names)
 
 
 def run(model, caches, tokens, prefill):
@@ -90,6 +87,7 @@ def test_patched_equals_unpatched_and_stays_near_fp16(config, dispatch):
     # The same caches, but mlx-lm's own attention over the K/V update_and_fetch returns.
     with pytest.MonkeyPatch.context() as m:
         m.setattr(llama, "scaled_dot_product_attention", _original_sdpa())
+        assert not hasattr(llama.scaled_dot_product_attention, "veloxquant_dispatcher")
         if config.method == "pyramidkv":
             # Selection needs the queries: unpatched, nothing is evicted, and it says so.
             with pytest.warns(UserWarning, match="nothing was evicted"):
