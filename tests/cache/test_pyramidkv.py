@@ -145,3 +145,13 @@ def test_bad_input():
         cache.make_mask(4, window_size=2)
     with pytest.raises(QuantizerConfigError, match="trim"):
         cache.trim(-1)
+
+
+def test_long_chunk_is_tiled_over_query_rows_with_the_same_result():
+    config = KVCacheConfig(method="pyramidkv", pyramidkv_budget=24, pyramidkv_window=4)
+    whole, tiled = PyramidKVCache(config), PyramidKVCache(config)
+    tiled.attention_tile_bytes = 4 * H * REP * 80 * 7  # 7 query rows per tile
+    a, _ = forward(whole, 80, 0)
+    b, _ = forward(tiled, 80, 0)
+    assert mx.allclose(a, b, atol=1e-5).item()
+    assert mx.array_equal(whole.store["positions"], tiled.store["positions"]).item()

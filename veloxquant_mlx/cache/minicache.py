@@ -223,10 +223,12 @@ class MiniCacheCache(CrossLayerMixin, CompressedKVCache):
             stop = start + encoded[spec.name].shape[spec.axis]
             self.store[spec.name][:, :, start:stop] = encoded[spec.name]
         self.n_compressed += n
-        self.window_keys = self.window_keys[:, :, n:]
-        self.window_values = self.window_values[:, :, n:]
-        if self.window_keys.shape[2] == 0:
+        if self.window_keys.shape[2] == n:
             self.window_keys = self.window_values = None
+        else:
+            # A slice would keep the whole chunk's buffer alive: copy the remainder.
+            self.window_keys = mx.contiguous(self.window_keys[:, :, n:])
+            self.window_values = mx.contiguous(self.window_values[:, :, n:])
 
     def _relinked(self) -> None:
         if self.role != "upper" or not self.owns_directions:

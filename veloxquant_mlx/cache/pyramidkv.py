@@ -147,22 +147,52 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
             )
         self.attended = True
         B, n_q_heads, L, D = queries.shape
+        if self.n_kv_heads == 0 or n_q_heads % self.n_kv_heads:
+            raise QuantizerConfigError(
+                f"PyramidKVCache (layer {self.layer_index}).attention: {n_q_heads} query heads "
+                f"for {self.n_kv_heads} kv heads; call update_and_fetch first, and the query "
+                "heads must be a multiple of the kv heads"
+            )
         rep = n_q_heads // self.n_kv_heads
         n = self.n_kept
+        # A long prefill chunk is split over query rows so the score matrix stays bounded.
+        rows = max(1, self.attention_tile_bytes // max(B * n_q_heads * n * 4, 1))
+        tiles = []
+        for start in range(0, L, rows):
+            stop = min(L, start + rows)
+            tile_mask = mask
+            if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
+                tile_mask = mask[..., start:stop, :]
+            out, _ = self._attend_rows(queries[:, :, start:stop], scale, tile_mask, rep, L - start)
+            if stop < L:
+                mx.eval(out)
+            tiles.append(out)
+        out = tiles[0] if len(tiles) == 1 else mx.concatenate(tiles, axis=2)
+        if L > 1 and not self.decoding and n > self.layer_budget:
+            # The observation window: the chunk's last queries vote with their probabilities.
+            observed = min(self.window, L)
+            window_mask = mask
+            if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
+                window_mask = mask[..., L - observed :, :]
+            _, probs = self._attend_rows(queries[:, :, L - observed :], scale, window_mask, rep, observed)
+            self._evict(probs.reshape(B, self.n_kv_heads, rep, observed, n))
+        return out
+
+    def _attend_rows(self, queries: mx.array, scale: float, mask, rep: int, back: int):
+        """Attention of query rows at positions [offset - back, offset - back + rows)."""
+        B, n_q_heads, L, D = queries.shape
         q = (queries * scale).reshape(B, self.n_kv_heads, rep * L, D)
         keys, values = self._full_keys_values()
         scores = (q @ keys.astype(q.dtype).swapaxes(-1, -2)).astype(mx.float32)
-        keep = self._keep_mask_positions(L, rep, mask)
+        keep = self._keep_mask_positions(L, rep, mask, self.offset - back)
         if keep is not None:
             scores = mx.where(keep, scores, mx.finfo(mx.float32).min)
         probs = mx.softmax(scores, axis=-1, precise=True)
         out = probs.astype(q.dtype) @ values.astype(q.dtype)
-        out = out.reshape(B, n_q_heads, L, -1).astype(queries.dtype)
-        if L > 1 and not self.decoding and n > self.layer_budget:
-            self._evict(probs.reshape(B, self.n_kv_heads, rep, L, n), L)
-        return out
+        return out.reshape(B, n_q_heads, L, -1).astype(queries.dtype), probs
 
-    def _keep_mask_positions(self, L: int, rep: int, mask):
+    def _keep_mask_positions(self, L: int, rep: int, mask, first: int):
+        """Boolean (.., rep*L, n_kept) for query positions [first, first + L), or None."""
         n = self.n_kept
         if isinstance(mask, mx.array):
             if mask.dtype != mx.bool_ or mask.shape[-1] != n:
@@ -176,19 +206,19 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
                 b, h = given.shape[:2]
                 return mx.tile(given, (1, 1, rep, 1)) if h == 1 else given.reshape(b, h // rep, rep * L, n)
             return mx.tile(given, (rep, 1))
-        if L == 1:
+        if L == 1 and first == self.offset - 1:
             return None
-        query_pos = mx.arange(self.offset - L, self.offset, dtype=mx.int32)
+        query_pos = mx.arange(first, first + L, dtype=mx.int32)
         key_pos = self.store["positions"][:, :, :n]
         keep = key_pos[:, :, None, :] <= query_pos[None, None, :, None]
         return mx.tile(keep, (1, 1, rep, 1))
 
-    def _evict(self, probs: mx.array, L: int) -> None:
-        """Keep the window and the layer's best k prompt tokens by the window's votes."""
+    def _evict(self, probs: mx.array) -> None:
+        """Keep the window and the layer's best k prompt tokens by the window's votes
+        (probs: (B, H_kv, rep, observed queries, n_kept))."""
         n = self.n_kept
         window = min(self.window, n)
-        observed = min(self.window, L)
-        votes = probs[:, :, :, L - observed :, : n - window].sum(axis=(2, 3))  # (B, H, n - window)
+        votes = probs[..., : n - window].sum(axis=(2, 3))  # (B, H, n - window)
         votes = average_pool(votes, self.kernel)
         k = self.layer_budget - window
         if k > 0:
