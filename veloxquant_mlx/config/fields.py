@@ -78,6 +78,25 @@ FIELDS: dict[str, FieldSpec] = {
         ),
         FieldSpec("xquant_group_size", {"xquant": 32}, f"one of {_GROUPS}", _int_in(_GROUPS)),
         FieldSpec(
+            "xquant_residual_length",
+            {"xquant": 128},
+            "an integer >= 0 (most recent tokens kept exact)",
+            _int_at_least(0),
+        ),
+        FieldSpec(
+            "xquant_share_from",
+            {"xquant": 0.0},
+            "a number from 0 to 1 (depth from which layer pairs share codes; 1 shares none)",
+            _fraction(0.0, 1.0),
+        ),
+        FieldSpec(
+            "xquant_eta",
+            {"xquant": None},
+            "None (0.05 at 2 bits, 0 at 3 and 4) or a number from 0 to 0.45 (data-free "
+            "calibration: how far the outer quantization levels move in)",
+            _fraction(0.0, 0.45),
+        ),
+        FieldSpec(
             "minicache_start_fraction",
             {"minicache": 0.5},
             "a number from 0 to 1 (where in depth merging starts)",
@@ -90,6 +109,25 @@ FIELDS: dict[str, FieldSpec] = {
             _fraction(-1.0, 1.0),
         ),
         FieldSpec(
+            "minicache_bits",
+            {"minicache": None},
+            "None (merged directions in fp16) or one of 2, 3, 4, 8 (quantized per token, "
+            "groups of 32 channels)",
+            _int_in((2, 3, 4, 8)),
+        ),
+        FieldSpec(
+            "minicache_retain_slots",
+            {"minicache": 4},
+            "one of 0, 1, 2, 4, 8, 16 (tokens per 32 per head that may stay unmerged)",
+            _int_in((0, 1, 2, 4, 8, 16)),
+        ),
+        FieldSpec(
+            "minicache_residual_length",
+            {"minicache": 0},
+            "an integer >= 0 (most recent tokens kept exact before merging)",
+            _int_at_least(0),
+        ),
+        FieldSpec(
             "pyramidkv_budget",
             {"pyramidkv": 1024},
             "an integer >= 16 (mean tokens kept per layer)",
@@ -97,6 +135,18 @@ FIELDS: dict[str, FieldSpec] = {
         ),
         FieldSpec(
             "pyramidkv_window", {"pyramidkv": 32}, "an integer >= 1 (observation window)", _int_at_least(1)
+        ),
+        FieldSpec(
+            "pyramidkv_beta",
+            {"pyramidkv": 20},
+            "an integer >= 1 (the top layer keeps (budget - window) / beta selected tokens)",
+            _int_at_least(1),
+        ),
+        FieldSpec(
+            "pyramidkv_kernel",
+            {"pyramidkv": 5},
+            "an odd integer >= 1 (average-pooling width over the attention votes)",
+            lambda v: _int_at_least(1)(v) and v % 2 == 1,
         ),
     )
 }

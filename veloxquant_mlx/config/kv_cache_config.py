@@ -58,10 +58,18 @@ class KVCacheConfig:
     gear_rank: int | None = None
     gear_outlier_fraction: float | None = None
     xquant_group_size: int | None = None
+    xquant_residual_length: int | None = None
+    xquant_eta: float | None = None
+    xquant_share_from: float | None = None
     minicache_start_fraction: float | None = None
     minicache_threshold: float | None = None
+    minicache_bits: int | None = None
+    minicache_retain_slots: int | None = None
+    minicache_residual_length: int | None = None
     pyramidkv_budget: int | None = None
     pyramidkv_window: int | None = None
+    pyramidkv_beta: int | None = None
+    pyramidkv_kernel: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

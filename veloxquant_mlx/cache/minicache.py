@@ -1,0 +1,375 @@
+"""MiniCache: merge the KV caches of adjacent layers in depth, keep what does not merge.
+
+Paper: Akide Liu, Jing Liu, Zizheng Pan, Yefei He, Gholamreza Haffari, Bohan Zhuang,
+"MiniCache: KV Cache Compression in Depth Dimension for Large Language Models", NeurIPS 2024,
+arXiv 2405.14366.
+
+What it stores: from layer ceil(minicache_start_fraction * n_layers) on, layers are paired
+(l, l+1). For each token and KV head of a pair, separately for keys and values:
+  * one merged direction, the SLERP of the two layers' unit vectors at t = 0.5 (with
+    Omega = arccos(cos(u_l, u_{l+1})): e = (sin((1-t) Omega) u_l + sin(t Omega) u_{l+1}) / sin Omega),
+    held by the lower layer, in fp16 or, with `minicache_bits`, as per-token quantized codes
+    (groups of 32 channels, MLX's affine layout);
+  * each layer's own magnitude ||x|| (fp16): the layer restores x ~ ||x|| e;
+  * retention: tokens whose two directions are too far apart (cosine below
+    `minicache_threshold`) keep each layer's exact vector; per block of 32 tokens and head at
+    most `minicache_retain_slots` such tokens (the least similar first), stored as exact
+    vectors plus their int32 positions (-1 for an unused slot).
+Layers below the start and an unpaired last layer keep their exact KV (no compression, as in the
+paper's shallow layers).
+
+Order within a forward pass: layer l calls update_and_fetch and attention before layer l+1, so
+the lower layer cannot merge on its own: it keeps its new tokens in its exact window until the
+upper layer holds the same positions. Then whichever of the two flushes first (the upper one
+after its attention when the dispatcher is installed; the lower one at its next update_and_fetch
+when it is not) merges the block of both layers and writes each layer's part into its cache, so
+the patched and unpatched runs hold the same data at every step. The newest tokens stay exact
+in both layers until the pair has merged them.
+
+Attention reads the compressed form: scores = ||k|| (q . e_k), overwritten by the exact q . k
+at retained positions; values = (p ||v||) @ e_v + p[retained] @ v_retained.
+
+State: each layer's state holds what it needs alone (the upper layer carries a copy of the
+merged directions); a loaded pair keeps its history and no longer merges new tokens (they stay
+exact) until `CrossLayerCoordinator.relink(caches)` re-links it.
+
+Deviations from the paper:
+  * retention by an absolute cosine threshold with a fixed number of slots per 32 tokens (the
+    paper uses a threshold relative to the min/max angular distance, with unbounded counts);
+    fixed slots keep storage rectangular;
+  * the interpolation parameter is fixed at t = 0.5;
+  * merging runs on blocks of 32 tokens (whole prefill and during decoding), the last partial
+    block stays exact; `minicache_residual_length` recent tokens may stay exact on top;
+  * the optional quantization of the merged directions is per token (the paper pairs MiniCache
+    with KIVI-style quantization).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
+from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
+from veloxquant_mlx.errors import QuantizerConfigError
+
+BLOCK = 32
+QUANT_GROUP = 32
+SLERP_T = 0.5
+SIDE_DTYPE = mx.float16
+EPS = 1e-6
+
+
+def pair_roles(n_layers: int, start_fraction: float) -> list[str]:
+    """'plain', 'lower' or 'upper' for each layer."""
+    start = math.ceil(start_fraction * n_layers)
+    roles = ["plain"] * n_layers
+    for lower in range(start, n_layers - 1, 2):
+        roles[lower], roles[lower + 1] = "lower", "upper"
+    return roles
+
+
+def slerp_merge(x_lower: mx.array, x_upper: mx.array):
+    """Two layers' vectors (..., D) -> merged unit direction, magnitudes, cosine (...)."""
+    x_lower = x_lower.astype(mx.float32)
+    x_upper = x_upper.astype(mx.float32)
+    mag_lower = mx.linalg.norm(x_lower, axis=-1)
+    mag_upper = mx.linalg.norm(x_upper, axis=-1)
+    u_lower = x_lower / mx.maximum(mag_lower, EPS)[..., None]
+    u_upper = x_upper / mx.maximum(mag_upper, EPS)[..., None]
+    cos = mx.clip(mx.sum(u_lower * u_upper, axis=-1), -1.0, 1.0)
+    omega = mx.arccos(cos)[..., None]
+    sin_omega = mx.sin(omega)
+    # Nearly parallel directions: SLERP tends to the linear interpolation.
+    parallel = sin_omega < 1e-4
+    w_lower = mx.where(parallel, 1 - SLERP_T, mx.sin((1 - SLERP_T) * omega) / mx.maximum(sin_omega, 1e-4))
+    w_upper = mx.where(parallel, SLERP_T, mx.sin(SLERP_T * omega) / mx.maximum(sin_omega, 1e-4))
+    merged = w_lower * u_lower + w_upper * u_upper
+    merged = merged / mx.maximum(mx.linalg.norm(merged, axis=-1, keepdims=True), EPS)
+    return merged, mag_lower, mag_upper, cos
+
+
+class MiniCacheCache(CrossLayerMixin, CompressedKVCache):
+    method = "minicache"
+
+    def __init__(self, config, layer_index: int = 0, n_layers: int = 1, coordinator=None):
+        super().__init__(config, layer_index, n_layers)
+        self._attach(coordinator)
+
+    def _setup(self) -> None:
+        cfg = self.config
+        self.role = pair_roles(self.n_layers, cfg.minicache_start_fraction)[self.layer_index]
+        self.threshold = cfg.minicache_threshold
+        self.slots = cfg.minicache_retain_slots
+        self.dir_bits = cfg.minicache_bits
+        self._residual = cfg.minicache_residual_length
+        # A lower layer's state carries the merged directions; an upper layer's state a copy.
+        if not hasattr(self, "owns_directions"):
+            self.owns_directions = self.role == "lower"
+
+    @property
+    def block_size(self) -> int:
+        return BLOCK
+
+    @property
+    def residual_length(self) -> int:
+        return self._residual
+
+    def _check_shape(self, head_dim: int, value_dim: int) -> None:
+        if self.dir_bits is not None and (head_dim % QUANT_GROUP or value_dim % QUANT_GROUP):
+            raise QuantizerConfigError(
+                f"MiniCacheCache (layer {self.layer_index}): head_dim={head_dim} / value "
+                f"head_dim={value_dim} with minicache_bits={self.dir_bits}: allowed is a "
+                f"multiple of {QUANT_GROUP} (directions are quantized in groups of {QUANT_GROUP})"
+            )
+
+    def bits_per_element(self) -> float:
+        """Stored bits per cached element of this layer (compressed part); a pair shares the
+        directions, counted in the lower layer."""
+        if self.role == "plain":
+            return 16.0
+        D = self.head_dim or 64
+        side = (16 + self.slots / BLOCK * (16 * D + 32)) / D  # magnitude, retained slots
+        if not self.owns_directions:
+            return side
+        direction = 16.0 if self.dir_bits is None else self.dir_bits + 32 / QUANT_GROUP
+        return direction + side
+
+    # ---- pairing ----------------------------------------------------------------------------
+    def _partner(self):
+        index = self.layer_index + (1 if self.role == "lower" else -1)
+        partner = self._peer(index) if self.role != "plain" else None
+        if partner is None or partner.dtype is None or self.dtype is None:
+            return None
+        if (partner.batch_size, partner.n_kv_heads, partner.head_dim, partner.value_dim) != (
+            self.batch_size, self.n_kv_heads, self.head_dim, self.value_dim
+        ):
+            raise QuantizerConfigError(
+                f"MiniCacheCache: layers {min(index, self.layer_index)} and "
+                f"{max(index, self.layer_index)} are merged but have different KV shapes; "
+                "allowed is the same batch, kv heads and head_dim within a pair"
+            )
+        return partner
+
+    def _flush(self) -> None:
+        # Either layer of a linked pair merges the block both hold (the upper one after its
+        # attention, the lower one at its next update when attention is not patched); plain
+        # layers and pairs loaded without relink keep their tokens exact.
+        if self.role == "plain" or self.window_keys is None:
+            return
+        partner = self._partner()
+        if partner is None:
+            return
+        lower, upper = (self, partner) if self.role == "lower" else (partner, self)
+        if upper.owns_directions or lower.n_compressed != upper.n_compressed or partner.window_keys is None:
+            return
+        n_window = min(lower.window_keys.shape[2], upper.window_keys.shape[2])
+        n = ((n_window - self.residual_length) // BLOCK) * BLOCK
+        if n <= 0:
+            return
+        low_part, up_part = upper._merge(
+            lower.window_keys[:, :, :n], lower.window_values[:, :, :n],
+            upper.window_keys[:, :, :n], upper.window_values[:, :, :n],
+        )
+        lower._append_compressed(low_part, n)
+        upper._append_compressed(up_part, n)
+
+    def _merge(self, k_low, v_low, k_up, v_up):
+        """A block of both layers -> (the lower layer's arrays, the upper layer's arrays)."""
+        low, up = {}, {}
+        for part, x_low, x_up in (("k", k_low, k_up), ("v", v_low, v_up)):
+            merged, mag_low, mag_up, cos = slerp_merge(x_low, x_up)
+            low.update(self._encode_direction(part, merged))
+            low[f"mag_{part}"] = mag_low.astype(SIDE_DTYPE)
+            up[f"mag_{part}"] = mag_up.astype(SIDE_DTYPE)
+            if self.slots:
+                positions = self._retained_positions(cos)
+                low.update(self._retained(part, x_low, positions))
+                up.update(self._retained(part, x_up, positions))
+        return low, up
+
+    def _retained_positions(self, cos: mx.array) -> mx.array:
+        """(B, H, n) cosines -> (B, H, n / BLOCK * slots) absolute positions, -1 where unused."""
+        B, H, n = cos.shape
+        blocks = cos.reshape(B, H, n // BLOCK, BLOCK)
+        order = mx.argsort(blocks, axis=-1)[..., : self.slots]  # least similar first
+        chosen_cos = mx.take_along_axis(blocks, order, axis=-1)
+        base = self.n_compressed + mx.arange(n // BLOCK)[:, None] * BLOCK
+        positions = (order + base).astype(mx.int32)
+        positions = mx.where(chosen_cos < self.threshold, positions, -1)
+        return positions.reshape(B, H, -1)
+
+    def _retained(self, part: str, x: mx.array, positions: mx.array) -> dict:
+        local = mx.maximum(positions - self.n_compressed, 0)
+        vectors = mx.take_along_axis(x, local[..., None], axis=2)
+        return {f"ret_{part}": vectors.astype(self.dtype), f"retpos_{part}": positions}
+
+    def _encode_direction(self, part: str, merged: mx.array) -> dict:
+        if self.dir_bits is None:
+            return {f"dir_{part}": merged.astype(SIDE_DTYPE)}
+        codes, scales, biases = mx.quantize(merged, group_size=QUANT_GROUP, bits=self.dir_bits)
+        return {
+            f"dir_{part}": codes,
+            f"dirscale_{part}": scales.astype(SIDE_DTYPE),
+            f"dirbias_{part}": biases.astype(SIDE_DTYPE),
+        }
+
+    def _append_compressed(self, encoded: dict, n: int) -> None:
+        """Write a merged block into this layer's store and drop it from the exact window."""
+        self._ensure_capacity(self.n_compressed + n)
+        for spec in self._store_layout():
+            start = self.n_compressed // spec.tokens_per_index
+            stop = start + encoded[spec.name].shape[spec.axis]
+            self.store[spec.name][:, :, start:stop] = encoded[spec.name]
+        self.n_compressed += n
+        if self.window_keys.shape[2] == n:
+            self.window_keys = self.window_values = None
+        else:
+            # A slice would keep the whole chunk's buffer alive: copy the remainder.
+            self.window_keys = mx.contiguous(self.window_keys[:, :, n:])
+            self.window_values = mx.contiguous(self.window_values[:, :, n:])
+
+    def _relinked(self) -> None:
+        if self.role != "upper" or not self.owns_directions:
+            return
+        lower = self._peer(self.layer_index - 1)
+        if lower is None or lower.n_compressed != self.n_compressed or lower.capacity != self.capacity:
+            return
+        names = [n for n in self._direction_names() if n in self.store]
+        if all(mx.array_equal(self.store[n], lower.store[n]).item() for n in names):
+            for name in names:
+                del self.store[name]
+            self.owns_directions = False
+
+    # ---- storage ----------------------------------------------------------------------------
+    def _direction_names(self) -> list[str]:
+        names = ["dir_k", "dir_v"]
+        if self.dir_bits is not None:
+            names += ["dirscale_k", "dirbias_k", "dirscale_v", "dirbias_v"]
+        return names
+
+    def _store_layout(self) -> list[StoreArray]:
+        if self.role == "plain":
+            return []
+        layout = []
+        slot_tokens = BLOCK // self.slots if self.slots else 0
+        for part, dim in (("k", self.head_dim), ("v", self.value_dim)):
+            if self.owns_directions:
+                if self.dir_bits is None:
+                    layout.append(StoreArray(f"dir_{part}", 2, 1, SIDE_DTYPE, (-1, dim)))
+                else:
+                    layout += [
+                        StoreArray(f"dir_{part}", 2, 1, mx.uint32, (-1, dim * self.dir_bits // 32)),
+                        StoreArray(f"dirscale_{part}", 2, 1, SIDE_DTYPE, (-1, dim // QUANT_GROUP)),
+                        StoreArray(f"dirbias_{part}", 2, 1, SIDE_DTYPE, (-1, dim // QUANT_GROUP)),
+                    ]
+            layout.append(StoreArray(f"mag_{part}", 2, 1, SIDE_DTYPE, (-1,)))
+            if self.slots:
+                layout += [
+                    StoreArray(f"ret_{part}", 2, slot_tokens, self.dtype, (-1, dim)),
+                    StoreArray(f"retpos_{part}", 2, slot_tokens, mx.int32, (-1,)),
+                ]
+        return layout
+
+    def _directions(self, part: str):
+        """The pair's merged directions of `part` over this layer's capacity."""
+        if self.owns_directions:
+            source = self.store
+        else:
+            lower = self._peer(self.layer_index - 1)
+            if lower is None:
+                raise QuantizerConfigError(
+                    f"MiniCacheCache layer {self.layer_index} reads the merged directions of "
+                    f"layer {self.layer_index - 1}, which is gone"
+                )
+            source = lower.store
+        cap = self.capacity
+        if self.dir_bits is None:
+            return (source[f"dir_{part}"][:, :, :cap],)
+        return tuple(source[f"{name}_{part}"][:, :, :cap] for name in ("dir", "dirscale", "dirbias"))
+
+    def _slot_index(self, part: str) -> mx.array:
+        """Retained slots -> column index; unused slots point at a dummy column `capacity`."""
+        positions = self.store[f"retpos_{part}"]
+        return mx.where(positions >= 0, positions, self.capacity)
+
+    def _encode(self, keys, values):  # merging is done by the pair in _flush
+        raise NotImplementedError
+
+    def _decode(self) -> tuple[mx.array, mx.array]:
+        out = []
+        for part in ("k", "v"):
+            direction = self._directions(part)
+            if self.dir_bits is not None:
+                direction = (mx.dequantize(*direction, group_size=QUANT_GROUP, bits=self.dir_bits),)
+            x = self.store[f"mag_{part}"][..., None].astype(mx.float32) * direction[0].astype(mx.float32)
+            if self.slots:
+                x = mx.concatenate([x, mx.zeros_like(x[:, :, :1])], axis=2)
+                index = self._slot_index(part)[..., None]
+                index = mx.broadcast_to(index, (*index.shape[:-1], x.shape[-1]))
+                x = mx.put_along_axis(x, index, self.store[f"ret_{part}"].astype(mx.float32), axis=2)
+                x = x[:, :, :-1]
+            out.append(x[:, :, : self.n_compressed].astype(self.dtype))
+        return out[0], out[1]
+
+    def _scores(self, q: mx.array) -> mx.array:
+        direction = self._directions("k")
+        if self.dir_bits is None:
+            raw = q @ direction[0].astype(q.dtype).swapaxes(-1, -2)
+        else:
+            raw = mx.quantized_matmul(q, *direction, transpose=True, group_size=QUANT_GROUP, bits=self.dir_bits)
+        scores = raw * self.store["mag_k"][:, :, None, :].astype(raw.dtype)
+        if not self.slots:
+            return scores
+        exact = q @ self.store["ret_k"].astype(q.dtype).swapaxes(-1, -2)  # (B, H, R, slots)
+        scores = mx.concatenate([scores, mx.zeros_like(scores[..., :1])], axis=-1)
+        index = mx.broadcast_to(self._slot_index("k")[:, :, None, :], exact.shape)
+        return mx.put_along_axis(scores, index, exact.astype(scores.dtype), axis=-1)[..., :-1]
+
+    def _weighted_values(self, p: mx.array) -> mx.array:
+        out_exact = None
+        if self.slots:
+            index = mx.broadcast_to(
+                self._slot_index("v")[:, :, None, :], (*p.shape[:-1], self.store["retpos_v"].shape[-1])
+            )
+            padded = mx.concatenate([p, mx.zeros_like(p[..., :1])], axis=-1)
+            p_slots = mx.take_along_axis(padded, index, axis=-1)
+            out_exact = p_slots @ self.store["ret_v"].astype(p.dtype)
+            # Retained tokens do not also take the merged value.
+            p = mx.put_along_axis(padded, index, mx.zeros_like(p_slots), axis=-1)[..., :-1]
+        weights = p * self.store["mag_v"][:, :, None, :].astype(p.dtype)
+        direction = self._directions("v")
+        if self.dir_bits is None:
+            out = weights @ direction[0].astype(p.dtype)
+        else:
+            out = mx.quantized_matmul(weights, *direction, transpose=False, group_size=QUANT_GROUP, bits=self.dir_bits)
+        return out if out_exact is None else out + out_exact
+
+    # ---- state: an upper layer's state carries a copy of the merged directions ------------------
+    def _state_arrays(self) -> dict[str, mx.array]:
+        arrays = dict(self.store)
+        if self.role == "upper" and not self.owns_directions and self.capacity:
+            for part in ("k", "v"):
+                names = ["dir"] if self.dir_bits is None else ["dir", "dirscale", "dirbias"]
+                for name, array in zip(names, self._directions(part)):
+                    arrays[f"{name}_{part}"] = array
+        return arrays
+
+    def _meta_json(self) -> str:
+        store, self.store = self.store, self._state_arrays()
+        try:
+            return super()._meta_json()
+        finally:
+            self.store = store
+
+    def _get_state(self):
+        arrays = self._state_arrays()
+        names = sorted(arrays)
+        return (self._meta_json(), self.window_keys, self.window_values, *[arrays[n] for n in names])
+
+    def _set_state(self, v) -> None:
+        CompressedKVCache.state.fset(self, v)
+        self.owns_directions = self.role != "plain"
+
+    state = property(_get_state, _set_state)
