@@ -8,6 +8,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache, trim_promp
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, patch_model_kv_cache, unpatch_model_kv_cache
 from veloxquant_mlx.cache.gear import GEARCache
+from tests.integration.decode_spy import assert_decode_steps_never_decoded, spy_history_decodes
 from tests.integration.tiny_llama import tiny_llama
 
 CONFIG = KVCacheConfig(method="gear", gear_bits=2)
@@ -28,13 +29,11 @@ def model():
 def test_patched_generate_matches_attention_over_the_decoded_history(model, monkeypatch):
     # Unpatched: mlx-lm attends over the K/V our caches decode -- the reference.
     dequantized = _tokens(model, KVCacheBuilder.for_model(model, CONFIG))
-    decodes = []
-    original = GEARCache._decode
-    monkeypatch.setattr(GEARCache, "_decode", lambda self: decodes.append(1) or original(self))
+    step_rows, decodes = spy_history_decodes(monkeypatch, GEARCache)
     first = patch_model_kv_cache(model, CONFIG)
     assert all(type(c) is GEARCache for c in first)
     assert _tokens(model) == dequantized
-    assert decodes == []  # the compressed history was never dequantized
+    assert_decode_steps_never_decoded(step_rows, decodes, GEARCache, min_steps=2 * 23)
 
 
 def test_save_and_load_prompt_cache_give_the_same_next_tokens(model, tmp_path):

@@ -22,6 +22,7 @@ from veloxquant_mlx import (
     unpatch_model_kv_cache,
 )
 from veloxquant_mlx.cache.kivi import KIVICache
+from tests.integration.decode_spy import assert_decode_steps_never_decoded, spy_history_decodes
 from tests.integration.tiny_llama import CharTokenizer, tiny_llama
 
 CONFIG = KVCacheConfig(method="kivi", bit_width_inlier=2, kivi_residual_length=32)
@@ -43,28 +44,12 @@ def model():
 def test_patched_generate_matches_the_dequantized_path_and_never_decodes(model, monkeypatch):
     # Unpatched attention over the K/V our caches decode: the reference.
     dequantized = _tokens(model, KVCacheBuilder.for_model(model, CONFIG))
-    # Each _decode call records whether it happened inside a decode step (fewer query rows
-    # than a prefill chunk); prefill chunks may decode the history once per layer.
-    step_rows, decodes = [], []
-    original_decode, original_attention = KIVICache._decode, KIVICache.attention
-
-    def spy_attention(self, queries, *args, **kwargs):
-        step_rows.append(queries.shape[2])
-        return original_attention(self, queries, *args, **kwargs)
-
-    def spy_decode(self):
-        decodes.append(step_rows[-1] if step_rows else None)
-        return original_decode(self)
-
-    monkeypatch.setattr(KIVICache, "attention", spy_attention)
-    monkeypatch.setattr(KIVICache, "_decode", spy_decode)
+    step_rows, decodes = spy_history_decodes(monkeypatch, KIVICache)
     first = patch_model_kv_cache(model, CONFIG)
     assert [type(c) for c in first] == [KIVICache, KIVICache]
     patched = _tokens(model)  # mlx-lm calls model.make_cache() itself
     assert patched == dequantized
-    assert step_rows.count(1) >= 2 * 39  # the decode steps went through our attention
-    # ... and none of them dequantized the history.
-    assert all(rows >= KIVICache.prefill_rows for rows in decodes)
+    assert_decode_steps_never_decoded(step_rows, decodes, KIVICache, min_steps=2 * 39)
     # Plain fp16 KVCache gives something else at 2 bits: the cache is really in the loop.
     unpatch_model_kv_cache(model)
     assert _tokens(model) != patched
