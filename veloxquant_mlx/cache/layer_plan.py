@@ -3,8 +3,8 @@
 The rule (one rule for every architecture; docs/architectures.md lists what it gives):
   1. Start from what the model itself builds: `model.make_cache()` when it has one, else one
      mlx-lm `KVCache` per layer (what `mlx_lm.models.cache.make_prompt_cache` does).
-  2. An entry is replaced by our cache exactly when it is a plain mlx-lm `KVCache` (the type
-     itself, not a subclass) AND its layer's attention can be read: an attention module under
+  2. An entry is replaced by our cache exactly when it is a plain `KVCache` (the type itself,
+     not a subclass: mlx-lm's, or mlx-vlm's own copy in mlx_vlm.models.cache) AND its layer's attention can be read: an attention module under
      one of ATTENTION_ATTRIBUTES with a number of KV heads (KV_HEAD_ATTRIBUTES) and a head_dim
      (HEAD_DIM_ATTRIBUTES, else the k_proj output size / KV heads), that is not a sliding-window
      layer and has no attention sinks (our attention composes one softmax without them).
@@ -21,8 +21,6 @@ layer, and a count that does not match is refused (we would otherwise guess).
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from mlx_lm.models.cache import KVCache
 
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -54,6 +52,15 @@ class LayerEntry:
     layer_index: int | None
     kept: str | None  # the model's own cache class name when kept, None when replaced
     reason: str
+
+
+PLAIN_KV_CACHES = (("mlx_lm.models.cache", "KVCache"), ("mlx_vlm.models.cache", "KVCache"))
+
+
+def is_plain_kv_cache(cache) -> bool:
+    # By module and name: mlx-vlm is not imported for text models.
+    kind = type(cache)
+    return (kind.__module__, kind.__qualname__) in PLAIN_KV_CACHES
 
 
 def find_layers(model) -> list:
@@ -136,7 +143,7 @@ def plan_layers(model_name: str, layers: list, caches: list) -> tuple[list[Atten
             continue
         readable.append((index, attn, shape))
 
-    plain = [i for i, cache in enumerate(caches) if type(cache) is KVCache]
+    plain = [i for i, cache in enumerate(caches) if is_plain_kv_cache(cache)]
     if len(caches) == len(layers):
         pairs = {index: index for index, _, _ in readable if index in plain}
         layer_of = dict(enumerate(range(len(layers))))
@@ -166,10 +173,10 @@ def plan_layers(model_name: str, layers: list, caches: list) -> tuple[list[Atten
             if a.value_dim != a.head_dim:
                 reason += f", value head_dim {a.value_dim}"
             entries.append(LayerEntry(cache_index, layer_index, None, reason))
-        elif type(cache) is not KVCache:
+        elif not is_plain_kv_cache(cache):
             entries.append(LayerEntry(cache_index, layer_index, type(cache).__name__,
                                       "the model builds this cache itself"))
         else:
-            entries.append(LayerEntry(cache_index, layer_index, "KVCache",
+            entries.append(LayerEntry(cache_index, layer_index, type(cache).__name__,
                                       why_not.get(layer_index, "attention not readable")))
     return attention, entries

@@ -1,0 +1,73 @@
+"""patch_vlm_kv_cache on tiny random-weight Qwen2-VL and Gemma3 models: an image plus a text
+prompt generates through mlx-vlm's generation loop (see tests/vlm/tiny_vlms.py for why
+generate_step and how the inputs are built)."""
+
+import mlx.core as mx
+import pytest
+from mlx_vlm.generate.ar import generate_step
+
+import veloxquant_mlx.cache.base as cache_base
+from veloxquant_mlx import KVCacheBuilder, QuantizerConfigError
+from veloxquant_mlx.cache.base import CompressedKVCache
+from veloxquant_mlx.integration import dispatch, patch_vlm_kv_cache, unpatch_model_kv_cache
+from tests.architectures.servable import config_for, servable_methods
+from tests.vlm.tiny_vlms import EXPECTED_PLAN, VLMS, test_image as make_image
+
+TEXT = [(i * 5 + 3) % 58 + 1 for i in range(80)]  # no pad (0) and no image/vision ids (59..62)
+N_NEW = 16
+
+
+def _generate(model, build_inputs, image, prompt_cache=None):
+    input_ids, pixel_values, mask, kwargs = build_inputs(image, TEXT)
+    tokens = []
+    for token, logprobs in generate_step(input_ids, model, pixel_values, mask, max_tokens=N_NEW,
+                                         prompt_cache=prompt_cache, **kwargs):
+        assert bool(mx.all(mx.isfinite(logprobs)).item())
+        tokens.append(int(token))
+    return tokens
+
+
+def _kinds(caches):
+    return ["ours" if isinstance(c, CompressedKVCache) else type(c).__name__ for c in caches]
+
+
+@pytest.mark.parametrize("method", servable_methods())
+@pytest.mark.parametrize("name", list(VLMS))
+def test_image_and_text_generate_with_fresh_caches_per_call(name, method):
+    make_model, build_inputs = VLMS[name]
+    model = make_model()
+    config = config_for(method)
+    image = make_image()
+    # Reference: the unpatched model attending over the K/V our caches decode.
+    dequantized = _generate(model, build_inputs, image, KVCacheBuilder.for_model(model.language_model, config))
+    try:
+        first = patch_vlm_kv_cache(model, config)
+        assert _kinds(first) == EXPECTED_PLAN[name]
+        # Our attention over the compressed form, installed in mlx-vlm's language module.
+        assert f"mlx_vlm.models.{name}.language" in dispatch.installed_modules()
+        built = []
+        make_cache = model.language_model.make_cache
+        object.__setattr__(model.language_model, "make_cache", lambda: built.append(make_cache()) or built[-1])
+        one = _generate(model, build_inputs, image)
+        two = _generate(model, build_inputs, image)
+        other_image = _generate(model, build_inputs, make_image(seed=1))
+    finally:
+        unpatch_model_kv_cache(model)
+    assert len(one) == N_NEW
+    assert one == two == dequantized  # the second call saw none of the first one's state
+    assert len(built) == 3 and built[0][1] is not built[1][1]  # mlx-vlm asked once per call
+    ours = [c for c in built[0] if isinstance(c, CompressedKVCache)]
+    assert ours and all(c.n_compressed > 0 for c in ours)  # the history was compressed
+    assert other_image != one  # the image is in the loop
+    assert "make_cache" not in model.language_model.__dict__ and "make_cache" not in model.__dict__
+
+
+@pytest.mark.parametrize("name", list(VLMS))
+def test_standalone_method_refused_before_anything_is_touched(name, monkeypatch):
+    model = VLMS[name][0]()
+    monkeypatch.setattr(cache_base, "STANDALONE_METHODS", frozenset({"kivi"}))
+    before = (dict(model.__dict__), dict(model.language_model.__dict__), dispatch.installed_modules())
+    with pytest.raises(QuantizerConfigError, match="'kivi' is a standalone method"):
+        patch_vlm_kv_cache(model, config_for("kivi"))
+    after = (dict(model.__dict__), dict(model.language_model.__dict__), dispatch.installed_modules())
+    assert before == after
