@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import KVCache
 
+import veloxquant_mlx.cache.batch  # noqa: F401  (CompressedKVCache.merge -> batch cache)
 from veloxquant_mlx.cache.factory import KVCacheFactory
 from veloxquant_mlx.cache.layer_plan import (
     ATTENTION_ATTRIBUTES,
@@ -108,6 +109,9 @@ class KVCacheBuilder:
                 f"{len(self.entries)} when planned"
             )
         for layer, cache in zip(self.attention, self._new_caches()):
+            # The model module whose attention the dispatcher replaces for this layer (batching
+            # checks that it is installed: cache/batch.py).
+            cache.attention_module = type(layer.module).__module__
             caches[layer.cache_index] = cache
         return caches
 
