@@ -68,7 +68,15 @@ class KVCacheBuilder:
                 "and no sinks"
             )
         # Fail now, not at the first token: per-layer bits and head_dims the method refuses.
-        for cache, layer in zip(self._new_caches(), self.attention):
+        try:
+            planned = self._new_caches()
+        except QuantizerConfigError as exc:
+            replaced = [layer.index for layer in self.attention]
+            raise QuantizerConfigError(
+                f"KVCacheBuilder: {self.model_name} has {len(replaced)} attention layers that "
+                f"get our cache (model layers {replaced}): {exc}"
+            ) from exc
+        for cache, layer in zip(planned, self.attention):
             try:
                 cache._check_shape(layer.head_dim, layer.value_dim)
             except QuantizerConfigError as exc:
