@@ -17,7 +17,7 @@ from veloxquant_mlx import (
 )
 from veloxquant_mlx.cache.base import CompressedKVCache
 from veloxquant_mlx.integration import dispatch
-from tests.architectures.servable import config_for, servable_methods
+from tests.architectures.servable import config_for, decoded_path_matches, servable_methods
 from tests.architectures.tiny_models import ARCHITECTURES, VOCAB, build
 from tests.integration.tiny_llama import CharTokenizer
 
@@ -91,18 +91,22 @@ def test_for_model_and_generate(name, method):
         unpatch_model_kv_cache(model)
     assert len(patched) == N_NEW and len(text) == 8
     # The patched attention over the compressed form and the decoded path agree (greedy).
-    assert patched == dequantized
+    if decoded_path_matches(method):
+        assert patched == dequantized
     assert not any(isinstance(c, CompressedKVCache) for c in make_prompt_cache(model))
 
 
 @pytest.mark.parametrize("method", servable_methods())
 def test_llama_cache_is_really_in_the_loop(method):
-    """At low bits the compressed llama generates something else than the fp16 cache."""
+    """With our caches patched in, the tiny llama generates something else than fp16."""
     model = build("llama")
-    config = config_for(method)
     fp16 = _tokens(model, [KVCache() for _ in model.layers])
-    ours = _tokens(model, KVCacheBuilder.for_model(model, config), n=N_NEW)
-    assert ours != fp16 or method in ("pyramidkv",), "the cache changed nothing"
+    patch_model_kv_cache(model, config_for(method))
+    try:
+        ours = _tokens(model)
+    finally:
+        unpatch_model_kv_cache(model)
+    assert ours != fp16, "the cache changed nothing"
 
 
 def test_phi3_head_dim_96_kivi_groups():

@@ -10,7 +10,7 @@ import veloxquant_mlx.cache.base as cache_base
 from veloxquant_mlx import KVCacheBuilder, QuantizerConfigError
 from veloxquant_mlx.cache.base import CompressedKVCache
 from veloxquant_mlx.integration import dispatch, patch_vlm_kv_cache, unpatch_model_kv_cache
-from tests.architectures.servable import config_for, servable_methods
+from tests.architectures.servable import config_for, decoded_path_matches, servable_methods
 from tests.vlm.tiny_vlms import EXPECTED_PLAN, VLMS, test_image as make_image
 
 TEXT = [(i * 5 + 3) % 58 + 1 for i in range(80)]  # no pad (0) and no image/vision ids (59..62)
@@ -54,7 +54,9 @@ def test_image_and_text_generate_with_fresh_caches_per_call(name, method):
     finally:
         unpatch_model_kv_cache(model)
     assert len(one) == N_NEW
-    assert one == two == dequantized  # the second call saw none of the first one's state
+    assert one == two  # the second call saw none of the first one's state
+    if decoded_path_matches(method):
+        assert one == dequantized
     assert len(built) == 3 and built[0][1] is not built[1][1]  # mlx-vlm asked once per call
     ours = [c for c in built[0] if isinstance(c, CompressedKVCache)]
     assert ours and all(c.n_compressed > 0 for c in ours)  # the history was compressed
