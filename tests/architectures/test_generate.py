@@ -21,7 +21,8 @@ from tests.architectures.servable import config_for, decoded_path_matches, serva
 from tests.architectures.tiny_models import ARCHITECTURES, VOCAB, build
 from tests.integration.tiny_llama import CharTokenizer
 
-PROMPT = mx.array([(i * 7 + 3) % VOCAB for i in range(100)])
+# 300 tokens: past the largest block + exact window of the methods (GEAR encodes 256-token blocks).
+PROMPT = mx.array([(i * 7 + 3) % VOCAB for i in range(300)])
 N_NEW = 24
 
 # What the rule gives, per architecture: the cache class name of each entry, "ours" for ours.

@@ -14,7 +14,7 @@ from tests.architectures.servable import config_for, servable_methods
 from tests.architectures.tiny_models import build
 from tests.integration.tiny_llama import CharTokenizer
 
-PROMPTS = [[(i * 7 + 3 + k) % 64 for i in range(n)] for k, n in enumerate([100, 37, 70])]
+PROMPTS = [[(i * 7 + 3 + k) % 64 for i in range(n)] for k, n in enumerate([300, 37, 170])]
 MAX_TOKENS = [12, 5, 9]  # sequences finish at different steps: filter
 
 
