@@ -67,7 +67,7 @@ def _state(model):
 
 @pytest.mark.parametrize("model, message", [
     (NoLayers(), r"NoLayers has no layer list: looked for model.layers, model.model.layers"),
-    (OddModel(), r"no layer of OddModel \(2 layers, model caches \['KVCache'\]\).*looked for a plain "
+    (OddModel(), r"no layer of tests.architectures.test_bad_input.OddModel \(2 layers, model caches \['KVCache'\]\).*looked for a plain "
                  r"KVCache entry whose layer has an attention module \(self_attn/.*n_kv_heads"),
     (MismatchedHybrid(), r"MismatchedHybrid.make_cache\(\) returned 3 caches for 4 layers, 2 of them "
                          r"plain KVCache, but 3 layers have readable attention"),

@@ -120,7 +120,7 @@ def test_head_dim_the_method_refuses_names_the_layer():
     # KIVI group 64 cannot split phi3's head_dim 96: refused at plan time, naming layer 0.
     from veloxquant_mlx import KVCacheConfig
 
-    with pytest.raises(QuantizerConfigError, match=r"Model layer 0 \(Attention, head_dim=96"):
+    with pytest.raises(QuantizerConfigError, match=r"mlx_lm.models.phi3.Model layer 0 \(Attention, head_dim=96"):
         KVCacheBuilder(build("phi3"), KVCacheConfig(method="kivi", kivi_group_size=64))
 
 

@@ -51,7 +51,8 @@ class KVCacheBuilder:
                 f"KVCacheBuilder needs a KVCacheConfig, got {type(config).__name__}"
             )
         self.config = config
-        self.model_name = type(model).__name__
+        # Module-qualified: every mlx-lm model class is called `Model`.
+        self.model_name = f"{type(model).__module__}.{type(model).__qualname__}"
         self.layers = find_layers(model)
         # What the model would build on its own, for the entries we leave alone.
         self.default_make_cache = default_make_cache or getattr(model, "make_cache", None)

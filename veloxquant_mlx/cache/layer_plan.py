@@ -73,7 +73,8 @@ def find_layers(model) -> list:
     if language_model is not None and language_model is not model:
         return find_layers(language_model)
     raise QuantizerConfigError(
-        f"KVCacheBuilder: {type(model).__name__} has no layer list: looked for "
+        f"KVCacheBuilder: {type(model).__module__}.{type(model).__qualname__} has no layer "
+        "list: looked for "
         f"{', '.join(LAYER_LIST_PLACES)} (a non-empty list)"
     )
 
