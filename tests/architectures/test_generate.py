@@ -1,7 +1,6 @@
 """for_model + mlx_lm.generate on a tiny random-weight model of each architecture, with every
 servable method (tests/architectures/servable.py)."""
 
-import math
 import re
 
 import mlx.core as mx

@@ -4,7 +4,8 @@ import mlx.core as mx
 
 from tests.integration.tiny_llama import tiny_llama
 
-PROMPT = mx.array([(i * 7 + 3) % 64 for i in range(100)])
+# 300 tokens: past the largest block + exact window of the methods (GEAR: 256-token blocks).
+PROMPT = mx.array([(i * 7 + 3) % 64 for i in range(300)])
 N_NEW = 24
 
 

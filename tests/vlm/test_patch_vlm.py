@@ -4,14 +4,18 @@ generate_step and how the inputs are built)."""
 
 import mlx.core as mx
 import pytest
-from mlx_vlm.generate.ar import generate_step
 
-import veloxquant_mlx.cache.base as cache_base
+pytest.importorskip("mlx_vlm", reason="the vlm extra (mlx-vlm) is not installed")
+pytest.importorskip("transformers", reason="mlx-vlm's transformers dependency is missing")
+
+from mlx_vlm.generate.ar import generate_step  # noqa: E402
+
+import veloxquant_mlx.cache.base as cache_base  # noqa: E402
 from veloxquant_mlx import KVCacheBuilder, QuantizerConfigError
 from veloxquant_mlx.cache.base import CompressedKVCache
 from veloxquant_mlx.integration import dispatch, patch_vlm_kv_cache, unpatch_model_kv_cache
 from tests.architectures.servable import config_for, decoded_path_matches, servable_methods
-from tests.vlm.tiny_vlms import EXPECTED_PLAN, VLMS, test_image as make_image
+from tests.vlm.tiny_vlms import EXPECTED_PLAN, VLMS, make_image
 
 TEXT = [(i * 5 + 3) % 58 + 1 for i in range(300)]  # no pad (0) and no image/vision ids (59..62)
 N_NEW = 16

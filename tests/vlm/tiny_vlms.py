@@ -24,7 +24,7 @@ def _scaled(model, seed_scale=3.0):
     return model
 
 
-def test_image(seed=0, size=56):
+def make_image(seed=0, size=56):
     pixels = np.random.default_rng(seed).random((size, size, 3)) * 255
     return Image.fromarray(pixels.astype(np.uint8))
 
