@@ -81,3 +81,34 @@ def test_standalone_method_refused_before_anything_is_touched(name, monkeypatch)
         patch_vlm_kv_cache(model, config_for("kivi"))
     after = (dict(model.__dict__), dict(model.language_model.__dict__), dispatch.installed_modules())
     assert before == after
+
+
+@pytest.mark.parametrize("method", servable_methods())
+def test_mlx_vlm_generate_with_an_offline_processor(method):
+    """mlx_vlm.generate itself (processor, prompt string, PIL image) on the patched Qwen2-VL."""
+    import mlx_vlm
+
+    from tests.vlm.tiny_vlms import offline_qwen2_vl_processor, qwen2_vl
+
+    model, processor = qwen2_vl(), offline_qwen2_vl_processor()
+    prompt = "look <|vision_start|><|image_pad|><|vision_end|> " + "the quick brown fox. " * 14
+    config = config_for(method)
+
+    def run(**kwargs):
+        return mlx_vlm.generate(model, processor, prompt, image=[make_image()], max_tokens=N_NEW,
+                                temperature=0.0, **kwargs).token_ids
+
+    dequantized = run(prompt_cache=KVCacheBuilder.for_model(model.language_model, config))
+    try:
+        patch_vlm_kv_cache(model, config)
+        built = []
+        make_cache = model.language_model.make_cache
+        object.__setattr__(model.language_model, "make_cache", lambda: built.append(make_cache()) or built[-1])
+        one, two = run(), run()
+    finally:
+        unpatch_model_kv_cache(model)
+    assert 1 <= len(one) <= N_NEW and one == two  # greedy may hit the tokenizer's eos early
+    assert len(built) == 2 and built[0][0] is not built[1][0]  # fresh caches per call
+    assert all(c.offset > 300 and c.n_compressed > 0 for c in built[0])
+    if decoded_path_matches(method):
+        assert one == dequantized

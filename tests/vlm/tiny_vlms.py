@@ -85,3 +85,32 @@ EXPECTED_PLAN = {
     "qwen2_vl": ["ours", "ours"],
     "gemma3": ["RotatingKVCache", "ours", "RotatingKVCache", "ours"],
 }
+
+
+def offline_qwen2_vl_processor():
+    """A Qwen2-VL processor for `mlx_vlm.generate` without the hub: a character-level WordLevel
+    tokenizer (ids < VOCAB, the vision specials at the config's ids 59..62), transformers'
+    Qwen2VLImageProcessor (numpy/PIL backend) sized for the 56x56 test image, mlx-vlm's own
+    torch-free Qwen2VLProcessor, and the detokenizer / stopping criteria mlx-vlm's
+    load_processor would attach."""
+    from mlx_vlm.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+    from mlx_vlm.tokenizer_utils import NaiveStreamingDetokenizer
+    from mlx_vlm.utils import StoppingCriteria
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessor
+
+    characters = [chr(97 + i) for i in range(26)] + [chr(65 + i) for i in range(26)] + [" ", ".", ","]
+    vocab = {c: i + 1 for i, c in enumerate(characters)}  # 1..55
+    vocab.update({"<unk>": 56, "<eos>": 57, "<pad>": 58, "<|vision_start|>": 59, "<|image_pad|>": 60,
+                  "<|video_pad|>": 61, "<|vision_end|>": 62})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>",
+        additional_special_tokens=["<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>"])
+    side = 56 * 56
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=side, max_pixels=side),
+                                 tokenizer=tokenizer, video_processor=None, chat_template=None)
+    processor.detokenizer = NaiveStreamingDetokenizer(tokenizer)
+    tokenizer.stopping_criteria = StoppingCriteria([tokenizer.eos_token_id], tokenizer)
+    return processor
