@@ -14,6 +14,9 @@ import sys
 import warnings
 
 from veloxquant_mlx.cache.base import CompressedKVCache
+from veloxquant_mlx.cache.batch import BatchCompressedKVCache
+
+OUR_CACHES = (CompressedKVCache, BatchCompressedKVCache)
 
 FUNCTION_NAME = "scaled_dot_product_attention"
 
@@ -23,7 +26,7 @@ _installed: dict[str, list] = {}
 
 def make_dispatcher(original):
     def scaled_dot_product_attention(queries, keys, values, cache=None, scale=1.0, mask=None, *args, **kwargs):
-        if isinstance(cache, CompressedKVCache):
+        if isinstance(cache, OUR_CACHES):
             sinks = args[0] if args else kwargs.get("sinks")
             # keys / values are unused here; from now on the cache does not even build them
             # (while this dispatcher stays installed).
