@@ -229,6 +229,10 @@ class CompressedKVCache(_BaseCache):
                 f"{type(self).__name__}: additive float masks are not supported; "
                 "pass a boolean mask or 'causal'"
             )
+        if mask is None:
+            # Like _keep_mask: no mask means causal over the whole history (the queries are
+            # the last L cached positions), which is also what the batch cache relies on.
+            mask = "causal"
         return mx.fast.scaled_dot_product_attention(
             queries,
             keys.astype(queries.dtype),
