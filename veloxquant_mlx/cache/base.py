@@ -174,6 +174,12 @@ class CompressedKVCache(_BaseCache):
     # query rows so the score matrix never exceeds this (mlx-lm's own quantized attention does
     # not tile, which raises its peak memory during long prefills).
     attention_tile_bytes: ClassVar[int] = 64 << 20
+    # From this many query rows (GQA-folded) on, attention decodes the layer's history once,
+    # transiently, and uses dense matmuls: a prefill chunk does rows x history work, for which
+    # BLAS beats a quantized matmul by ~10x on the CPU, while the decoded history of one layer
+    # (B * H * n * (D + Dv) floats) is far smaller than the chunk's score tiles. Decode steps
+    # (rows = GQA group size) always read the compressed form. None: never decode.
+    dense_history_rows: ClassVar[int | None] = 64
 
     def attention(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
         """softmax(q K^T * scale + mask) V over the compressed history and the exact window."""
@@ -190,11 +196,14 @@ class CompressedKVCache(_BaseCache):
                 "heads must be a multiple of the kv heads"
             )
         rep = n_q_heads // self.n_kv_heads
-        n_cols = (self.capacity if self.n_compressed else 0) + self._window_length()
+        history = None
+        if self.n_compressed and self.dense_history_rows is not None and rep * L >= self.dense_history_rows:
+            history = self._decode()
+        n_cols = self._history_columns(history) + self._window_length()
         row_bytes = B * n_q_heads * n_cols * 4
         rows = max(1, self.attention_tile_bytes // max(row_bytes, 1))
         if rows >= L:
-            out = self._attend(queries, scale, mask, rep, first=self.offset - L)
+            out = self._attend(queries, scale, mask, rep, self.offset - L, history)
         else:
             tiles = []
             for start in range(0, L, rows):
@@ -202,7 +211,7 @@ class CompressedKVCache(_BaseCache):
                 tile_mask = mask
                 if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
                     tile_mask = mask[..., start:stop, :]
-                tile = self._attend(queries[:, :, start:stop], scale, tile_mask, rep, first=self.offset - L + start)
+                tile = self._attend(queries[:, :, start:stop], scale, tile_mask, rep, self.offset - L + start, history)
                 # Evaluate each tile so its score matrix is freed before the next one is built.
                 mx.eval(tile)
                 tiles.append(tile)
@@ -213,41 +222,78 @@ class CompressedKVCache(_BaseCache):
     def _window_length(self) -> int:
         return 0 if self.window_keys is None else self.window_keys.shape[2]
 
-    def _attend(self, queries: mx.array, scale: float, mask, rep: int, first: int) -> mx.array:
+    def _history_columns(self, history) -> int:
+        """Score columns of the history: the whole capacity (slack masked) in compressed form,
+        exactly n_compressed when decoded."""
+        if not self.n_compressed:
+            return 0
+        return self.n_compressed if history is not None else self.capacity
+
+    def _slack_keep(self) -> mx.array | None:
+        """(capacity,) True for the filled columns of the compressed form; None without slack.
+        Cached: it changes only when a block is flushed or the store grows."""
+        if self.capacity == self.n_compressed:
+            return None
+        key = (self.capacity, self.n_compressed)
+        cached = self.__dict__.get("_slack_keep_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, mx.arange(self.capacity) < self.n_compressed)
+            self._slack_keep_cache = cached
+        return cached[1]
+
+    def _attend(self, queries: mx.array, scale: float, mask, rep: int, first: int, history=None) -> mx.array:
         """Attention of the query positions [first, first + L) over everything cached."""
         B, n_q_heads, L, D = queries.shape
         # GQA folded into the rows: (B, H_kv, rep * L, D); query row r*L + i is position i.
         q = (queries * scale).reshape(B, self.n_kv_heads, rep * L, D)
+        n_hist = self._history_columns(history)
+        general_mask = isinstance(mask, mx.array)
         parts = []
-        if self.n_compressed:
-            parts.append(self._scores(q).astype(mx.float32))
+        if history is not None:
+            parts.append((q @ history[0].astype(q.dtype).swapaxes(-1, -2)).astype(mx.float32))
+        elif n_hist:
+            scores = self._scores(q).astype(mx.float32)
+            slack = None if general_mask else self._slack_keep()
+            if slack is not None:
+                scores = mx.where(slack, scores, mx.finfo(mx.float32).min)
+            parts.append(scores)
         if self.window_keys is not None:
             wk = self.window_keys.astype(q.dtype)
-            parts.append((q @ wk.swapaxes(-1, -2)).astype(mx.float32))
+            scores = (q @ wk.swapaxes(-1, -2)).astype(mx.float32)
+            if not general_mask and L > 1:
+                # The history lies wholly before the queries (flushes happen before new tokens
+                # arrive), so only the window needs the causal mask.
+                window_pos = mx.arange(self.n_compressed, self.n_compressed + self._window_length())
+                keep = window_pos[None, :] <= mx.arange(first, first + L)[:, None]
+                scores = mx.where(mx.tile(keep, (rep, 1)), scores, mx.finfo(mx.float32).min)
+            parts.append(scores)
         scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
-        keep = self._keep_mask(L, rep, mask, first)
-        if keep is not None:
+        if general_mask:
+            keep = self._keep_mask(L, rep, mask, first, n_hist)
             scores = mx.where(keep, scores, mx.finfo(mx.float32).min)
         probs = mx.softmax(scores, axis=-1, precise=True)
         out = None
-        n_cap = self.capacity if self.n_compressed else 0
-        if self.n_compressed:
-            out = self._weighted_values(probs[..., :n_cap].astype(q.dtype))
+        if history is not None:
+            out = probs[..., :n_hist].astype(q.dtype) @ history[1].astype(q.dtype)
+        elif n_hist:
+            out = self._weighted_values(probs[..., :n_hist].astype(q.dtype))
         if self.window_values is not None:
             wv = self.window_values.astype(q.dtype)
-            window_out = probs[..., n_cap:].astype(q.dtype) @ wv
+            window_out = probs[..., n_hist:].astype(q.dtype) @ wv
             out = window_out if out is None else out + window_out
         return out.reshape(B, n_q_heads, L, -1).astype(queries.dtype)
 
-    def _keep_mask(self, L: int, rep: int, mask, first: int | None = None):
-        """Boolean (.., rep*L, capacity + window) of the keys each query row may see, or None.
-        The query rows are the positions [first, first + L) (default: the last L tokens)."""
+    def _keep_mask(self, L: int, rep: int, mask, first: int | None = None, n_hist: int | None = None):
+        """Boolean (.., rep*L, n_hist + window) of the keys each query row may see, or None.
+        The query rows are the positions [first, first + L) (default: the last L tokens); the
+        history has n_hist columns (default: the capacity, slack columns masked)."""
         if first is None:
             first = self.offset - L
+        if n_hist is None:
+            n_hist = self.capacity if self.n_compressed else 0
         n_window = self._window_length()
-        n_cap = self.capacity if self.n_compressed else 0
         # Absolute position of each score column; slack columns get a position past the end.
-        cap_pos = mx.arange(n_cap)
+        cap_pos = mx.arange(n_hist)
         cap_pos = mx.where(cap_pos < self.n_compressed, cap_pos, self.offset + 1)
         key_pos = mx.concatenate([cap_pos, mx.arange(self.n_compressed, self.n_compressed + n_window)])
         query_pos = mx.arange(first, first + L)
@@ -270,7 +316,7 @@ class CompressedKVCache(_BaseCache):
             else:
                 given = mx.tile(given, (rep, 1))
             return given
-        if mask is None and L == 1 and self.capacity == self.n_compressed:
+        if mask is None and L == 1 and n_hist == self.n_compressed:
             return None
         keep = key_pos[None, :] <= query_pos[:, None]
         return mx.tile(keep, (rep, 1))
