@@ -19,6 +19,7 @@ from veloxquant_mlx import (
     KVCacheConfig,
     QuantizerConfigError,
     patch_model_kv_cache,
+    patch_vlm_kv_cache,
     unpatch_model_kv_cache,
 )
 from veloxquant_mlx.cache.kivi import KIVICache
@@ -166,3 +167,29 @@ def test_generate_step_kv_bits_converts_without_losing_history(model):
     back = mx.dequantize(*converted.keys, group_size=32, bits=4)[:, :, : len(PROMPT)]
     assert back.shape == keys.shape
     assert mx.abs(back - keys).max().item() <= 0.2 * mx.abs(keys).max().item()
+
+
+def test_vlm_wrapper_gets_caches_for_its_language_model(model):
+    import mlx.nn as nn
+
+    class Wrapper(nn.Module):
+        def __init__(self, language_model):
+            super().__init__()
+            self.language_model = language_model
+
+    wrapper = Wrapper(model)
+    first = patch_vlm_kv_cache(wrapper, CONFIG)
+    assert [type(c) for c in first] == [KIVICache, KIVICache]
+    assert wrapper.make_cache()[0] is not model.make_cache()[0]
+    assert type(model.make_cache()[1]) is KIVICache
+    assert len(KVCacheBuilder.for_model(wrapper, CONFIG)) == 2  # the builder walks language_model too
+    assert unpatch_model_kv_cache(wrapper)
+    assert "make_cache" not in wrapper.__dict__ and "make_cache" not in model.__dict__
+    assert mlx_llama.scaled_dot_product_attention is mlx_base.scaled_dot_product_attention
+    with pytest.raises(QuantizerConfigError, match="language_model"):
+        patch_vlm_kv_cache(model, CONFIG)
+
+
+def test_merge_for_batching_is_a_clear_error():
+    with pytest.raises(QuantizerConfigError, match="merged"):
+        KIVICache.merge([KIVICache(CONFIG), KIVICache(CONFIG)])
