@@ -193,3 +193,19 @@ def test_vlm_wrapper_gets_caches_for_its_language_model(model):
 def test_merge_for_batching_is_a_clear_error():
     with pytest.raises(QuantizerConfigError, match="merged"):
         KIVICache.merge([KIVICache(CONFIG), KIVICache(CONFIG)])
+
+
+def test_builder_reads_head_dim_from_k_proj_when_the_model_does_not_keep_it():
+    from mlx_lm.models import qwen2
+
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=128, num_hidden_layers=2, intermediate_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=32)
+    qwen = qwen2.Model(args)
+    caches = KVCacheBuilder.for_model(qwen, CONFIG)
+    assert [type(c) for c in caches] == [KIVICache, KIVICache]
+    first = patch_model_kv_cache(qwen, CONFIG)
+    try:
+        tokens = _tokens(qwen, first, prompt=mx.array(list(range(30)) * 3), n=4)
+        assert len(tokens) == 4 and first[0].head_dim == 32 and first[0].n_kv_heads == 2
+    finally:
+        unpatch_model_kv_cache(qwen)

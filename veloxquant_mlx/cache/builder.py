@@ -2,8 +2,9 @@
 layer.
 
 Which layers get our cache is decided by one rule, `classify_layer`: a layer whose `self_attn`
-names its `n_kv_heads` and `head_dim` and that is not a sliding-window layer (`use_sliding`) is
-plain attention (the llama family: llama, mistral, qwen2, smollm, ...). Every other layer keeps
+names its `n_kv_heads` and whose head_dim can be read (`head_dim`, or k_proj's rows) and that is
+not a sliding-window layer (`use_sliding`) is plain attention (the llama family: llama, mistral,
+qwen2, qwen3, smollm, ...). Every other layer keeps
 the cache the model itself would build (its `make_cache()` entry, or mlx-lm's KVCache when the
 model has no make_cache). A model in which no attention layer can be found is refused.
 """
@@ -28,16 +29,40 @@ class AttentionLayer:
     n_kv_heads: int
 
 
-def classify_layer(layer) -> tuple[object, str] | None:
-    """The rule: (attention module, why) when the layer is plain full attention, else None."""
+def _projection_heads_dim(attn, name: str, n_kv_heads: int) -> int | None:
+    """Per-head width from a projection's output rows (k_proj / v_proj: n_kv_heads * dim)."""
+    weight = getattr(getattr(attn, name, None), "weight", None)
+    if weight is None or weight.shape[0] % n_kv_heads:
+        return None
+    return weight.shape[0] // n_kv_heads
+
+
+def classify_layer(layer) -> tuple[object, int, int, int] | None:
+    """The rule: (attention module, n_kv_heads, head_dim, value_dim) when the layer is plain full
+    attention, else None (the layer keeps the model's own cache).
+
+    Plain attention: `layer.self_attn` with an integer `n_kv_heads` and a head_dim read from
+    `self_attn.head_dim` or, when the model does not keep it (qwen2, qwen3), from k_proj's
+    output rows; value_dim from `v_head_dim` or v_proj. Not a sliding-window layer
+    (`use_sliding`): those keep the model's RotatingKVCache.
+    """
     attn = getattr(layer, "self_attn", None)
     if attn is None:
         return None  # Mamba / linear-attention / MLP-only layers
     if getattr(layer, "use_sliding", False) or getattr(attn, "use_sliding", False):
-        return None  # sliding-window layers keep the model's RotatingKVCache
-    if not all(isinstance(getattr(attn, name, None), int) for name in ("n_kv_heads", "head_dim")):
         return None
-    return attn, "self_attn with n_kv_heads and head_dim"
+    n_kv_heads = getattr(attn, "n_kv_heads", None)
+    if not isinstance(n_kv_heads, int) or n_kv_heads < 1:
+        return None
+    head_dim = getattr(attn, "head_dim", None)
+    if not isinstance(head_dim, int):
+        head_dim = _projection_heads_dim(attn, "k_proj", n_kv_heads)
+    if head_dim is None:
+        return None
+    value_dim = getattr(attn, "v_head_dim", None)
+    if not isinstance(value_dim, int):
+        value_dim = _projection_heads_dim(attn, "v_proj", n_kv_heads) or head_dim
+    return attn, n_kv_heads, head_dim, value_dim
 
 
 def find_layers(model) -> list:
@@ -73,14 +98,13 @@ class KVCacheBuilder:
             found = classify_layer(layer)
             if found is None:
                 continue
-            attn = found[0]
-            value_dim = getattr(attn, "v_head_dim", None) or attn.head_dim
-            self.attention.append(AttentionLayer(index, attn, attn.head_dim, value_dim, attn.n_kv_heads))
+            attn, n_kv_heads, head_dim, value_dim = found
+            self.attention.append(AttentionLayer(index, attn, head_dim, value_dim, n_kv_heads))
         if not self.attention:
             raise QuantizerConfigError(
                 f"KVCacheBuilder: no attention layer in {self.model_name} ({len(self.layers)} "
-                "layers): looked for layer.self_attn with integer n_kv_heads and head_dim and "
-                "no sliding window"
+                "layers): looked for layer.self_attn with an integer n_kv_heads, a head_dim (or "
+                "k_proj) and no sliding window"
             )
         # Fail now, not at the first token: per-layer bits and head_dims the method refuses.
         for cache, layer in zip(self._new_caches(), self.attention):
