@@ -1,0 +1,50 @@
+import json
+
+from veloxquant_mlx.bench import gpu_speed
+
+TINY = ["--layers", "1", "--hidden", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "64",
+        "--intermediate", "128", "--vocab", "300", "--dtype", "float32"]
+
+
+def test_quick_run_end_to_end_on_the_cpu(tmp_path):
+    out = tmp_path / "g.json"
+    code = gpu_speed.main(["--quick", *TINY, "--contexts", "96,64", "--methods", "fp16,mlx-q4",
+                           "--prefill-step-size", "32", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["quick"] and result["settings"]["decode_tokens"] == 8
+    assert result["settings"]["warmup_context"] == 64
+    assert set(result["warmup"]) == {"fp16", "mlx-q4"}
+    assert [(c["spec"], c["context"]) for c in result["cases"]] == [
+        ("fp16", 64), ("mlx-q4", 64), ("fp16", 96), ("mlx-q4", 96)]
+    for case in result["cases"]:
+        assert "error" not in case and case["decode_tps"]["median"] > 0
+        assert case["bytes_ratio_vs_fp16"] > 0 and case["peak_bytes"]["median"] > 0
+    assert result["cases"][1]["ratio_vs"]["fp16"]["decode_tps"] > 0
+    assert result["machine"]["backend"]["mlx"] and result["elapsed_s"] > 0
+
+
+def test_failures_and_budget_are_recorded(tmp_path):
+    out = tmp_path / "g.json"
+    # head_dim 32 cannot be quantized in groups of 64: mlx-q4 fails, fp16 runs, run goes on.
+    tiny32 = [a if a != "64" else "32" for a in TINY]
+    assert gpu_speed.main(["--quick", *tiny32, "--contexts", "40", "--methods", "fp16,mlx-q4",
+                           "--out", str(out)]) == 0
+    cases = {c["spec"]: c for c in json.loads(out.read_text())["cases"]}
+    assert "error" not in cases["fp16"] and cases["mlx-q4"]["error"]
+    assert gpu_speed.main(["--quick", *TINY, "--contexts", "40", "--methods", "fp16",
+                           "--budget-s", "0", "--out", str(out)]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["skipped"].startswith("budget") and case["runs"] == []
+
+
+def test_targets_compare_ours_with_fp16():
+    def case(spec, kind, context, tps, prefill_s):
+        return {"spec": spec, "kind": kind, "context": context,
+                "prefill_s": {"median": prefill_s}, "decode_tps": {"median": tps},
+                "ratio_vs": {"fp16": {"decode_tps": tps / 100}} if kind == "ours" else {}}
+    rows = gpu_speed.check_targets([case("fp16", "fp16", 32768, 100, 1.0),
+                                    case("kivi", "ours", 32768, 95, 1.3),
+                                    case("kivi", "ours", 131072, 99, 5.0)])
+    met = {(r["context"], r["target"].split()[0]): r["met"] for r in rows}
+    assert met == {(32768, "decode"): True, (32768, "prefill"): False, (131072, "decode"): False}

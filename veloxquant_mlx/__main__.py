@@ -1,0 +1,5 @@
+"""`python -m veloxquant_mlx` runs the `veloxquant` command line."""
+
+from veloxquant_mlx.cli.main import main
+
+raise SystemExit(main())

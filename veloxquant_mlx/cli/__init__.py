@@ -1,0 +1,1 @@
+"""The `veloxquant` command line; see main.py for how subcommands plug in."""
