@@ -182,3 +182,17 @@ def test_packed_codes_are_in_the_layout_mlx_reads(bits):
     ones = mx.ones((2, 3, 3))
     decoded = mx.dequantize(words, ones, mx.zeros_like(ones), group_size=32, bits=bits)
     assert mx.array_equal(decoded, codes.astype(mx.float32)).item()
+
+
+def test_save_and_load_with_an_empty_window(tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    cache = _kivi(bit_width_inlier=4, kivi_residual_length=0)
+    _fill(cache, 64)
+    assert cache.window_keys is None and cache.n_compressed == 64
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, [cache])
+    (loaded,) = load_prompt_cache(path)
+    assert type(loaded) is KIVICache and loaded.window_keys is None
+    for a, b in zip(loaded._full_keys_values(), cache._full_keys_values()):
+        assert mx.array_equal(a, b).item()
