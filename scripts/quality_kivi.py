@@ -36,7 +36,7 @@ from veloxquant_mlx.quality import measure_kv_quality, passage_tokens, reference
 def variant(name: str):
     """name -> (make_cache(model), cleanup(model))."""
     if name.startswith("kivi-"):
-        parts = name.split("-")  # kivi-2, kivi-2-g64, kivi-2-r0
+        parts = name.split("-")  # kivi-2, kivi-2-g64, kivi-2-r0, kivi-2-k4 (key bits), kivi-2-v4
         fields = {"bit_width_inlier": int(parts[1])}
         for extra in parts[2:]:
             if extra.startswith("g"):
@@ -45,6 +45,8 @@ def variant(name: str):
                 fields["kivi_residual_length"] = int(extra[1:])
             elif extra.startswith("k"):
                 fields["key_bits"] = int(extra[1:])
+            elif extra.startswith("v"):
+                fields["value_bits"] = int(extra[1:])
         config = KVCacheConfig(method="kivi", **fields)
         return (lambda model: patch_model_kv_cache(model, config)), unpatch_model_kv_cache
     if name.startswith("mlx-q"):
@@ -56,6 +58,7 @@ def variant(name: str):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default="kivi-2,kivi-4")
+    parser.add_argument("--out", default="kivi_quality.json", help="file name under results/")
     args = parser.parse_args()
     model, tokenizer = load_smollm2(mx.float32)
     tokens = passage_tokens(tokenizer)
@@ -88,7 +91,7 @@ def _write(args, results: dict, seconds: float) -> None:
                    "(results/quality_mlx_baselines_cpu.json: 4-bit g64 KL 0.141, 2-bit g32 KL 2.13)",
         "results": results, "total_seconds": round(seconds, 1),
     }
-    path = os.path.join(os.path.dirname(__file__), "..", "results", "kivi_quality.json")
+    path = os.path.join(os.path.dirname(__file__), "..", "results", args.out)
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
 
