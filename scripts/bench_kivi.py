@@ -4,6 +4,7 @@ prefill. Writes results/kivi_<part>.json.
     python scripts/bench_kivi.py bytes
     python scripts/bench_kivi.py decode --context 4096 --steps 32 --rounds 5
     python scripts/bench_kivi.py peak --context 16384 --layers 4
+    python scripts/bench_kivi.py attention --rounds 40
 
 The model is a random-weight mlx-lm llama of SmolLM2-135M's shape (30 layers, 9 query heads,
 3 KV heads, head_dim 64, hidden 576) in float32: speed and memory do not depend on weight values.
@@ -213,9 +214,46 @@ def run_peak(args) -> None:
                    "target": "peak with kivi <= peak with fp16 KVCache", "results": out})
 
 
+# ---- one layer's decode attention ---------------------------------------------------------------
+def run_attention(args) -> None:
+    """One layer's decode attention at `context` (9 query / 3 KV heads, head_dim 64, float32),
+    interleaved rounds; the minimum is the least load-disturbed figure on a shared CPU."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    from veloxquant_mlx import KVCacheFactory
+
+    T = args.context
+    mx.random.seed(0)
+    k, v = mx.random.normal((1, 3, T, 64)), mx.random.normal((1, 3, T, 64))
+    q = mx.random.normal((1, 9, 1, 64))
+    kivi = {}
+    for bits in (2, 4):
+        cache = KVCacheFactory.create(kivi_config(bits))
+        cache.update_and_fetch(k, v)
+        cache.attention(q, scale=0.125)
+        cache.update_and_fetch(k[:, :, :1], v[:, :, :1])
+        kivi[bits] = cache
+    qk, qv = mx.quantize(k, group_size=64, bits=4), mx.quantize(v, group_size=64, bits=4)
+    mx.eval(qk, qv, [c.state for c in kivi.values()])
+    functions = {
+        "fp16 KVCache path (mx.fast.scaled_dot_product_attention)": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125),
+        "mlx-lm QuantizedKVCache 4-bit g64 path": lambda: quantized_scaled_dot_product_attention(q, qk, qv, scale=0.125, mask=None, group_size=64, bits=4),
+        "kivi-2 compressed attention": lambda: kivi[2]._attend(q, 0.125, None, 3, kivi[2].offset - 1),
+        "kivi-4 compressed attention": lambda: kivi[4]._attend(q, 0.125, None, 3, kivi[4].offset - 1),
+    }
+    times = {name: [] for name in functions}
+    for _ in range(args.rounds):
+        for name, f in functions.items():
+            t0 = time.perf_counter()
+            mx.eval(f())
+            times[name].append(time.perf_counter() - t0)
+    results = {name: {"min_us": round(1e6 * min(ts), 1), "median_us": round(1e6 * statistics.median(ts), 1)} for name, ts in times.items()}
+    write("attention", {"context": T, "rounds": args.rounds, "results": results})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("part", choices=["bytes", "decode", "peak"])
+    parser.add_argument("part", choices=["bytes", "decode", "peak", "attention"])
     parser.add_argument("--context", type=int, default=None)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--steps", type=int, default=32)
@@ -224,8 +262,8 @@ def main() -> None:
     parser.add_argument("--caches", default="fp16,kivi-2")
     args = parser.parse_args()
     if args.context is None:
-        args.context = {"bytes": 4096, "decode": 4096, "peak": 16384}[args.part]
-    {"bytes": run_bytes, "decode": run_decode, "peak": run_peak}[args.part](args)
+        args.context = {"bytes": 4096, "decode": 4096, "peak": 16384, "attention": 4096}[args.part]
+    {"bytes": run_bytes, "decode": run_decode, "peak": run_peak, "attention": run_attention}[args.part](args)
 
 
 if __name__ == "__main__":
