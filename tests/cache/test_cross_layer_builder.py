@@ -14,7 +14,6 @@ from veloxquant_mlx.cache.builder import KVCacheBuilder
 from tests.cache.test_cross_layer_tiny_llama import tiny_llama
 
 
-@pytest.mark.xfail(strict=True, reason="builder.py creates cross-layer caches without build_layers")
 @pytest.mark.parametrize("method", ["xquant", "minicache", "pyramidkv"])
 def test_builder_shares_one_coordinator(method):
     caches = KVCacheBuilder.for_model(tiny_llama(), KVCacheConfig(method=method))

@@ -19,6 +19,7 @@ from veloxquant_mlx import (
     KVCacheConfig,
     QuantizerConfigError,
     patch_model_kv_cache,
+    patch_vlm_kv_cache,
     unpatch_model_kv_cache,
 )
 from veloxquant_mlx.cache.kivi import KIVICache
@@ -41,7 +42,7 @@ def model():
     unpatch_model_kv_cache(m)
 
 
-def test_patched_generate_matches_the_dequantized_path_and_never_decodes(model, monkeypatch):
+def test_patched_generate_matches_the_dequantized_path_and_decode_never_decodes(model, monkeypatch):
     # Unpatched attention over the K/V our caches decode: the reference.
     dequantized = _tokens(model, KVCacheBuilder.for_model(model, CONFIG))
     step_rows, decodes = spy_history_decodes(monkeypatch, KIVICache)
@@ -49,7 +50,14 @@ def test_patched_generate_matches_the_dequantized_path_and_never_decodes(model, 
     assert [type(c) for c in first] == [KIVICache, KIVICache]
     patched = _tokens(model)  # mlx-lm calls model.make_cache() itself
     assert patched == dequantized
+    # Prefill chunks decode one layer's history transiently; no decode step ever does.
+    assert decodes
     assert_decode_steps_never_decoded(step_rows, decodes, KIVICache, min_steps=2 * 39)
+    # Without the prefill path nothing is ever decoded, and the tokens are the same.
+    decodes.clear()
+    monkeypatch.setattr(KIVICache, "prefill_rows", None)
+    assert _tokens(model) == patched
+    assert decodes == []
     # Plain fp16 KVCache gives something else at 2 bits: the cache is really in the loop.
     unpatch_model_kv_cache(model)
     assert _tokens(model) != patched
@@ -149,6 +157,49 @@ def test_generate_step_kv_bits_converts_without_losing_history(model):
     assert len(tokens) == 8
     assert all(type(c) is QuantizedKVCache for c in cache)
     assert cache[0].offset == len(PROMPT) + 8  # one step ahead
-    # Same tokens as converting a plain cache: the whole history went into the conversion.
-    reference = [KVCache(), KVCache()]
-    assert tokens[:1] == _tokens(model, reference, n=1)
+    # The conversion itself: the whole history, decoded then re-quantized at 4 bits.
+    kivi = patch_model_kv_cache(model, CONFIG)
+    model(PROMPT[None], cache=kivi)
+    keys, values = kivi[0]._full_keys_values()
+    converted = kivi[0].to_quantized(group_size=32, bits=4)
+    assert converted.offset == kivi[0].offset == len(PROMPT)
+    back = mx.dequantize(*converted.keys, group_size=32, bits=4)[:, :, : len(PROMPT)]
+    assert back.shape == keys.shape
+    assert mx.abs(back - keys).max().item() <= 0.2 * mx.abs(keys).max().item()
+
+
+def test_vlm_wrapper_gets_caches_for_its_language_model(model):
+    import mlx.nn as nn
+
+    class Wrapper(nn.Module):
+        def __init__(self, language_model):
+            super().__init__()
+            self.language_model = language_model
+
+    wrapper = Wrapper(model)
+    assert len(KVCacheBuilder.for_model(wrapper, CONFIG)) == 2  # the builder walks language_model too
+    first = patch_vlm_kv_cache(wrapper, CONFIG)
+    assert [type(c) for c in first] == [KIVICache, KIVICache]
+    assert wrapper.make_cache()[0] is not model.make_cache()[0]
+    assert type(model.make_cache()[1]) is KIVICache
+    assert unpatch_model_kv_cache(wrapper)
+    assert "make_cache" not in wrapper.__dict__ and "make_cache" not in model.__dict__
+    assert mlx_llama.scaled_dot_product_attention is mlx_base.scaled_dot_product_attention
+    with pytest.raises(QuantizerConfigError, match="language_model"):
+        patch_vlm_kv_cache(model, CONFIG)
+
+
+def test_builder_reads_head_dim_from_k_proj_when_the_model_does_not_keep_it():
+    from mlx_lm.models import qwen2
+
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=128, num_hidden_layers=2, intermediate_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=32)
+    qwen = qwen2.Model(args)
+    caches = KVCacheBuilder.for_model(qwen, CONFIG)
+    assert [type(c) for c in caches] == [KIVICache, KIVICache]
+    first = patch_model_kv_cache(qwen, CONFIG)
+    try:
+        tokens = _tokens(qwen, first, prompt=mx.array(list(range(30)) * 3), n=4)
+        assert len(tokens) == 4 and first[0].head_dim == 32 and first[0].n_kv_heads == 2
+    finally:
+        unpatch_model_kv_cache(qwen)

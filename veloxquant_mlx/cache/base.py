@@ -190,7 +190,7 @@ class CompressedKVCache(_BaseCache):
                 "heads must be a multiple of the kv heads"
             )
         rep = n_q_heads // self.n_kv_heads
-        if L >= self.prefill_rows:
+        if self.prefill_rows is not None and L >= self.prefill_rows:
             out = self._attend_prefill(queries, scale, mask)
             self._flush()
             return out
@@ -198,7 +198,7 @@ class CompressedKVCache(_BaseCache):
         row_bytes = B * n_q_heads * n_cols * 4
         rows = max(1, self.attention_tile_bytes // max(row_bytes, 1))
         if rows >= L:
-            out = self._attend(queries, scale, mask, rep, first=self.offset - L)
+            out = self._attend(queries, scale, mask, rep, self.offset - L)
         else:
             tiles = []
             for start in range(0, L, rows):
@@ -206,7 +206,7 @@ class CompressedKVCache(_BaseCache):
                 tile_mask = mask
                 if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
                     tile_mask = mask[..., start:stop, :]
-                tile = self._attend(queries[:, :, start:stop], scale, tile_mask, rep, first=self.offset - L + start)
+                tile = self._attend(queries[:, :, start:stop], scale, tile_mask, rep, self.offset - L + start)
                 # Evaluate each tile so its score matrix is freed before the next one is built.
                 mx.eval(tile)
                 tiles.append(tile)
@@ -217,10 +217,11 @@ class CompressedKVCache(_BaseCache):
     # A chunk of at least this many queries is a prefill: its attention decodes this layer's
     # history once (a transient of one layer, freed before the next layer runs, so the peak
     # stays below the fp16 cache of all layers) and runs the fused mx.fast attention. Per
-    # query row that decode is amortised over the whole chunk, and the fused kernel tiles its
-    # score matrix itself; measured on the H200 it turned a 32K prefill from 33 s into about
-    # the fp16 time. Decode steps (fewer rows) always read the compressed form.
-    prefill_rows: ClassVar[int] = 16
+    # query row that decode is amortised over the whole chunk (rows x history work, where BLAS
+    # beats a quantized matmul ~10x on the CPU), and the fused kernel tiles its score matrix
+    # itself; on the H200 it turned a 32K prefill from 33 s into 0.73 s (fp16 cache: 1.34 s).
+    # Decode steps (fewer rows) always read the compressed form. None: never decode.
+    prefill_rows: ClassVar[int | None] = 16
 
     def _attend_prefill(self, queries: mx.array, scale: float, mask) -> mx.array:
         keys, values = self._full_keys_values()
@@ -244,41 +245,67 @@ class CompressedKVCache(_BaseCache):
     def _window_length(self) -> int:
         return 0 if self.window_keys is None else self.window_keys.shape[2]
 
+    def _slack_keep(self) -> mx.array | None:
+        """(capacity,) True for the filled columns of the compressed form; None without slack.
+        Cached: it changes only when a block is flushed or the store grows."""
+        if self.capacity == self.n_compressed:
+            return None
+        key = (self.capacity, self.n_compressed)
+        cached = self.__dict__.get("_slack_keep_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, mx.arange(self.capacity) < self.n_compressed)
+            self._slack_keep_cache = cached
+        return cached[1]
+
     def _attend(self, queries: mx.array, scale: float, mask, rep: int, first: int) -> mx.array:
         """Attention of the query positions [first, first + L) over everything cached."""
         B, n_q_heads, L, D = queries.shape
         # GQA folded into the rows: (B, H_kv, rep * L, D); query row r*L + i is position i.
         q = (queries * scale).reshape(B, self.n_kv_heads, rep * L, D)
+        n_hist = self.capacity if self.n_compressed else 0
+        general_mask = isinstance(mask, mx.array)
         parts = []
-        if self.n_compressed:
-            parts.append(self._scores(q).astype(mx.float32))
+        if n_hist:
+            scores = self._scores(q).astype(mx.float32)
+            slack = None if general_mask else self._slack_keep()
+            if slack is not None:
+                scores = mx.where(slack, scores, mx.finfo(mx.float32).min)
+            parts.append(scores)
         if self.window_keys is not None:
             wk = self.window_keys.astype(q.dtype)
-            parts.append((q @ wk.swapaxes(-1, -2)).astype(mx.float32))
+            scores = (q @ wk.swapaxes(-1, -2)).astype(mx.float32)
+            if not general_mask and L > 1:
+                # The history lies wholly before the queries (flushes happen before new tokens
+                # arrive), so only the window needs the causal mask.
+                window_pos = mx.arange(self.n_compressed, self.n_compressed + self._window_length())
+                keep = window_pos[None, :] <= mx.arange(first, first + L)[:, None]
+                scores = mx.where(mx.tile(keep, (rep, 1)), scores, mx.finfo(mx.float32).min)
+            parts.append(scores)
         scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
-        keep = self._keep_mask(L, rep, mask, first)
-        if keep is not None:
+        if general_mask:
+            keep = self._keep_mask(L, rep, mask, first, n_hist)
             scores = mx.where(keep, scores, mx.finfo(mx.float32).min)
         probs = mx.softmax(scores, axis=-1, precise=True)
         out = None
-        n_cap = self.capacity if self.n_compressed else 0
-        if self.n_compressed:
-            out = self._weighted_values(probs[..., :n_cap].astype(q.dtype))
+        if n_hist:
+            out = self._weighted_values(probs[..., :n_hist].astype(q.dtype))
         if self.window_values is not None:
             wv = self.window_values.astype(q.dtype)
-            window_out = probs[..., n_cap:].astype(q.dtype) @ wv
+            window_out = probs[..., n_hist:].astype(q.dtype) @ wv
             out = window_out if out is None else out + window_out
         return out.reshape(B, n_q_heads, L, -1).astype(queries.dtype)
 
-    def _keep_mask(self, L: int, rep: int, mask, first: int | None = None):
-        """Boolean (.., rep*L, capacity + window) of the keys each query row may see, or None.
-        The query rows are the positions [first, first + L) (default: the last L tokens)."""
+    def _keep_mask(self, L: int, rep: int, mask, first: int | None = None, n_hist: int | None = None):
+        """Boolean (.., rep*L, n_hist + window) of the keys each query row may see, or None.
+        The query rows are the positions [first, first + L) (default: the last L tokens); the
+        history has n_hist columns (default: the capacity, slack columns masked)."""
         if first is None:
             first = self.offset - L
+        if n_hist is None:
+            n_hist = self.capacity if self.n_compressed else 0
         n_window = self._window_length()
-        n_cap = self.capacity if self.n_compressed else 0
         # Absolute position of each score column; slack columns get a position past the end.
-        cap_pos = mx.arange(n_cap)
+        cap_pos = mx.arange(n_hist)
         cap_pos = mx.where(cap_pos < self.n_compressed, cap_pos, self.offset + 1)
         key_pos = mx.concatenate([cap_pos, mx.arange(self.n_compressed, self.n_compressed + n_window)])
         query_pos = mx.arange(first, first + L)
@@ -301,7 +328,7 @@ class CompressedKVCache(_BaseCache):
             else:
                 given = mx.tile(given, (rep, 1))
             return given
-        if mask is None and L == 1 and self.capacity == self.n_compressed:
+        if mask is None and L == 1 and n_hist == self.n_compressed:
             return None
         keep = key_pos[None, :] <= query_pos[:, None]
         return mx.tile(keep, (rep, 1))
@@ -362,10 +389,11 @@ class CompressedKVCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches):
-        raise QuantizerConfigError(
-            f"{cls.__name__} cannot be merged into a batch cache yet: run one sequence at a time "
-            "or use the fp16 KVCache for batched generation"
-        )
+        """mlx-lm's batched generation merges entry i of every sequence's cache list: one
+        single-sequence cache per row inside a BatchCompressedKVCache (cache/batch.py)."""
+        from veloxquant_mlx.cache.batch import BatchCompressedKVCache
+
+        return BatchCompressedKVCache.merge(caches)
 
     # ---- state --------------------------------------------------------------------------------
     @property

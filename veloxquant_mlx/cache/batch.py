@@ -239,13 +239,3 @@ class BatchCompressedKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
-
-
-def _merge(cls, caches):
-    return BatchCompressedKVCache.merge(caches)
-
-
-# base.py's CompressedKVCache.merge refuses batching; this module implements it. Until base.py
-# delegates here itself (a one-line change for its owner), importing this module (the builder
-# does) routes merge here.
-CompressedKVCache.merge = classmethod(_merge)
