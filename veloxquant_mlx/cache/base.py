@@ -417,7 +417,7 @@ class CompressedKVCache(_BaseCache):
                 "capacity": self.capacity,
                 "shape": [self.batch_size, self.n_kv_heads, self.head_dim, self.value_dim],
                 "dtype": None if self.dtype is None else str(self.dtype).split(".")[-1],
-                "store": sorted(self.store),
+                "store": sorted(self._state_arrays()),
             },
             sort_keys=True,
         )
@@ -445,10 +445,16 @@ class CompressedKVCache(_BaseCache):
         self._setup()
         return meta["store"]
 
+    def _state_arrays(self) -> dict[str, mx.array]:
+        """The arrays a saved state carries: the store, plus what a cross-layer cache reads
+        from a partner layer (each layer's state must load on its own, as mlx-lm loads them)."""
+        return self.store
+
     @property
     def state(self):
-        names = sorted(self.store)
-        return (self._meta_json(), self.window_keys, self.window_values, *[self.store[n] for n in names])
+        arrays = self._state_arrays()
+        names = sorted(arrays)
+        return (self._meta_json(), self.window_keys, self.window_values, *[arrays[n] for n in names])
 
     @state.setter
     def state(self, v):

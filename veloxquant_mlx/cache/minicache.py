@@ -362,20 +362,8 @@ class MiniCacheCache(CrossLayerMixin, CompressedKVCache):
                     arrays[f"{name}_{part}"] = array
         return arrays
 
-    def _meta_json(self) -> str:
-        store, self.store = self.store, self._state_arrays()
-        try:
-            return super()._meta_json()
-        finally:
-            self.store = store
-
-    def _get_state(self):
-        arrays = self._state_arrays()
-        names = sorted(arrays)
-        return (self._meta_json(), self.window_keys, self.window_values, *[arrays[n] for n in names])
-
     def _set_state(self, v) -> None:
         CompressedKVCache.state.fset(self, v)
         self.owns_directions = self.role != "plain"
 
-    state = property(_get_state, _set_state)
+    state = property(CompressedKVCache.state.fget, _set_state)

@@ -313,20 +313,8 @@ class XQuantCache(CrossLayerMixin, CompressedKVCache):
             arrays["v_codes"] = v_codes
         return arrays
 
-    def _meta_json(self) -> str:
-        store, self.store = self.store, self._state_arrays()
-        try:
-            return super()._meta_json()
-        finally:
-            self.store = store
-
-    def _get_state(self):
-        arrays = self._state_arrays()
-        names = sorted(arrays)
-        return (self._meta_json(), self.window_keys, self.window_values, *[arrays[n] for n in names])
-
     def _set_state(self, v) -> None:
         self.shared = False  # a loaded layer holds its own codes; relink() may share them again
         CompressedKVCache.state.fset(self, v)
 
-    state = property(_get_state, _set_state)
+    state = property(CompressedKVCache.state.fget, _set_state)
