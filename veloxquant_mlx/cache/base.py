@@ -183,13 +183,7 @@ class CompressedKVCache(_BaseCache):
                 "sinks; the builder keeps the model's own cache for such layers"
             )
         B, n_q_heads, L, D = queries.shape
-        if self.n_kv_heads == 0 or n_q_heads % self.n_kv_heads:
-            raise QuantizerConfigError(
-                f"{type(self).__name__} (layer {self.layer_index}).attention: {n_q_heads} query "
-                f"heads for {self.n_kv_heads} kv heads; call update_and_fetch first, and the query "
-                "heads must be a multiple of the kv heads"
-            )
-        rep = n_q_heads // self.n_kv_heads
+        rep = self._gqa_repeats(n_q_heads)
         if self.prefill_rows is not None and L >= self.prefill_rows:
             out = self._attend_prefill(queries, scale, mask)
             self._flush()
@@ -241,6 +235,16 @@ class CompressedKVCache(_BaseCache):
             scale=scale,
             mask=mask,
         )
+
+    def _gqa_repeats(self, n_q_heads: int) -> int:
+        """Query heads per kv head, refusing a count that does not divide (or no K/V yet)."""
+        if self.n_kv_heads == 0 or n_q_heads % self.n_kv_heads:
+            raise QuantizerConfigError(
+                f"{type(self).__name__} (layer {self.layer_index}).attention: {n_q_heads} query "
+                f"heads for {self.n_kv_heads} kv heads; call update_and_fetch first, and the query "
+                "heads must be a multiple of the kv heads"
+            )
+        return n_q_heads // self.n_kv_heads
 
     def _window_length(self) -> int:
         return 0 if self.window_keys is None else self.window_keys.shape[2]

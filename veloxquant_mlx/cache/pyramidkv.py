@@ -147,13 +147,7 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
             )
         self.attended = True
         B, n_q_heads, L, D = queries.shape
-        if self.n_kv_heads == 0 or n_q_heads % self.n_kv_heads:
-            raise QuantizerConfigError(
-                f"PyramidKVCache (layer {self.layer_index}).attention: {n_q_heads} query heads "
-                f"for {self.n_kv_heads} kv heads; call update_and_fetch first, and the query "
-                "heads must be a multiple of the kv heads"
-            )
-        rep = n_q_heads // self.n_kv_heads
+        rep = self._gqa_repeats(n_q_heads)
         n = self.n_kept
         # A long prefill chunk is split over query rows so the score matrix stays bounded.
         rows = max(1, self.attention_tile_bytes // max(B * n_q_heads * n * 4, 1))
