@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 
@@ -53,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cache specs as for `veloxquant bench` (default: fp16, mlx-q4 and each "
                         "of our installed methods)")
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per case, interleaved over the specs (default 3)")
     p.add_argument("--warmup-tokens", type=int, default=4)
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--warmup-context", type=int, default=4096,
@@ -67,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.contexts = [4096] if args.quick else _int_list(DEFAULT_CONTEXTS)
     if args.quick:
         args.decode_tokens, args.warmup_tokens = min(args.decode_tokens, 8), min(args.warmup_tokens, 2)
+        args.repeats = 1
     args.warmup_context = min(args.warmup_context, min(args.contexts))
     return args
 
@@ -104,6 +108,7 @@ def run(args) -> dict:
             "contexts": args.contexts, "decode_tokens": args.decode_tokens,
             "warmup_tokens": args.warmup_tokens, "prefill_step_size": args.prefill_step_size,
             "warmup_context": args.warmup_context, "budget_s": args.budget_s, "quick": args.quick,
+            "repeats": args.repeats, "cuda_kernels": os.environ.get("VELOXQUANT_CUDA_KERNELS", "1"),
             "seed": args.seed,
             "mlx_quantized_note": "mlx-q4 is mlx-lm's QuantizedKVCache(group_size=64, bits=4) from "
                                   "the first token (what kv_bits=4 converts to)",
@@ -139,15 +144,22 @@ def run(args) -> dict:
 
     for context in args.contexts:
         prompt = random_prompt(args.vocab, context, args.seed)
-        for spec in specs:
-            case = {"spec": spec.name, "label": spec.label, "kind": spec.kind, "context": context,
-                    "fp16_bytes": fp16_bytes_for(model, context)}
-            elapsed = time.perf_counter() - t0
-            if elapsed > args.budget_s:
-                case["skipped"] = f"budget: {elapsed:.0f} s spent of --budget-s {args.budget_s:.0f}"
-                run = None
-            else:
-                _log(f"{spec.name} at {context}")
+        cases = {}
+        # Repeats interleave the specs (spec A, B, ..., then A, B, ... again) so a slow drift of
+        # the machine (clocks, other tenants) spreads over every spec instead of biasing one.
+        for repeat in range(args.repeats):
+            for spec in specs:
+                case = cases.setdefault(spec.name, {
+                    "spec": spec.name, "label": spec.label, "kind": spec.kind, "context": context,
+                    "fp16_bytes": fp16_bytes_for(model, context), "runs": []})
+                if case.get("error"):
+                    continue  # a failing spec fails again: do not spend the budget on it
+                elapsed = time.perf_counter() - t0
+                if elapsed > args.budget_s:
+                    case.setdefault("skipped", f"budget: {elapsed:.0f} s spent of --budget-s {args.budget_s:.0f} "
+                                               f"(repeat {repeat + 1} of {args.repeats} not started)")
+                    continue
+                _log(f"{spec.name} at {context} (repeat {repeat + 1}/{args.repeats})")
                 try:
                     with spec.open(model) as make_cache:
                         run = measure_case(model, make_cache, prompt, decode_tokens=args.decode_tokens,
@@ -155,22 +167,24 @@ def run(args) -> dict:
                                            prefill_step_size=args.prefill_step_size)
                 except Exception as exc:  # noqa: BLE001 - one failing case must not end the run
                     case["error"] = _error_text(exc)
-                    run = None
                     _log(f"  error: {case['error'][:200]}")
-            case["runs"] = [run] if run else []
+                    run = None
+                if run:
+                    case["runs"].append(run)
+                    _log(f"  prefill {run['prefill_s']:.2f} s, decode {run['decode_tps']:.1f} tok/s, "
+                         f"peak {run['peak_bytes'] / 2**30:.2f} GiB")
+                gc.collect()
+                mx.clear_cache()
+        for case in cases.values():
+            runs = case["runs"]
             for metric in ("prefill_tps", "decode_tps", "prefill_s", "peak_bytes",
                            "peak_over_start_bytes", "cache_bytes_after_prompt"):
-                case[metric] = _summary([run[metric]] if run else [])
-            if run:
-                case["bytes_ratio_vs_fp16"] = run["cache_bytes_after_prompt"] / case["fp16_bytes"]
-                _log(f"  prefill {run['prefill_s']:.2f} s, decode {run['decode_tps']:.1f} tok/s, "
-                     f"peak {run['peak_bytes'] / 2**30:.2f} GiB")
+                case[metric] = _summary([r[metric] for r in runs])
+            if runs:
+                case["bytes_ratio_vs_fp16"] = runs[0]["cache_bytes_after_prompt"] / case["fp16_bytes"]
             result["cases"].append(case)
-            gc.collect()
-            mx.clear_cache()
-            save()
+        save()
         del prompt
-
     result["cases"].sort(key=lambda c: (c["context"], [s.name for s in specs].index(c["spec"])))
     _add_ratios(result["cases"], specs)
     result["targets"] = check_targets(result["cases"])

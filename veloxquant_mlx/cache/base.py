@@ -133,6 +133,12 @@ class CompressedKVCache(_BaseCache):
     def _weighted_values(self, p: mx.array) -> mx.array:
         raise NotImplementedError
 
+    def _fused_decode(self, queries: mx.array, scale: float):
+        """Optional: a decode step's whole attention (queries (B, H_q, 1, D), a compressed
+        history and a non-empty window) from a fused kernel (cache/fused_decode.py), or None to
+        take the portable _scores/_weighted_values path."""
+        return None
+
     def _check_shape(self, head_dim: int, value_dim: int) -> None:
         """Refuse a head_dim the method cannot take (QuantizerConfigError naming the layer)."""
 
@@ -184,6 +190,11 @@ class CompressedKVCache(_BaseCache):
             )
         B, n_q_heads, L, D = queries.shape
         rep = self._gqa_repeats(n_q_heads)
+        if L == 1 and self.n_compressed and self.window_keys is not None and not isinstance(mask, mx.array):
+            out = self._fused_decode(queries, scale)
+            if out is not None:
+                self._flush()
+                return out
         if self.prefill_rows is not None and L >= self.prefill_rows:
             out = self._attend_prefill(queries, scale, mask)
             self._flush()

@@ -50,8 +50,10 @@ import math
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
+from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
 from veloxquant_mlx.errors import QuantizerConfigError
 
 SCALE_DTYPE = mx.float16
@@ -123,6 +125,7 @@ class XQuantCache(CrossLayerMixin, CompressedKVCache):
         cfg = self.config
         self.code_bits = cfg.bits_for_layer(self.layer_index, self.n_layers)
         self.group = cfg.xquant_group_size
+        self._fused_meta = fused_decode.FusedDecodeMeta()
         self.eta = DEFAULT_ETA[self.code_bits] if cfg.xquant_eta is None else cfg.xquant_eta
         self._residual = cfg.xquant_residual_length
         first_shared = math.ceil(cfg.xquant_share_from * self.n_layers)
@@ -298,9 +301,24 @@ class XQuantCache(CrossLayerMixin, CompressedKVCache):
 
     def _weighted_values(self, p: mx.array) -> mx.array:
         _, v_codes = self._codes()
-        return mx.quantized_matmul(
+        return quantized_weighted_sum(
             p, v_codes, self.store["v_scale"], self.store["v_zero"],
-            transpose=False, group_size=self.group, bits=self.code_bits,
+            group_size=self.group, bits=self.code_bits,
+        )
+
+    def _fused_decode(self, queries: mx.array, scale: float):
+        rows = queries.shape[1] // self.n_kv_heads
+        if not fused_decode.kernels_enabled() or not fused_decode.supports(
+            self.head_dim, self.value_dim, self.group, self.code_bits, self.code_bits, rows
+        ):
+            return None
+        k_codes, v_codes = self._codes()
+        s = self.store
+        return fused_decode.affine_decode_attention(
+            queries, scale, k_codes, s["k_scale"], s["k_zero"], v_codes, s["v_scale"], s["v_zero"],
+            self.window_keys, self.window_values,
+            n_valid=self.n_compressed, group_size=self.group, key_bits=self.code_bits,
+            value_bits=self.code_bits, n_kv_heads=self.n_kv_heads, meta_cache=self._fused_meta,
         )
 
     # ---- state: a follower's state carries its leader's codes --------------------------------

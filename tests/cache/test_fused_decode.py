@@ -1,0 +1,125 @@
+"""The fused decode path: its algorithm on the CPU, and the CUDA kernels against the portable path.
+
+On the CPU the kernels cannot run: there we check that the portable path is what runs, and that
+the kernels' algorithm (flash-decoding partials per block of history tokens, merged with the
+exact window's; tests/cache/split_softmax_reference.py) is the attention the portable path
+computes. The CUDA tests run where MLX's CUDA backend is the default device (the H200 through
+the device tool): a whole decode step with the kernels against the same step with
+VELOXQUANT_CUDA_KERNELS=0, over the kernels' shapes (bits, head dims, dtypes, GQA rows, batch).
+"""
+
+import mlx.core as mx
+import pytest
+
+from tests.cache.split_softmax_reference import merge_with_window, reference_partials
+from veloxquant_mlx import KVCacheConfig, QuantizerConfigError
+from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.kivi import KIVICache
+from veloxquant_mlx.cache.xquant import XQuantCache
+
+on_cuda = fused_decode._on_cuda()
+cuda_only = pytest.mark.skipif(not on_cuda, reason="needs MLX's CUDA backend")
+
+
+def _filled(cache, n, *, B=1, H=2, rep=4, D=64, Dv=64, dtype=mx.float32, seed=0):
+    mx.random.seed(seed)
+    k = mx.random.normal((B, H, n, D)).astype(dtype)
+    v = mx.random.normal((B, H, n, Dv)).astype(dtype)
+    cache.update_and_fetch(k, v)
+    mx.eval(cache.attention(mx.random.normal((B, rep * H, n, D)).astype(dtype), scale=D**-0.5, mask="causal"))
+    return cache
+
+
+def _decode_step(cache, *, B=1, H=2, rep=4, D=64, Dv=64, dtype=mx.float32, seed=1):
+    mx.random.seed(seed)
+    cache.update_and_fetch(
+        mx.random.normal((B, H, 1, D)).astype(dtype), mx.random.normal((B, H, 1, Dv)).astype(dtype)
+    )
+    return mx.random.normal((B, rep * H, 1, D)).astype(dtype)
+
+
+def test_the_kernels_algorithm_is_the_portable_attention():
+    cache = _filled(KIVICache(KVCacheConfig(method="kivi", bit_width_inlier=2, kivi_residual_length=32)), 700)
+    q_heads = _decode_step(cache)
+    assert cache.n_compressed == 640 and cache.capacity == 768  # slack columns to ignore
+    expected = cache.attention(q_heads, scale=0.125)
+    # The same step through partials: queries folded like the kernels fold GQA rows.
+    q = (q_heads * 0.125).reshape(1, 2, 4, 64)
+    keys, values = cache._decode()
+    per_block = fused_decode.tokens_per_block(cache.n_compressed, 2)
+    for block in (per_block, 128, 100):  # 100 leaves a ragged last block
+        o, m, l = reference_partials(q, keys, values, cache.n_compressed, block)
+        got = merge_with_window(q, o, m, l, cache.window_keys, cache.window_values)
+        # On a GPU float32 matmuls may run in TF32: a looser tolerance there.
+        tol = 2e-3 if on_cuda else 2e-5
+        assert mx.allclose(got.reshape(expected.shape), expected, atol=tol).item()
+
+
+def test_cpu_takes_the_portable_path_and_the_switch_is_checked(monkeypatch):
+    if not on_cuda:
+        assert not fused_decode.kernels_enabled()
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "yes")
+    with pytest.raises(QuantizerConfigError, match="VELOXQUANT_CUDA_KERNELS='yes'.*allowed is 0"):
+        fused_decode.kernels_enabled()
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
+    assert not fused_decode.kernels_enabled()
+
+
+def test_blocks_fill_the_gpu_within_bounds():
+    assert fused_decode.tokens_per_block(4096, 8) == 128  # 1024 tiles: one per warp
+    assert fused_decode.tokens_per_block(32768, 8) == 256
+    assert fused_decode.tokens_per_block(131072, 8) == 1024
+    assert fused_decode.tokens_per_block(10**8, 64) == 128 * 64
+
+
+def test_supported_shapes():
+    assert fused_decode.supports(128, 128, 32, 2, 2, rows=4)
+    assert fused_decode.supports(64, 64, 64, 4, 8, rows=8)
+    assert not fused_decode.supports(128, 128, 32, 3, 2)  # 3-bit codes straddle words
+    assert not fused_decode.supports(128, 128, 16, 2, 2)  # a 32-token tile spans two groups
+    assert not fused_decode.supports(128, 128, 32, 2, 2, rows=16)  # shared memory
+    assert fused_decode.supports(64, 64, 32, 2, 2)  # 4 words per value token: 4 lanes
+    assert not fused_decode.supports(96, 96, 32, 2, 2)  # 6 words: 2 lanes of 48 channels > G
+    assert [fused_decode.lanes_per_token(dv, b) for dv, b in ((128, 2), (64, 2), (64, 4), (96, 4), (16, 2), (8, 2))] == [8, 4, 8, 4, 1, None]
+
+
+def test_meta_is_rebuilt_only_when_its_values_change():
+    meta = fused_decode.FusedDecodeMeta()
+    first = meta.get(640, 128, 5, 0.125)
+    assert meta.get(640, 128, 5, 0.125) is first
+    assert meta.get(672, 128, 6, 0.125).tolist()[:3] == [672, 128, 6]
+
+
+def _kivi(**fields):
+    return lambda: KIVICache(KVCacheConfig(method="kivi", kivi_residual_length=32, **fields))
+
+
+# Each combination JIT-compiles its own kernel (~10-20 s on the H200): a list, not a product.
+KERNEL_CASES = [
+    ("kivi-2 bf16 hd128 gqa4", _kivi(bit_width_inlier=2), mx.bfloat16, 128, 1, 4),
+    ("kivi-4/2 fp16 hd64 batch2 mha", _kivi(key_bits=4, value_bits=2), mx.float16, 64, 2, 1),
+    ("kivi-8 fp32 hd128 gqa8", _kivi(bit_width_inlier=8), mx.float32, 128, 1, 8),
+    ("xquant-2 bf16 hd128 gqa4", lambda: XQuantCache(KVCacheConfig(method="xquant", bit_width_inlier=2,
+                                                                   xquant_residual_length=32)),
+     mx.bfloat16, 128, 1, 4),
+]
+
+
+@cuda_only
+@pytest.mark.parametrize("name, make, dtype, D, B, rep", KERNEL_CASES)
+def test_kernel_step_matches_the_portable_step(monkeypatch, name, make, dtype, D, B, rep):
+    shape = dict(B=B, rep=rep, D=D, Dv=D, dtype=dtype)
+    cache = _filled(make(), 1000, **shape)
+    q_heads = _decode_step(cache, **shape)
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
+    portable = cache.attention(q_heads, scale=D**-0.5).astype(mx.float32)
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
+    calls = []
+    kernel = fused_decode.affine_decode_attention
+    monkeypatch.setattr(fused_decode, "affine_decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    fused = cache.attention(q_heads, scale=D**-0.5)
+    assert calls == [1], "the kernel did not run"
+    assert fused.dtype == dtype and fused.shape == q_heads.shape
+    fused = fused.astype(mx.float32)
+    tol = 2e-2 if dtype == mx.bfloat16 else 2e-3
+    assert mx.allclose(fused, portable, atol=tol, rtol=tol).item(), mx.abs(fused - portable).max().item()

@@ -1,0 +1,442 @@
+"""One CUDA kernel for a decode step over affine-quantized K/V (KIVI's layout), split over tokens.
+
+Why: on MLX's CUDA backend a decode step over the compressed history ran as ~15 small ops per
+layer (quantized_matmul for the scores, masking, softmax, a split quantized_matmul for the values,
+the window, concatenations); on the H200 that made KIVI decode at 0.59x the fp16 cache's speed at
+32K tokens although it reads 5x fewer bytes (results/gpu_speed_h200.json). This kernel reads the
+packed codes once and produces, per split of SPLIT consecutive tokens and per query row, the
+flash-decoding partials of the compressed history:
+  m = max score, l = sum exp(score - m), o = sum exp(score - m) * value,
+which `split_softmax.merge_with_window` merges with the exact window's in a few small ops.
+
+Layout read (the one KIVICache and XQuantCache store, MLX's mx.quantize stream):
+  keys   K^T per channel: codes (B, H, D, capacity * KB / 32) uint32, a little-endian bit stream
+         along tokens; scales/zeros (B, H, D, capacity / G): element = scale * code + zero;
+  values per token: codes (B, H, capacity, DV * VB / 32), stream along channels;
+         scales/zeros (B, H, capacity, DV / G).
+One warp per (batch*kv-head, split): lane i scores token base+i against every query row (GQA
+rows share the codes they read), then the warp weighs the values with lane j holding channels
+[j * DV/32, (j+1) * DV/32). Online softmax in float32 within the split.
+
+The portable path (base CompressedKVCache._attend over mx.quantized_matmul) stays the fallback:
+it runs on the CPU and Metal, and wherever this kernel is not active. tests/cache/test_fused_decode.py
+checks the kernel against it on CUDA and the merge arithmetic on the CPU.
+
+`VELOXQUANT_CUDA_KERNELS=0` turns the kernel off (for A/B measurements); any value other than
+0 or 1 is an error.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from veloxquant_mlx.errors import QuantizerConfigError
+
+ENV_SWITCH = "VELOXQUANT_CUDA_KERNELS"
+SUPPORTED_BITS = (2, 4, 8)
+
+_HEADER = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+__device__ __forceinline__ float vq_f32(float x) { return x; }
+__device__ __forceinline__ float vq_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float vq_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T vq_cast(float x);
+template <> __device__ __forceinline__ float vq_cast<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half vq_cast<__half>(float x) { return __float2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 vq_cast<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+
+__device__ __forceinline__ float vq_warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float vq_warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+"""
+
+# Kernel 1: partials. Template constants: D, DV (key / value head dims), R (query rows per kv
+# head), G (group), KB, VB (bits), LPT (lanes per value token, lanes_per_token), QT (query
+# dtype: also the window's), ST (side-data dtype).
+# meta = [n_valid, tokens per block, blocks over the history, scale as float bits].
+# Blocks [0, n_hist_blocks) read the compressed history, the last block the exact window.
+_PARTIALS = r"""
+  constexpr int NW = 4;               // warps per block
+  constexpr int CPL = DV / LPT;       // value channels per lane
+  constexpr int TPR = 32 / LPT;       // tokens per round of the value phase
+  constexpr int WPL = CPL * VB / 32;  // code words per lane and token
+  constexpr int WV = DV * VB / 32;    // code words per value token
+  constexpr int GV = DV / G;          // value groups per token
+  const float neg_inf = __int_as_float(0xff800000);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int tl = lane / LPT;
+  const int ch0 = (lane % LPT) * CPL;
+  const int bh = blockIdx.y;
+  const int n_valid = meta[0];
+  const int per_block = meta[1];
+  const int n_hist_blocks = meta[2];
+  const float scale = __int_as_float(meta[3]);
+  const bool window = blockIdx.x >= n_hist_blocks;
+  const int n_window = wk_shape[2];
+  const int cap = vc_shape[2];
+  const int wk_words = kc_shape[3];
+  const int gk = ks_shape[3];
+
+  __shared__ float qs[R * D];
+  __shared__ float qk[NW][R * D];
+  __shared__ float red_m[NW][R];
+  __shared__ float red_l[NW][R];
+  __shared__ float red_o[NW][R * DV];
+  for (int i = threadIdx.x; i < R * D; i += 32 * NW) qs[i] = scale * vq_f32(q[(size_t)bh * R * D + i]);
+  __syncthreads();
+
+  const uint32_t* kc_bh = kc + (size_t)bh * D * wk_words;
+  const ST* ks_bh = ks + (size_t)bh * D * gk;
+  const ST* kz_bh = kz + (size_t)bh * D * gk;
+  const uint32_t* vc_bh = vc + (size_t)bh * cap * WV;
+  const ST* vs_bh = vs + (size_t)bh * cap * GV;
+  const ST* vz_bh = vz + (size_t)bh * cap * GV;
+  const QT* wk_bh = wk + (size_t)bh * n_window * D;
+  const QT* wv_bh = wv + (size_t)bh * n_window * DV;
+
+  float m[R], l[R], acc[R][CPL];
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = neg_inf;
+    l[r] = 0.f;
+    #pragma unroll
+    for (int c = 0; c < CPL; ++c) acc[r][c] = 0.f;
+  }
+
+  const int first = window ? 0 : blockIdx.x * per_block;
+  const int last = window ? n_window : min(first + per_block, n_valid);
+  for (int base = first + warp * 32; base < last; base += 32 * NW) {
+    const int t = base + lane;
+    const bool valid = t < last;
+    float s[R];
+    if (window) {
+      #pragma unroll
+      for (int r = 0; r < R; ++r) s[r] = 0.f;
+      if (valid) {
+        for (int d = 0; d < D; ++d) {
+          const float kv = vq_f32(wk_bh[(size_t)t * D + d]);
+          #pragma unroll
+          for (int r = 0; r < R; ++r) s[r] = fmaf(qs[r * D + d], kv, s[r]);
+        }
+      }
+    } else {
+      // One key group covers the tile (G % 32 == 0): fold the group's scales into the query
+      // (q * scale per channel) and its zeros into one bias per row.
+      const int g = base / G;
+      float bias[R];
+      #pragma unroll
+      for (int r = 0; r < R; ++r) bias[r] = 0.f;
+      for (int d = lane; d < D; d += 32) {
+        const float sc = vq_f32(ks_bh[(size_t)d * gk + g]);
+        const float zp = vq_f32(kz_bh[(size_t)d * gk + g]);
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+          qk[warp][r * D + d] = qs[r * D + d] * sc;
+          bias[r] = fmaf(qs[r * D + d], zp, bias[r]);
+        }
+      }
+      #pragma unroll
+      for (int r = 0; r < R; ++r) s[r] = vq_warp_sum(bias[r]);
+      __syncwarp();
+      // Past-the-end lanes read the last valid token's codes (their scores are dropped).
+      const int tc = min(t, last - 1);
+      const uint32_t* col = kc_bh + ((tc * KB) >> 5);
+      const int shift = (tc * KB) & 31;
+      #pragma unroll 32
+      for (int d = 0; d < D; ++d) {
+        const float c = (float)((__ldg(col + (size_t)d * wk_words) >> shift) & ((1u << KB) - 1u));
+        #pragma unroll
+        for (int r = 0; r < R; ++r) s[r] = fmaf(qk[warp][r * D + d], c, s[r]);
+      }
+      __syncwarp();
+    }
+    float p[R];
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float sr = valid ? s[r] : neg_inf;
+      const float m_new = fmaxf(m[r], vq_warp_max(sr));  // finite: lane 0 is always valid
+      const float alpha = expf(m[r] - m_new);
+      p[r] = valid ? expf(sr - m_new) : 0.f;
+      l[r] = l[r] * alpha + vq_warp_sum(p[r]);
+      #pragma unroll
+      for (int c = 0; c < CPL; ++c) acc[r][c] *= alpha;
+      m[r] = m_new;
+    }
+    // Values: 8 lanes per token, TPR tokens per round. Past-the-end tokens read the last valid
+    // token (p = 0 there): no branch, so every round's loads can be issued up front.
+    if (window) {
+      #pragma unroll
+      for (int round = 0; round < 32 / TPR; ++round) {
+        const int j = round * TPR + tl;
+        const size_t tj = (size_t)min(base + j, last - 1);
+        float pj[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) pj[r] = __shfl_sync(0xffffffffu, p[r], j);
+        #pragma unroll
+        for (int c = 0; c < CPL; ++c) {
+          const float v = vq_f32(wv_bh[tj * DV + ch0 + c]);
+          #pragma unroll
+          for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
+        }
+      }
+    } else {
+      constexpr int ROUNDS = 32 / TPR;
+      uint32_t words[ROUNDS][WPL];
+      float sc[ROUNDS], zp[ROUNDS];
+      #pragma unroll
+      for (int round = 0; round < ROUNDS; ++round) {
+        const size_t tj = (size_t)min(base + round * TPR + tl, last - 1);
+        const uint32_t* row = vc_bh + tj * WV + ch0 * VB / 32;
+        #pragma unroll
+        for (int i = 0; i < WPL; ++i) words[round][i] = __ldg(row + i);
+        sc[round] = vq_f32(vs_bh[tj * GV + ch0 / G]);
+        zp[round] = vq_f32(vz_bh[tj * GV + ch0 / G]);
+      }
+      #pragma unroll
+      for (int round = 0; round < ROUNDS; ++round) {
+        float pj[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) pj[r] = __shfl_sync(0xffffffffu, p[r], round * TPR + tl);
+        #pragma unroll
+        for (int c = 0; c < CPL; ++c) {
+          const unsigned code = (words[round][(c * VB) >> 5] >> ((c * VB) & 31)) & ((1u << VB) - 1u);
+          const float v = fmaf(sc[round], (float)code, zp[round]);
+          #pragma unroll
+          for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
+        }
+      }
+    }
+  }
+
+  // Lanes holding the same channels for different tokens: sum them (the lane bits above LPT).
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    #pragma unroll
+    for (int c = 0; c < CPL; ++c) {
+      #pragma unroll
+      for (int o = LPT; o < 32; o <<= 1) acc[r][c] += __shfl_xor_sync(0xffffffffu, acc[r][c], o);
+    }
+  }
+  if (tl == 0) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      #pragma unroll
+      for (int c = 0; c < CPL; ++c) red_o[warp][r * DV + ch0 + c] = acc[r][c];
+    }
+  }
+  if (lane == 0) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      red_m[warp][r] = m[r];
+      red_l[warp][r] = l[r];
+    }
+  }
+  __syncthreads();
+  // The block's four warps merged into one partial.
+  const size_t out_row = ((size_t)bh * gridDim.x + blockIdx.x) * R;
+  for (int i = threadIdx.x; i < R * DV; i += 32 * NW) {
+    const int r = i / DV;
+    float top = neg_inf;
+    #pragma unroll
+    for (int w = 0; w < NW; ++w) top = fmaxf(top, red_m[w][r]);
+    float o = 0.f, den = 0.f;
+    if (top != neg_inf) {
+      #pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float e = red_m[w][r] == neg_inf ? 0.f : expf(red_m[w][r] - top);
+        o = fmaf(e, red_o[w][i], o);
+        den = fmaf(e, red_l[w][r], den);
+      }
+    }
+    part_o[out_row * DV + i] = o;
+    if (i % DV == 0) {
+      part_m[out_row + r] = top;
+      part_l[out_row + r] = den;
+    }
+  }
+"""
+
+# Kernel 2: merge the blocks' partials of one (batch*kv-head, row) into the output row.
+_MERGE = r"""
+  const float neg_inf = __int_as_float(0xff800000);
+  const int c = threadIdx.x;
+  const int row = blockIdx.y;                 // bh * R + r
+  const int n_blocks = part_m_shape[1];
+  const int R = part_m_shape[2];
+  const int bh = row / R, r = row % R;
+  const float* pm = part_m + (size_t)bh * n_blocks * R + r;
+  const float* pl = part_l + (size_t)bh * n_blocks * R + r;
+  const float* po = part_o + ((size_t)bh * n_blocks * R + r) * DV + c;
+  float top = neg_inf;
+  for (int b = 0; b < n_blocks; ++b) top = fmaxf(top, pm[(size_t)b * R]);
+  float o = 0.f, den = 0.f;
+  for (int b = 0; b < n_blocks; ++b) {
+    const float mb = pm[(size_t)b * R];
+    if (mb == neg_inf) continue;
+    const float e = expf(mb - top);
+    o = fmaf(e, po[(size_t)b * R * DV], o);
+    den = fmaf(e, pl[(size_t)b * R], den);
+  }
+  out[(size_t)row * DV + c] = vq_cast<QT>(o / den);
+"""
+
+
+def kernels_enabled() -> bool:
+    """True when the CUDA kernel should run: MLX's CUDA backend is the default GPU device and
+    VELOXQUANT_CUDA_KERNELS is not 0."""
+    switch = os.environ.get(ENV_SWITCH, "1")
+    if switch not in ("0", "1"):
+        raise QuantizerConfigError(
+            f"environment variable {ENV_SWITCH}={switch!r} is invalid: allowed is 0 (portable "
+            "ops only) or 1 (CUDA kernel where MLX runs on CUDA, the default)"
+        )
+    return switch == "1" and _on_cuda()
+
+
+def _on_cuda() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return (
+        cuda is not None
+        and cuda.is_available()
+        and mx.default_device() == mx.gpu
+    )
+
+
+@lru_cache(maxsize=None)
+def _kernels():
+    partials = mx.fast.cuda_kernel(
+        name="vq_affine_decode_partials",
+        input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "meta"],
+        output_names=["part_o", "part_m", "part_l"],
+        source=_PARTIALS,
+        header=_HEADER,
+    )
+    merge = mx.fast.cuda_kernel(
+        name="vq_affine_decode_merge",
+        input_names=["part_o", "part_m", "part_l"],
+        output_names=["out"],
+        source=_MERGE,
+        header=_HEADER,
+    )
+    return partials, merge
+
+
+WARPS_PER_BLOCK = 4
+TARGET_WARPS = 4096  # ~31 warps per SM on an H200 (132 SMs)
+
+
+def tokens_per_block(n_valid: int, n_heads: int) -> int:
+    """History tokens per block of 4 warps: 32-token tiles, enough warps to fill the GPU
+    (TARGET_WARPS over all heads) and at most 64 tiles per warp."""
+    tiles = -(-n_valid // 32) * n_heads
+    tiles_per_warp = min(64, max(1, -(-tiles // TARGET_WARPS)))
+    return 32 * WARPS_PER_BLOCK * tiles_per_warp
+
+
+def lanes_per_token(value_dim: int, value_bits: int) -> int | None:
+    """Lanes that share one value token: each lane reads whole code words (the largest power of
+    two up to 8 dividing the token's words), or None when a token is not whole words."""
+    if (value_dim * value_bits) % 32:
+        return None
+    words = value_dim * value_bits // 32
+    for lanes in (8, 4, 2, 1):
+        if words % lanes == 0:
+            return lanes
+    return None
+
+
+def supports(head_dim: int, value_dim: int, group_size: int, key_bits: int, value_bits: int,
+             rows: int = 4) -> bool:
+    """The shapes the kernel handles; others take the portable path. Bits dividing 32 (codes
+    never straddle words), groups of whole 32-token tiles, a lane's value channels inside one
+    group."""
+    if key_bits not in SUPPORTED_BITS or value_bits not in SUPPORTED_BITS or group_size % 32:
+        return False
+    lanes = lanes_per_token(value_dim, value_bits)
+    if lanes is None or group_size % (value_dim // lanes):
+        return False
+    return (
+        1 <= head_dim <= 256
+        # shared memory: the queries and a scaled copy per warp, 4-byte floats, under 48 KB
+        and rows * max(head_dim, value_dim) <= 1024
+    )
+
+
+def _meta(n_valid: int, per_block: int, n_hist_blocks: int, scale: float) -> mx.array:
+    scale_bits = int(np.array([scale], dtype=np.float32).view(np.int32)[0])
+    return mx.array([n_valid, per_block, n_hist_blocks, scale_bits], dtype=mx.int32)
+
+
+class FusedDecodeMeta:
+    """The small int32 argument array of one cache, rebuilt only when the history or the scale
+    changes (every block flush), not at every decode step."""
+
+    def __init__(self):
+        self._key = None
+        self._value = None
+
+    def get(self, n_valid: int, per_block: int, n_hist_blocks: int, scale: float) -> mx.array:
+        key = (n_valid, per_block, n_hist_blocks, scale)
+        if key != self._key:
+            self._key, self._value = key, _meta(*key)
+        return self._value
+
+
+def affine_decode_attention(
+    queries, scale: float, key_codes, key_scales, key_zeros, value_codes, value_scales,
+    value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
+    value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta,
+):
+    """softmax(q K^T * scale) V for one query row per head, queries (B, Hq, 1, D), over the
+    first n_valid compressed tokens and the exact window (B, H, W, D), W >= 1 -> (B, Hq, 1, DV)
+    in the queries' dtype. Only call when kernels_enabled() and supports(...)."""
+    B, n_q_heads, _, D = queries.shape
+    R = n_q_heads // n_kv_heads
+    BH = B * n_kv_heads
+    DV = value_codes.shape[-1] * 32 // value_bits
+    side = key_scales.dtype
+    if {value_scales.dtype, key_zeros.dtype, value_zeros.dtype} != {side}:
+        raise QuantizerConfigError(
+            f"fused decode: scales and zeros must share one dtype, got {key_scales.dtype}, "
+            f"{key_zeros.dtype}, {value_scales.dtype}, {value_zeros.dtype}"
+        )
+    per_block = tokens_per_block(n_valid, BH)
+    n_hist_blocks = -(-n_valid // per_block)
+    n_blocks = n_hist_blocks + 1  # + the window's block
+    partials, merge = _kernels()
+    meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale))
+    dtype = queries.dtype
+    part_o, part_m, part_l = partials(
+        inputs=[queries, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
+                window_keys.astype(dtype), window_values.astype(dtype), meta],
+        template=[("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
+                  ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits)), ("QT", dtype),
+                  ("ST", side)],
+        grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
+        threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
+        output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    (out,) = merge(
+        inputs=[part_o, part_m, part_l],
+        template=[("DV", DV), ("QT", dtype)],
+        grid=(DV, BH * R, 1),
+        threadgroup=(DV, 1, 1),
+        output_shapes=[(B, n_q_heads, 1, DV)],
+        output_dtypes=[dtype],
+    )
+    return out
