@@ -149,19 +149,18 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
         B, n_q_heads, L, D = queries.shape
         rep = self._gqa_repeats(n_q_heads)
         n = self.n_kept
-        # A long prefill chunk is split over query rows so the score matrix stays bounded.
-        rows = max(1, self.attention_tile_bytes // max(B * n_q_heads * n * 4, 1))
-        tiles = []
-        for start in range(0, L, rows):
-            stop = min(L, start + rows)
-            tile_mask = mask
-            if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
-                tile_mask = mask[..., start:stop, :]
-            out, _ = self._attend_rows(queries[:, :, start:stop], scale, tile_mask, rep, L - start)
-            if stop < L:
-                mx.eval(out)
-            tiles.append(out)
-        out = tiles[0] if len(tiles) == 1 else mx.concatenate(tiles, axis=2)
+        if isinstance(mask, mx.array):
+            out = self._attend_tiled(queries, scale, mask, rep)
+        else:
+            # The kept tokens are in position order and this chunk's are the last L of them, so
+            # the bottom-right aligned causal mask of the fused attention is the true one (the
+            # gaps of evicted tokens lie wholly before the chunk). One kernel, tiled by MLX,
+            # instead of explicit scores: on the H200 the explicit form made decode 0.59x fp16.
+            keys, values = self._full_keys_values()
+            out = mx.fast.scaled_dot_product_attention(
+                queries, keys.astype(queries.dtype), values.astype(queries.dtype), scale=scale,
+                mask="causal" if L > 1 else None,
+            )
         if L > 1 and not self.decoding and n > self.layer_budget:
             # The observation window: the chunk's last queries vote with their probabilities.
             observed = min(self.window, L)
@@ -171,6 +170,21 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
             _, probs = self._attend_rows(queries[:, :, L - observed :], scale, window_mask, rep, observed)
             self._evict(probs.reshape(B, self.n_kv_heads, rep, observed, n))
         return out
+
+    def _attend_tiled(self, queries: mx.array, scale: float, mask: mx.array, rep: int) -> mx.array:
+        """Attention under a given boolean mask; a long chunk is split over query rows so the
+        explicit score matrix stays bounded."""
+        B, n_q_heads, L, _ = queries.shape
+        rows = max(1, self.attention_tile_bytes // max(B * n_q_heads * self.n_kept * 4, 1))
+        tiles = []
+        for start in range(0, L, rows):
+            stop = min(L, start + rows)
+            tile_mask = mask[..., start:stop, :] if mask.ndim >= 2 and mask.shape[-2] == L else mask
+            out, _ = self._attend_rows(queries[:, :, start:stop], scale, tile_mask, rep, L - start)
+            if stop < L:
+                mx.eval(out)
+            tiles.append(out)
+        return tiles[0] if len(tiles) == 1 else mx.concatenate(tiles, axis=2)
 
     def _attend_rows(self, queries: mx.array, scale: float, mask, rep: int, back: int):
         """Attention of query rows at positions [offset - back, offset - back + rows)."""
