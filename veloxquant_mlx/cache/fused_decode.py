@@ -92,7 +92,7 @@ _PARTIALS = r"""
   const int gk = ks_shape[3];
 
   __shared__ float qs[R * D];
-  __shared__ float qk[NW][R * D];
+  __shared__ __align__(16) float qk[NW][D * R];  // [d][r]: one vector load per channel
   __shared__ float red_m[NW][R];
   __shared__ float red_l[NW][R];
   __shared__ float red_o[NW][R * DV];
@@ -145,7 +145,7 @@ _PARTIALS = r"""
         const float zp = vq_f32(kz_bh[(size_t)d * gk + g]);
         #pragma unroll
         for (int r = 0; r < R; ++r) {
-          qk[warp][r * D + d] = qs[r * D + d] * sc;
+          qk[warp][d * R + r] = qs[r * D + d] * sc;
           bias[r] = fmaf(qs[r * D + d], zp, bias[r]);
         }
       }
@@ -160,7 +160,7 @@ _PARTIALS = r"""
       for (int d = 0; d < D; ++d) {
         const float c = (float)((__ldg(col + (size_t)d * wk_words) >> shift) & ((1u << KB) - 1u));
         #pragma unroll
-        for (int r = 0; r < R; ++r) s[r] = fmaf(qk[warp][r * D + d], c, s[r]);
+        for (int r = 0; r < R; ++r) s[r] = fmaf(qk[warp][d * R + r], c, s[r]);
       }
       __syncwarp();
     }
@@ -270,8 +270,13 @@ _PARTIALS = r"""
   }
 """
 
-# Kernel 2: merge the blocks' partials of one (batch*kv-head, row) into the output row.
+# Kernel 2: merge the blocks' partials of one (batch*kv-head, row) into the output row. One
+# block of DV threads per row: the block weights exp(m_b - M) are computed once, spread over the
+# threads, then each thread sums its channel over the blocks (loads independent, coalesced).
+MAX_BLOCKS = 2048
 _MERGE = r"""
+  __shared__ float weight[MAX_BLOCKS];
+  __shared__ float red[32];
   const float neg_inf = __int_as_float(0xff800000);
   const int c = threadIdx.x;
   const int row = blockIdx.y;                 // bh * R + r
@@ -281,16 +286,32 @@ _MERGE = r"""
   const float* pm = part_m + (size_t)bh * n_blocks * R + r;
   const float* pl = part_l + (size_t)bh * n_blocks * R + r;
   const float* po = part_o + ((size_t)bh * n_blocks * R + r) * DV + c;
+
   float top = neg_inf;
-  for (int b = 0; b < n_blocks; ++b) top = fmaxf(top, pm[(size_t)b * R]);
-  float o = 0.f, den = 0.f;
-  for (int b = 0; b < n_blocks; ++b) {
+  for (int b = c; b < n_blocks; b += DV) top = fmaxf(top, pm[(size_t)b * R]);
+  top = vq_warp_max(top);
+  if (c % 32 == 0) red[c / 32] = top;
+  __syncthreads();
+  top = neg_inf;
+  for (int w = 0; w < DV / 32; ++w) top = fmaxf(top, red[w]);
+  __syncthreads();
+
+  float den = 0.f;
+  for (int b = c; b < n_blocks; b += DV) {
     const float mb = pm[(size_t)b * R];
-    if (mb == neg_inf) continue;
-    const float e = expf(mb - top);
-    o = fmaf(e, po[(size_t)b * R * DV], o);
+    const float e = mb == neg_inf ? 0.f : expf(mb - top);
+    weight[b] = e;
     den = fmaf(e, pl[(size_t)b * R], den);
   }
+  den = vq_warp_sum(den);
+  if (c % 32 == 0) red[c / 32] = den;
+  __syncthreads();
+  den = 0.f;
+  for (int w = 0; w < DV / 32; ++w) den += red[w];
+
+  float o = 0.f;
+  #pragma unroll 8
+  for (int b = 0; b < n_blocks; ++b) o = fmaf(weight[b], po[(size_t)b * R * DV], o);
   out[(size_t)row * DV + c] = vq_cast<QT>(o / den);
 """
 
@@ -367,8 +388,8 @@ def supports(head_dim: int, value_dim: int, group_size: int, key_bits: int, valu
     if key_bits not in SUPPORTED_BITS or value_bits not in SUPPORTED_BITS or group_size % 32:
         return False
     lanes = lanes_per_token(value_dim, value_bits)
-    if lanes is None or group_size % (value_dim // lanes):
-        return False
+    if lanes is None or group_size % (value_dim // lanes) or value_dim % 32:
+        return False  # the merge kernel reduces over whole warps of value channels
     return (
         1 <= head_dim <= 256
         # shared memory: the queries and a scaled copy per warp, 4-byte floats, under 48 KB
@@ -417,6 +438,11 @@ def affine_decode_attention(
     per_block = tokens_per_block(n_valid, BH)
     n_hist_blocks = -(-n_valid // per_block)
     n_blocks = n_hist_blocks + 1  # + the window's block
+    if n_blocks > MAX_BLOCKS:  # beyond ~8M tokens per head (64 tiles per warp): not reached
+        raise QuantizerConfigError(
+            f"fused decode: {n_valid} history tokens need {n_blocks} blocks, more than the merge "
+            f"kernel's {MAX_BLOCKS}; set {ENV_SWITCH}=0 to use the portable path"
+        )
     partials, merge = _kernels()
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale))
     dtype = queries.dtype
@@ -433,7 +459,7 @@ def affine_decode_attention(
     )
     (out,) = merge(
         inputs=[part_o, part_m, part_l],
-        template=[("DV", DV), ("QT", dtype)],
+        template=[("DV", DV), ("MAX_BLOCKS", MAX_BLOCKS), ("QT", dtype)],
         grid=(DV, BH * R, 1),
         threadgroup=(DV, 1, 1),
         output_shapes=[(B, n_q_heads, 1, DV)],
