@@ -66,10 +66,11 @@ def test_cpu_takes_the_portable_path_and_the_switch_is_checked(monkeypatch):
 
 
 def test_blocks_fill_the_gpu_within_bounds():
-    assert fused_decode.tokens_per_block(4096, 8) == 128  # 1024 tiles: one per warp
-    assert fused_decode.tokens_per_block(32768, 8) == 256
+    # 128-token tiles, 4 warps per block, ~4096 warps over all heads, at most 64 tiles per warp
+    assert fused_decode.tokens_per_block(4096, 8) == 512
+    assert fused_decode.tokens_per_block(32768, 8) == 512
     assert fused_decode.tokens_per_block(131072, 8) == 1024
-    assert fused_decode.tokens_per_block(10**8, 64) == 128 * 64
+    assert fused_decode.tokens_per_block(10**8, 64) == 128 * 4 * 64
 
 
 def test_supported_shapes():
@@ -77,7 +78,8 @@ def test_supported_shapes():
     assert fused_decode.supports(64, 64, 64, 4, 8, rows=8)
     assert not fused_decode.supports(128, 128, 32, 3, 2)  # 3-bit codes straddle words
     assert not fused_decode.supports(128, 128, 16, 2, 2)  # a 32-token tile spans two groups
-    assert not fused_decode.supports(128, 128, 32, 2, 2, rows=16)  # shared memory
+    assert fused_decode.supports(128, 128, 32, 2, 2, rows=16)
+    assert not fused_decode.supports(128, 128, 32, 2, 2, rows=32)  # shared memory
     assert fused_decode.supports(64, 64, 32, 2, 2)  # 4 words per value token: 4 lanes
     assert not fused_decode.supports(96, 96, 32, 2, 2)  # 6 words: 2 lanes of 48 channels > G
     assert [fused_decode.lanes_per_token(dv, b) for dv, b in ((128, 2), (64, 2), (64, 4), (96, 4), (16, 2), (8, 2))] == [8, 4, 8, 4, 1, None]
@@ -123,3 +125,19 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, make, dtype, D
     fused = fused.astype(mx.float32)
     tol = 2e-2 if dtype == mx.bfloat16 else 2e-3
     assert mx.allclose(fused, portable, atol=tol, rtol=tol).item(), mx.abs(fused - portable).max().item()
+
+
+@cuda_only
+def test_kernel_with_many_tiles_per_warp_matches_the_portable_step(monkeypatch):
+    # Few target warps: every warp walks several 128-token tiles (the online softmax across
+    # tiles) and the history spans several blocks; same template as the kivi-2 bf16 case.
+    monkeypatch.setattr(fused_decode, "TARGET_WARPS", 1)
+    shape = dict(B=1, rep=4, D=128, Dv=128, dtype=mx.bfloat16)
+    cache = _filled(_kivi(bit_width_inlier=2)(), 5000, **shape)
+    assert fused_decode.tokens_per_block(cache.n_compressed, 2) == 128 * 4 * 64
+    q_heads = _decode_step(cache, **shape)
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
+    portable = cache.attention(q_heads, scale=128**-0.5).astype(mx.float32)
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
+    fused = cache.attention(q_heads, scale=128**-0.5).astype(mx.float32)
+    assert mx.allclose(fused, portable, atol=2e-2, rtol=2e-2).item(), mx.abs(fused - portable).max().item()

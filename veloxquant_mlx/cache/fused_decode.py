@@ -1,26 +1,26 @@
-"""One CUDA kernel for a decode step over affine-quantized K/V (KIVI's layout), split over tokens.
+"""Two CUDA kernels for a decode step over affine-quantized K/V (KIVI's layout), split over tokens.
 
 Why: on MLX's CUDA backend a decode step over the compressed history ran as ~15 small ops per
 layer (quantized_matmul for the scores, masking, softmax, a split quantized_matmul for the values,
 the window, concatenations); on the H200 that made KIVI decode at 0.59x the fp16 cache's speed at
-32K tokens although it reads 5x fewer bytes (results/gpu_speed_h200.json). This kernel reads the
-packed codes once and produces, per split of SPLIT consecutive tokens and per query row, the
-flash-decoding partials of the compressed history:
+32K tokens although it reads 5x fewer bytes (results/gpu_speed_h200.json). These kernels read the
+packed codes once: the first produces, per block of consecutive history tokens (and one block
+for the exact window) and per query row, the flash-decoding partials
   m = max score, l = sum exp(score - m), o = sum exp(score - m) * value,
-which `split_softmax.merge_with_window` merges with the exact window's in a few small ops.
+and the second merges them into the output row (weights exp(m - max m)), in float32.
 
 Layout read (the one KIVICache and XQuantCache store, MLX's mx.quantize stream):
   keys   K^T per channel: codes (B, H, D, capacity * KB / 32) uint32, a little-endian bit stream
          along tokens; scales/zeros (B, H, D, capacity / G): element = scale * code + zero;
   values per token: codes (B, H, capacity, DV * VB / 32), stream along channels;
          scales/zeros (B, H, capacity, DV / G).
-One warp per (batch*kv-head, split): lane i scores token base+i against every query row (GQA
-rows share the codes they read), then the warp weighs the values with lane j holding channels
-[j * DV/32, (j+1) * DV/32). Online softmax in float32 within the split.
+Blocks of 4 warps per (batch*kv-head, range of tokens); GQA query rows share the codes they read;
+the work split is described above _PARTIALS.
 
 The portable path (base CompressedKVCache._attend over mx.quantized_matmul) stays the fallback:
 it runs on the CPU and Metal, and wherever this kernel is not active. tests/cache/test_fused_decode.py
-checks the kernel against it on CUDA and the merge arithmetic on the CPU.
+checks the kernels against it on CUDA, and their algorithm (tests/cache/split_softmax_reference.py)
+against it on the CPU.
 
 `VELOXQUANT_CUDA_KERNELS=0` turns the kernel off (for A/B measurements); any value other than
 0 or 1 is an error.
@@ -68,13 +68,25 @@ __device__ __forceinline__ float vq_warp_sum(float x) {
 # dtype: also the window's), ST (side-data dtype).
 # meta = [n_valid, tokens per block, blocks over the history, scale as float bits].
 # Blocks [0, n_hist_blocks) read the compressed history, the last block the exact window.
+# A warp takes tiles of 128 tokens: scoring, lane i holds tokens 4i..4i+3 (one code word slice
+# per channel: the warp's 32 lanes read one contiguous run of each channel's codes); weighing
+# values, LPT lanes share a token (whole code words each) and TPR tokens go per round, reading
+# the tile's probabilities from shared memory.
+TILE = 128
+WARPS_PER_BLOCK = 4
+TARGET_WARPS = 4096  # ~31 warps per SM on an H200 (132 SMs)
 _PARTIALS = r"""
   constexpr int NW = 4;               // warps per block
+  constexpr int TILE = 128;           // tokens per warp tile
+  constexpr int TPL = TILE / 32;      // tokens per lane when scoring
   constexpr int CPL = DV / LPT;       // value channels per lane
-  constexpr int TPR = 32 / LPT;       // tokens per round of the value phase
+  constexpr int TPR = 32 / LPT;       // tokens per round when weighing values
+  constexpr int ROUNDS = TILE / TPR;
+  constexpr int BATCH = ROUNDS < 8 ? ROUNDS : 8;  // rounds whose loads are issued together
   constexpr int WPL = CPL * VB / 32;  // code words per lane and token
   constexpr int WV = DV * VB / 32;    // code words per value token
   constexpr int GV = DV / G;          // value groups per token
+  constexpr int DMAX = D > DV ? D : DV;
   const float neg_inf = __int_as_float(0xff800000);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -91,12 +103,16 @@ _PARTIALS = r"""
   const int wk_words = kc_shape[3];
   const int gk = ks_shape[3];
 
-  __shared__ float qs[R * D];
-  __shared__ __align__(16) float qk[NW][D * R];  // [d][r]: one vector load per channel
+  // Shared: queries [d][r] (scaled), each warp's tile probabilities [token][r], and at the end
+  // the warps' partials (reusing the probabilities' space).
+  __shared__ __align__(16) float qs[D * R];
+  __shared__ __align__(16) float ps[NW][(TILE > DMAX ? TILE : DMAX) * R];
   __shared__ float red_m[NW][R];
   __shared__ float red_l[NW][R];
-  __shared__ float red_o[NW][R * DV];
-  for (int i = threadIdx.x; i < R * D; i += 32 * NW) qs[i] = scale * vq_f32(q[(size_t)bh * R * D + i]);
+  for (int i = threadIdx.x; i < R * D; i += 32 * NW) {
+    const int r = i / D, d = i % D;
+    qs[d * R + r] = scale * vq_f32(q[(size_t)bh * R * D + i]);
+  }
   __syncthreads();
 
   const uint32_t* kc_bh = kc + (size_t)bh * D * wk_words;
@@ -107,6 +123,7 @@ _PARTIALS = r"""
   const ST* vz_bh = vz + (size_t)bh * cap * GV;
   const QT* wk_bh = wk + (size_t)bh * n_window * D;
   const QT* wv_bh = wv + (size_t)bh * n_window * DV;
+  float* p_tile = ps[warp];
 
   float m[R], l[R], acc[R][CPL];
   #pragma unroll
@@ -119,107 +136,111 @@ _PARTIALS = r"""
 
   const int first = window ? 0 : blockIdx.x * per_block;
   const int last = window ? n_window : min(first + per_block, n_valid);
-  for (int base = first + warp * 32; base < last; base += 32 * NW) {
-    const int t = base + lane;
-    const bool valid = t < last;
-    float s[R];
+  for (int base = first + warp * TILE; base < last; base += TILE * NW) {
+    // ---- scores of the lane's TPL tokens t0 .. t0 + TPL - 1 ----
+    const int t0 = base + lane * TPL;
+    float s[TPL][R];
+    #pragma unroll
+    for (int i = 0; i < TPL; ++i) {
+      #pragma unroll
+      for (int r = 0; r < R; ++r) s[i][r] = 0.f;
+    }
     if (window) {
       #pragma unroll
-      for (int r = 0; r < R; ++r) s[r] = 0.f;
-      if (valid) {
+      for (int i = 0; i < TPL; ++i) {
+        const QT* krow = wk_bh + (size_t)min(t0 + i, last - 1) * D;
         for (int d = 0; d < D; ++d) {
-          const float kv = vq_f32(wk_bh[(size_t)t * D + d]);
+          const float kv = vq_f32(krow[d]);
           #pragma unroll
-          for (int r = 0; r < R; ++r) s[r] = fmaf(qs[r * D + d], kv, s[r]);
+          for (int r = 0; r < R; ++r) s[i][r] = fmaf(qs[d * R + r], kv, s[i][r]);
         }
       }
     } else {
-      // One key group covers the tile (G % 32 == 0): fold the group's scales into the query
-      // (q * scale per channel) and its zeros into one bias per row.
-      const int g = base / G;
-      float bias[R];
-      #pragma unroll
-      for (int r = 0; r < R; ++r) bias[r] = 0.f;
-      for (int d = lane; d < D; d += 32) {
-        const float sc = vq_f32(ks_bh[(size_t)d * gk + g]);
-        const float zp = vq_f32(kz_bh[(size_t)d * gk + g]);
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          qk[warp][d * R + r] = qs[r * D + d] * sc;
-          bias[r] = fmaf(qs[r * D + d], zp, bias[r]);
-        }
-      }
-      #pragma unroll
-      for (int r = 0; r < R; ++r) s[r] = vq_warp_sum(bias[r]);
-      __syncwarp();
-      // Past-the-end lanes read the last valid token's codes (their scores are dropped).
-      const int tc = min(t, last - 1);
+      // Past-the-end lanes read the last valid slice (their scores are dropped below).
+      const int tc = min(t0, (last - 1) / TPL * TPL);
       const uint32_t* col = kc_bh + ((tc * KB) >> 5);
       const int shift = (tc * KB) & 31;
-      #pragma unroll 32
+      const int g = tc / G;
+      #pragma unroll 16
       for (int d = 0; d < D; ++d) {
-        const float c = (float)((__ldg(col + (size_t)d * wk_words) >> shift) & ((1u << KB) - 1u));
+        const unsigned w = __ldg(col + (size_t)d * wk_words) >> shift;
+        const float sc = vq_f32(ks_bh[(size_t)d * gk + g]);
+        const float zp = vq_f32(kz_bh[(size_t)d * gk + g]);
+        float qd[R];
         #pragma unroll
-        for (int r = 0; r < R; ++r) s[r] = fmaf(qk[warp][d * R + r], c, s[r]);
+        for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
+        #pragma unroll
+        for (int i = 0; i < TPL; ++i) {
+          const float kv = fmaf(sc, (float)((w >> (i * KB)) & ((1u << KB) - 1u)), zp);
+          #pragma unroll
+          for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
+        }
       }
-      __syncwarp();
     }
-    float p[R];
+    // ---- online softmax over the tile; probabilities to shared memory ----
     #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const float sr = valid ? s[r] : neg_inf;
-      const float m_new = fmaxf(m[r], vq_warp_max(sr));  // finite: lane 0 is always valid
+      float tile_max = neg_inf;
+      #pragma unroll
+      for (int i = 0; i < TPL; ++i) tile_max = t0 + i < last ? fmaxf(tile_max, s[i][r]) : tile_max;
+      const float m_new = fmaxf(m[r], vq_warp_max(tile_max));  // finite: token base is valid
       const float alpha = expf(m[r] - m_new);
-      p[r] = valid ? expf(sr - m_new) : 0.f;
-      l[r] = l[r] * alpha + vq_warp_sum(p[r]);
+      float sum = 0.f;
+      #pragma unroll
+      for (int i = 0; i < TPL; ++i) {
+        const float p = t0 + i < last ? expf(s[i][r] - m_new) : 0.f;
+        p_tile[(lane * TPL + i) * R + r] = p;
+        sum += p;
+      }
+      l[r] = l[r] * alpha + vq_warp_sum(sum);
       #pragma unroll
       for (int c = 0; c < CPL; ++c) acc[r][c] *= alpha;
       m[r] = m_new;
     }
-    // Values: 8 lanes per token, TPR tokens per round. Past-the-end tokens read the last valid
-    // token (p = 0 there): no branch, so every round's loads can be issued up front.
+    __syncwarp();
+    // ---- values: past-the-end tokens read the last valid token (p = 0 there) ----
     if (window) {
-      #pragma unroll
-      for (int round = 0; round < 32 / TPR; ++round) {
+      for (int round = 0; round < ROUNDS; ++round) {
         const int j = round * TPR + tl;
         const size_t tj = (size_t)min(base + j, last - 1);
-        float pj[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) pj[r] = __shfl_sync(0xffffffffu, p[r], j);
         #pragma unroll
         for (int c = 0; c < CPL; ++c) {
           const float v = vq_f32(wv_bh[tj * DV + ch0 + c]);
           #pragma unroll
-          for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
+          for (int r = 0; r < R; ++r) acc[r][c] = fmaf(p_tile[j * R + r], v, acc[r][c]);
         }
       }
     } else {
-      constexpr int ROUNDS = 32 / TPR;
-      uint32_t words[ROUNDS][WPL];
-      float sc[ROUNDS], zp[ROUNDS];
       #pragma unroll
-      for (int round = 0; round < ROUNDS; ++round) {
-        const size_t tj = (size_t)min(base + round * TPR + tl, last - 1);
-        const uint32_t* row = vc_bh + tj * WV + ch0 * VB / 32;
+      for (int b0 = 0; b0 < ROUNDS; b0 += BATCH) {
+        uint32_t words[BATCH][WPL];
+        float sc[BATCH], zp[BATCH];
         #pragma unroll
-        for (int i = 0; i < WPL; ++i) words[round][i] = __ldg(row + i);
-        sc[round] = vq_f32(vs_bh[tj * GV + ch0 / G]);
-        zp[round] = vq_f32(vz_bh[tj * GV + ch0 / G]);
-      }
-      #pragma unroll
-      for (int round = 0; round < ROUNDS; ++round) {
-        float pj[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) pj[r] = __shfl_sync(0xffffffffu, p[r], round * TPR + tl);
-        #pragma unroll
-        for (int c = 0; c < CPL; ++c) {
-          const unsigned code = (words[round][(c * VB) >> 5] >> ((c * VB) & 31)) & ((1u << VB) - 1u);
-          const float v = fmaf(sc[round], (float)code, zp[round]);
+        for (int k = 0; k < BATCH; ++k) {
+          const size_t tj = (size_t)min(base + (b0 + k) * TPR + tl, last - 1);
+          const uint32_t* row = vc_bh + tj * WV + ch0 * VB / 32;
           #pragma unroll
-          for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
+          for (int i = 0; i < WPL; ++i) words[k][i] = __ldg(row + i);
+          sc[k] = vq_f32(vs_bh[tj * GV + ch0 / G]);
+          zp[k] = vq_f32(vz_bh[tj * GV + ch0 / G]);
+        }
+        #pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+          const int j = (b0 + k) * TPR + tl;
+          float pj[R];
+          #pragma unroll
+          for (int r = 0; r < R; ++r) pj[r] = p_tile[j * R + r];
+          #pragma unroll
+          for (int c = 0; c < CPL; ++c) {
+            const unsigned code = (words[k][(c * VB) >> 5] >> ((c * VB) & 31)) & ((1u << VB) - 1u);
+            const float v = fmaf(sc[k], (float)code, zp[k]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
+          }
         }
       }
     }
+    __syncwarp();
   }
 
   // Lanes holding the same channels for different tokens: sum them (the lane bits above LPT).
@@ -231,11 +252,12 @@ _PARTIALS = r"""
       for (int o = LPT; o < 32; o <<= 1) acc[r][c] += __shfl_xor_sync(0xffffffffu, acc[r][c], o);
     }
   }
+  float* red_o = ps[warp];  // the warp's probabilities are no longer needed: [r][channel]
   if (tl == 0) {
     #pragma unroll
     for (int r = 0; r < R; ++r) {
       #pragma unroll
-      for (int c = 0; c < CPL; ++c) red_o[warp][r * DV + ch0 + c] = acc[r][c];
+      for (int c = 0; c < CPL; ++c) red_o[r * DV + ch0 + c] = acc[r][c];
     }
   }
   if (lane == 0) {
@@ -258,7 +280,7 @@ _PARTIALS = r"""
       #pragma unroll
       for (int w = 0; w < NW; ++w) {
         const float e = red_m[w][r] == neg_inf ? 0.f : expf(red_m[w][r] - top);
-        o = fmaf(e, red_o[w][i], o);
+        o = fmaf(e, ps[w][i], o);
         den = fmaf(e, red_l[w][r], den);
       }
     }
@@ -356,16 +378,14 @@ def _kernels():
     return partials, merge
 
 
-WARPS_PER_BLOCK = 4
-TARGET_WARPS = 4096  # ~31 warps per SM on an H200 (132 SMs)
 
 
 def tokens_per_block(n_valid: int, n_heads: int) -> int:
-    """History tokens per block of 4 warps: 32-token tiles, enough warps to fill the GPU
+    """History tokens per block of 4 warps: tiles of TILE tokens, enough warps to fill the GPU
     (TARGET_WARPS over all heads) and at most 64 tiles per warp."""
-    tiles = -(-n_valid // 32) * n_heads
+    tiles = -(-n_valid // TILE) * n_heads
     tiles_per_warp = min(64, max(1, -(-tiles // TARGET_WARPS)))
-    return 32 * WARPS_PER_BLOCK * tiles_per_warp
+    return TILE * WARPS_PER_BLOCK * tiles_per_warp
 
 
 def lanes_per_token(value_dim: int, value_bits: int) -> int | None:
@@ -390,11 +410,10 @@ def supports(head_dim: int, value_dim: int, group_size: int, key_bits: int, valu
     lanes = lanes_per_token(value_dim, value_bits)
     if lanes is None or group_size % (value_dim // lanes) or value_dim % 32:
         return False  # the merge kernel reduces over whole warps of value channels
-    return (
-        1 <= head_dim <= 256
-        # shared memory: the queries and a scaled copy per warp, 4-byte floats, under 48 KB
-        and rows * max(head_dim, value_dim) <= 1024
-    )
+    # Shared memory, 4-byte floats, under 48 KB: the queries, and per warp a tile's
+    # probabilities (later the warp's partial).
+    widest = max(head_dim, value_dim, TILE)
+    return 1 <= head_dim <= 256 and rows * (head_dim + WARPS_PER_BLOCK * widest) * 4 <= 48 * 1024
 
 
 def _meta(n_valid: int, per_block: int, n_hist_blocks: int, scale: float) -> mx.array:
