@@ -63,6 +63,15 @@ class LayerSpec:
 
 
 def parse_layer_spec(name: str) -> LayerSpec:
+    try:
+        return _parse_layer_spec(name)
+    except QuantizerConfigError as exc:
+        if repr(name) in str(exc):
+            raise
+        raise QuantizerConfigError(f"cache spec {name!r}: {exc}") from None
+
+
+def _parse_layer_spec(name: str) -> LayerSpec:
     base, _, rest = name.strip().partition(":")
     if base in ABLATIONS:
         from veloxquant_mlx.config import KVCacheConfig
