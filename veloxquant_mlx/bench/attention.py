@@ -22,19 +22,13 @@ DEFAULT_METHODS = ["fp16", "mlx-q4", "kivi", "kivi:bit_width_inlier=4"]
 
 
 def parse_args(argv=None):
-    from veloxquant_mlx.bench.command import parser, positive
+    from veloxquant_mlx.bench.command import add_layer_shape, add_methods, parser, positive
 
     p = parser(MODULE, __doc__)
-    p.add_argument("--methods", default="default",
-                   help="comma list of cache specs as for `veloxquant bench`, plus ablations "
-                        f"(default: {','.join(DEFAULT_METHODS)})")
+    add_methods(p, DEFAULT_METHODS)
     p.add_argument("--context", type=positive, default=4096, help="cached tokens (default 4096)")
-    p.add_argument("--q-heads", type=positive, default=9)
-    p.add_argument("--kv-heads", type=positive, default=3)
-    p.add_argument("--head-dim", type=positive, default=64)
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    add_layer_shape(p, dtype="float32")
     p.add_argument("--rounds", type=positive, default=40, help="timed calls per spec (default 40)")
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -61,7 +55,8 @@ def prepared_call(spec, q, k, v, scale: float):
 def run(args) -> dict:
     import mlx.core as mx
 
-    from veloxquant_mlx.bench.layer_specs import describe, parse_layer_specs
+    from veloxquant_mlx.bench.command import result
+    from veloxquant_mlx.bench.layer_specs import parse_layer_specs
     from veloxquant_mlx.bench.speed import _error_text
     from veloxquant_mlx.bench.timing import summarize, time_calls
 
@@ -90,26 +85,13 @@ def run(args) -> dict:
         median = row.get("microseconds", {}).get("median")
         if fp16 and median:
             row["median_vs_fp16"] = median / fp16
-    return {
-        "settings": {"context": args.context, "q_heads": args.q_heads, "kv_heads": args.kv_heads,
-                     "head_dim": args.head_dim, "dtype": args.dtype, "rounds": args.rounds,
-                     "seed": args.seed, "scale": scale},
-        "specs": describe(specs),
-        "results": rows,
-    }
+    return result(args, rows, specs, scale=scale)
 
 
 def main(argv=None) -> int:
-    from veloxquant_mlx.bench.command import finish, start, usage_error
-    from veloxquant_mlx.errors import QuantizerConfigError
+    from veloxquant_mlx.bench.command import run_module
 
-    args = parse_args(argv)
-    header = start(args)
-    try:
-        result = run(args)
-    except QuantizerConfigError as exc:
-        return usage_error(MODULE, str(exc))
-    return finish({**header, **result}, args.out)
+    return run_module(MODULE, parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -27,21 +27,15 @@ DEFAULT_METHODS = ["fp16", "mlx-q4", "mlx-q2:group_size=32", "turboquant_rvq", "
 
 
 def parse_args(argv=None):
-    from veloxquant_mlx.bench.command import parser, positive
+    from veloxquant_mlx.bench.command import add_layer_shape, add_methods, parser, positive
 
     p = parser(MODULE, __doc__)
-    p.add_argument("--methods", default="default",
-                   help="comma list of cache specs as for `veloxquant bench`, plus ablations "
-                        f"(default: {','.join(DEFAULT_METHODS)})")
+    add_methods(p, DEFAULT_METHODS)
     p.add_argument("--context", type=positive, default=4096, help="prompt tokens (default 4096)")
     p.add_argument("--layers", type=positive, default=30)
-    p.add_argument("--kv-heads", type=positive, default=3)
-    p.add_argument("--q-heads", type=positive, default=9, help="heads of the flushing query")
-    p.add_argument("--head-dim", type=positive, default=64)
-    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16")
+    add_layer_shape(p, dtype="float16")
     p.add_argument("--chunk", type=positive, default=512, help="tokens per update (default 512)")
     p.add_argument("--rounds", type=positive, default=3, help="timed fills per spec (default 3)")
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -94,7 +88,8 @@ def describe_bytes(caches: list, tokens: int, fp16_bytes: int) -> dict:
 def run(args) -> dict:
     import mlx.core as mx
 
-    from veloxquant_mlx.bench.layer_specs import describe, parse_layer_specs
+    from veloxquant_mlx.bench.command import result
+    from veloxquant_mlx.bench.layer_specs import parse_layer_specs
     from veloxquant_mlx.bench.speed import _error_text
     from veloxquant_mlx.bench.timing import summarize, time_calls
 
@@ -129,27 +124,13 @@ def run(args) -> dict:
     for row in rows.values():
         if measured_fp16 and row.get("nbytes"):
             row["ratio_vs_fp16_kvcache_measured"] = row["nbytes"] / measured_fp16
-    return {
-        "settings": {"context": args.context, "layers": args.layers, "kv_heads": args.kv_heads,
-                     "head_dim": args.head_dim, "dtype": args.dtype, "chunk": args.chunk,
-                     "rounds": args.rounds, "seed": args.seed,
-                     "fp16_bytes": fp16_bytes},
-        "specs": describe(specs),
-        "results": rows,
-    }
+    return result(args, rows, specs, fp16_bytes=fp16_bytes)
 
 
 def main(argv=None) -> int:
-    from veloxquant_mlx.bench.command import finish, start, usage_error
-    from veloxquant_mlx.errors import QuantizerConfigError
+    from veloxquant_mlx.bench.command import run_module
 
-    args = parse_args(argv)
-    header = start(args)
-    try:
-        result = run(args)
-    except QuantizerConfigError as exc:
-        return usage_error(MODULE, str(exc))
-    return finish({**header, **result}, args.out)
+    return run_module(MODULE, parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def parse_args(argv=None):
 def run(args) -> dict:
     import mlx.core as mx
 
+    from veloxquant_mlx.bench.command import result
     from veloxquant_mlx.bench.timing import summarize, time_calls
     from veloxquant_mlx.cache.gear_lowrank import low_rank_factors
 
@@ -64,19 +65,13 @@ def run(args) -> dict:
     seconds = time_calls(methods, rounds=args.rounds, warmup=1)
     for name, values in seconds.items():
         rows[name]["milliseconds"] = summarize(values, unit=1e-3)
-    return {
-        "settings": {"rank": r, "shape": list(residual.shape), "rounds": args.rounds,
-                     "seed": args.seed, "data": "Gaussian residuals N(0, 1)"},
-        "results": rows,
-    }
+    return result(args, rows, shape=list(residual.shape), data="Gaussian residuals N(0, 1)")
 
 
 def main(argv=None) -> int:
-    from veloxquant_mlx.bench.command import finish, start
+    from veloxquant_mlx.bench.command import run_module
 
-    args = parse_args(argv)
-    header = start(args)
-    return finish({**header, **run(args)}, args.out)
+    return run_module(MODULE, parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,11 @@ DEFAULT_METHODS = ["mlx-q4", "mlx-q2:group_size=32", "gear", "gear-magnitude", "
 
 
 def parse_args(argv=None):
-    from veloxquant_mlx.bench.command import parser, positive
+    from veloxquant_mlx.bench.command import add_methods, parser, positive
     from veloxquant_mlx.cli.bench import RANDOM_SHAPES
 
     p = parser(MODULE, __doc__)
-    p.add_argument("--methods", default="default",
-                   help="comma list of cache specs as for `veloxquant bench`, plus ablations "
-                        f"(default: {','.join(DEFAULT_METHODS)})")
+    add_methods(p, DEFAULT_METHODS)
     p.add_argument("--from-row", type=int, default=256,
                    help="first logprob row of the split (row i predicts token i + 1; default 256)")
     p.add_argument("--tokens", type=positive, default=512, help="passage tokens (default 512)")

@@ -65,13 +65,11 @@ DATA = {"random-channels": (random_channels, 4, 32), "fixed-channels": (fixed_ch
 
 
 def parse_args(argv=None):
-    from veloxquant_mlx.bench.command import parser, positive
+    from veloxquant_mlx.bench.command import add_methods, parser, positive
 
     p = parser(MODULE, __doc__)
     p.add_argument("--data", choices=sorted(DATA), default="random-channels")
-    p.add_argument("--methods", default="default",
-                   help="comma list of cache specs as for `veloxquant bench`, plus ablations "
-                        f"(default: {','.join(DEFAULT_METHODS)})")
+    add_methods(p, DEFAULT_METHODS)
     p.add_argument("--tokens", type=positive, default=1024)
     p.add_argument("--heads", type=positive, default=None, help="KV heads (default: the data set's)")
     p.add_argument("--queries", type=positive, default=None,
@@ -143,7 +141,8 @@ def measure(spec, q, k, v, scale: float) -> dict:
 
 
 def run(args) -> dict:
-    from veloxquant_mlx.bench.layer_specs import describe, parse_layer_specs
+    from veloxquant_mlx.bench.command import result
+    from veloxquant_mlx.bench.layer_specs import parse_layer_specs
     from veloxquant_mlx.bench.speed import _error_text
 
     specs = parse_layer_specs(args.methods, DEFAULT_METHODS)
@@ -170,26 +169,13 @@ def run(args) -> dict:
             entry["mean"] = {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
             entry["per_seed"] = rows
         results[spec.name] = entry
-    return {
-        "settings": {"data": args.data, "tokens": args.tokens, "heads": args.heads,
-                     "queries_per_head": args.queries, "head_dim": args.head_dim,
-                     "seeds": args.seeds, "scale": scale},
-        "specs": describe(specs),
-        "results": results,
-    }
+    return result(args, results, specs, scale=scale)
 
 
 def main(argv=None) -> int:
-    from veloxquant_mlx.bench.command import finish, start, usage_error
-    from veloxquant_mlx.errors import QuantizerConfigError
+    from veloxquant_mlx.bench.command import run_module
 
-    args = parse_args(argv)
-    header = start(args)
-    try:
-        result = run(args)
-    except QuantizerConfigError as exc:
-        return usage_error(MODULE, str(exc))
-    return finish({**header, **result}, args.out)
+    return run_module(MODULE, parse_args, run, argv)
 
 
 if __name__ == "__main__":
