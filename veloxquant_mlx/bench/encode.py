@@ -58,7 +58,7 @@ def fill(spec, kv: list, chunk: int, query) -> list:
     return caches
 
 
-def describe_bytes(caches: list, tokens: int, fp16_bytes: int) -> dict:
+def describe_bytes(caches: list, fp16_bytes: int) -> dict:
     from veloxquant_mlx.cache.base import CompressedKVCache
 
     nbytes = int(sum(c.nbytes for c in caches))
@@ -118,7 +118,7 @@ def run(args) -> dict:
         calls[spec.name] = call
     seconds = time_calls(calls, rounds=args.rounds, warmup=0)
     for name, caches in built.items():
-        rows[name].update(describe_bytes(caches, args.context, fp16_bytes))
+        rows[name].update(describe_bytes(caches, fp16_bytes))
         rows[name]["encode_s"] = summarize(seconds[name])
     measured_fp16 = rows.get("fp16", {}).get("nbytes")
     for row in rows.values():
