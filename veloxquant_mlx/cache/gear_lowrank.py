@@ -6,12 +6,12 @@ steps instead of a full SVD (their code: `fake_poweriteration`, QR of the last i
 the same per block of tokens per head: R (nb, d) ~ A (nb, r) B^T (d, r), A with orthonormal
 columns, B = R^T A carrying the scale.
 
-Cost, measured on this CPU (2 shared cores, loaded; benchmarks/gear_lowrank_cost.py): one side
-(keys or values) of one layer at a 4096-token prompt of SmolLM2's shape -- 3 heads x 16 blocks
+Cost, measured on this CPU (2 shared cores, loaded; `python -m veloxquant_mlx.bench.lowrank`): one
+side (keys or values) of one layer at a 4096-token prompt of SmolLM2's shape -- 3 heads x 16 blocks
 of 256 x 64 -- takes ~2 ms by 3 power-iteration steps with OpenBLAS preloaded (85 ms with the
-wheel's reference BLAS), against ~600 ms (1.4 s) for mx.linalg.svd of the same blocks on the
-CPU stream, for a residual error within 1.2% of the SVD's (relative error 0.945 vs 0.934 on
-Gaussian residuals, where no low-rank structure exists to find). So we follow the paper.
+wheel's reference BLAS), against ~600 ms (1.4 s) for mx.linalg.svd of the same blocks on the CPU
+stream, for a residual error within 1.2% of the SVD's (relative error 0.945 vs 0.934 on Gaussian
+residuals, where no low-rank structure exists to find). So we follow the paper.
 """
 
 from __future__ import annotations

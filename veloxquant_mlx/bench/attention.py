@@ -1,0 +1,98 @@
+"""One layer's decode attention, timed alone: the kernel under `veloxquant bench`'s decode speed.
+
+    python -m veloxquant_mlx.bench.attention --context 4096 --rounds 40 --out results/x.json
+
+One query token (SmolLM2-135M's layer shape by default: 9 query heads over 3 KV heads,
+head_dim 64, float32 as the CPU model runs) attends over `--context` cached tokens of random
+K/V. Each cache is filled through `update_and_fetch` (the last token arriving as a decode step's
+own K/V), then one attention call is timed per round, rounds interleaved across the specs:
+- fp16 and mlx-q*: mlx-lm's own `scaled_dot_product_attention` with the cache's output, i.e.
+  `mx.fast.scaled_dot_product_attention` or mlx-lm's quantized attention, as in a model;
+- ours: `cache.attention`, the compressed-form attention our dispatcher calls in a model.
+Reported per spec in microseconds: min, quartiles, median, max. The minimum is the least
+load-disturbed figure on a shared CPU; the median is what a loaded machine gives.
+"""
+
+from __future__ import annotations
+
+import sys
+
+MODULE = "veloxquant_mlx.bench.attention"
+DEFAULT_METHODS = ["fp16", "mlx-q4", "kivi", "kivi:bit_width_inlier=4"]
+
+
+def parse_args(argv=None):
+    from veloxquant_mlx.bench.command import add_layer_shape, add_methods, parser, positive
+
+    p = parser(MODULE, __doc__)
+    add_methods(p, DEFAULT_METHODS)
+    p.add_argument("--context", type=positive, default=4096, help="cached tokens (default 4096)")
+    add_layer_shape(p, dtype="float32")
+    p.add_argument("--rounds", type=positive, default=40, help="timed calls per spec (default 40)")
+    return p.parse_args(argv)
+
+
+def prepared_call(spec, q, k, v, scale: float):
+    """A zero-argument function running this spec's decode attention over k, v (filled once)."""
+    import mlx.core as mx
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    from veloxquant_mlx.bench.drive import cache_arrays
+    from veloxquant_mlx.cache.base import CompressedKVCache
+
+    cache = spec.make()
+    if isinstance(cache, CompressedKVCache):
+        cache.update_and_fetch(k[:, :, :-1], v[:, :, :-1])
+        cache.attention(q, scale=scale)  # flushes: the history is encoded as a prefill leaves it
+        cache.update_and_fetch(k[:, :, -1:], v[:, :, -1:])
+        mx.eval(cache_arrays([cache]))
+        return cache, lambda: cache.attention(q, scale=scale)
+    keys, values = cache.update_and_fetch(k, v)
+    mx.eval(keys, values)
+    return cache, lambda: scaled_dot_product_attention(q, keys, values, cache=cache, scale=scale, mask=None)
+
+
+def run(args) -> dict:
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench.command import result
+    from veloxquant_mlx.bench.layer_specs import parse_layer_specs
+    from veloxquant_mlx.bench.speed import _error_text
+    from veloxquant_mlx.bench.timing import summarize, time_calls
+
+    specs = parse_layer_specs(args.methods, DEFAULT_METHODS)
+    dtype = getattr(mx, args.dtype)
+    keys = mx.random.split(mx.random.key(args.seed), 3)
+    shape = (1, args.kv_heads, args.context, args.head_dim)
+    k = mx.random.normal(shape, key=keys[0]).astype(dtype)
+    v = mx.random.normal(shape, key=keys[1]).astype(dtype)
+    q = mx.random.normal((1, args.q_heads, 1, args.head_dim), key=keys[2]).astype(dtype)
+    scale = args.head_dim ** -0.5
+    calls, rows, held = {}, {}, []
+    for spec in specs:
+        rows[spec.name] = {"label": spec.label, "kind": spec.kind}
+        try:
+            cache, calls[spec.name] = prepared_call(spec, q, k, v, scale)
+            held.append(cache)
+            rows[spec.name]["cache_nbytes"] = int(cache.nbytes)
+        except Exception as exc:  # noqa: BLE001 - recorded; the other specs still run
+            rows[spec.name]["error"] = _error_text(exc)
+    seconds = time_calls(calls, rounds=args.rounds, warmup=2)
+    for name, values in seconds.items():
+        rows[name]["microseconds"] = summarize(values, unit=1e-6)
+    fp16 = rows.get("fp16", {}).get("microseconds", {}).get("median")
+    for row in rows.values():
+        median = row.get("microseconds", {}).get("median")
+        if fp16 and median:
+            row["median_vs_fp16"] = median / fp16
+    return result(args, rows, specs, scale=scale)
+
+
+def main(argv=None) -> int:
+    from veloxquant_mlx.bench.command import run_module
+
+    return run_module(MODULE, parse_args, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
