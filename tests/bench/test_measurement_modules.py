@@ -46,6 +46,14 @@ def test_attention_tiny(tmp_path):
     assert rows["kivi:kivi_residual_length=0"]["cache_nbytes"] < rows["fp16"]["cache_nbytes"]
 
 
+def test_attention_kernels_both_adds_portable_rows(tmp_path):
+    rows = _run("attention", ["--context", "96", "--rounds", "1", "--kernels", "both", "--methods",
+                              "fp16,kivi:kivi_residual_length=0"], tmp_path)
+    # On the CPU both rows run the portable path; on CUDA the first runs the kernels.
+    assert list(rows) == ["fp16", "kivi:kivi_residual_length=0", "kivi:kivi_residual_length=0 (portable)"]
+    assert all(row["microseconds"]["n"] == 1 for row in rows.values())
+
+
 def test_encode_tiny_checks_the_accounting(tmp_path):
     rows = _run("encode", ["--context", "128", "--layers", "2", "--chunk", "64", "--rounds", "1",
                            "--methods", "fp16,kivi:kivi_residual_length=0,gear-block64"], tmp_path)

@@ -11,6 +11,11 @@ own K/V), then one attention call is timed per round, rounds interleaved across 
 - ours: `cache.attention`, the compressed-form attention our dispatcher calls in a model.
 Reported per spec in microseconds: min, quartiles, median, max. The minimum is the least
 load-disturbed figure on a shared CPU; the median is what a loaded machine gives.
+On MLX's CUDA backend our kivi/xquant caches run fused kernels (cache/fused_decode.py);
+`--kernels both` also times each of our specs with VELOXQUANT_CUDA_KERNELS=0 (the portable
+path), as "<spec> (portable)". For the H200 figures:
+    python -m veloxquant_mlx.bench.attention --context 131072 --q-heads 32 --kv-heads 8 \
+        --head-dim 128 --dtype bfloat16 --methods fp16,kivi,xquant --kernels both --out X.json
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--context", type=positive, default=4096, help="cached tokens (default 4096)")
     add_layer_shape(p, dtype="float32")
     p.add_argument("--rounds", type=positive, default=40, help="timed calls per spec (default 40)")
+    p.add_argument("--kernels", choices=("on", "both"), default="on",
+                   help="'both': time our specs also with the CUDA kernels off (default on)")
     return p.parse_args(argv)
 
 
@@ -50,6 +57,26 @@ def prepared_call(spec, q, k, v, scale: float):
     keys, values = cache.update_and_fetch(k, v)
     mx.eval(keys, values)
     return cache, lambda: scaled_dot_product_attention(q, keys, values, cache=cache, scale=scale, mask=None)
+
+
+def _with_kernels(call, switch: str):
+    """`call` with VELOXQUANT_CUDA_KERNELS set to `switch` around it (restored after)."""
+    import os
+
+    from veloxquant_mlx.cache.fused_decode import ENV_SWITCH
+
+    def switched():
+        before = os.environ.get(ENV_SWITCH)
+        os.environ[ENV_SWITCH] = switch
+        try:
+            return call()
+        finally:
+            if before is None:
+                os.environ.pop(ENV_SWITCH)
+            else:
+                os.environ[ENV_SWITCH] = before
+
+    return switched
 
 
 def run(args) -> dict:
@@ -77,6 +104,12 @@ def run(args) -> dict:
             rows[spec.name]["cache_nbytes"] = int(cache.nbytes)
         except Exception as exc:  # noqa: BLE001 - recorded; the other specs still run
             rows[spec.name]["error"] = _error_text(exc)
+    if args.kernels == "both":
+        for spec in specs:
+            if spec.kind != "fp16" and spec.kind != "mlx-quantized" and spec.name in calls:
+                rows[f"{spec.name} (portable)"] = dict(rows[spec.name])
+                calls[f"{spec.name} (portable)"] = _with_kernels(calls[spec.name], "0")
+                calls[spec.name] = _with_kernels(calls[spec.name], "1")
     seconds = time_calls(calls, rounds=args.rounds, warmup=2)
     for name, values in seconds.items():
         rows[name]["microseconds"] = summarize(values, unit=1e-6)
