@@ -163,3 +163,52 @@ def test_bad_input_is_refused():
     with pytest.raises(QuantizerConfigError, match="got 'kivi'"):
         TurboQuantRVQCache(KVCacheConfig(method="kivi"))
     assert cache.empty()
+
+
+def _refuse_one_bit(monkeypatch):
+    """Make every 1-bit affine op raise, as MLX's CUDA backend does for quantized_matmul."""
+    calls = []
+
+    def guard(name):
+        original = getattr(mx, name)
+
+        def wrapped(*args, **kwargs):
+            bits = kwargs.get("bits", 4)
+            calls.append((name, bits))
+            if bits == 1:
+                raise ValueError(f"[{name}] 1-bit quantization is not supported.")
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(mx, name, wrapped)
+
+    for name in ("quantized_matmul", "dequantize", "quantize"):
+        guard(name)
+    return calls
+
+
+@pytest.mark.parametrize("bits", [1, 4])
+def test_no_one_bit_affine_op_in_decode_prefill_or_state(monkeypatch, bits):
+    calls = _refuse_one_bit(monkeypatch)
+    cache = TurboQuantRVQCache(_config(bit_width_inlier=bits))
+    k, v = _keys_values(400)
+    # Prefill chunks: a long one (fused attention over the decoded history) and a short one
+    # (compressed-form attention); each flushes blocks through _encode.
+    cache.update_and_fetch(k[:, :, :300], v[:, :, :300])
+    mx.eval(cache.attention(mx.random.normal((1, 6, 300, 64)), scale=0.125, mask="causal"))
+    cache.update_and_fetch(k[:, :, 300:305], v[:, :, 300:305])
+    mx.eval(cache.attention(mx.random.normal((1, 6, 5, 64)), scale=0.125, mask="causal"))
+    assert cache.n_compressed > 0
+    cache.update_and_fetch(k[:, :, 305:400], v[:, :, 305:400])
+    mx.eval(cache.attention(mx.random.normal((1, 6, 400 - 305, 64)), scale=0.125, mask="causal"))
+    # Decode steps, before and after a state round trip.
+    q = mx.random.normal((1, 6, 1, 64))
+    cache.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    mx.eval(cache.attention(q, scale=0.125))
+    clone = TurboQuantRVQCache.from_state(cache.state)
+    clone.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    mx.eval(clone.attention(q, scale=0.125), *clone._full_keys_values())
+    # Nothing asked for 1 bit; the sign stage was read at 2 bits (scores), 4 bits (weighted
+    # sum) and the uniform stage, if any, at its own width.
+    assert all(b != 1 for _, b in calls)
+    qmm_bits = {b for name, b in calls if name == "quantized_matmul"}
+    assert qmm_bits == ({2, 4} if bits == 1 else {2, 3, 4})

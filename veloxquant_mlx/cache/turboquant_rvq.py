@@ -53,6 +53,8 @@ import mlx.core as mx
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.hadamard import is_power_of_two, random_signs, rotate, unrotate
 from veloxquant_mlx.cache.packing import pack_codes
+from veloxquant_mlx.cache.sign_plane import compute_dtype, sign_scores, sign_values, sign_weighted_sum
+from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
 from veloxquant_mlx.errors import QuantizerConfigError
 
 SIDE_DTYPE = mx.float16  # scales, zeros and residual magnitudes
@@ -152,7 +154,8 @@ class TurboQuantRVQCache(CompressedKVCache):
     def _encode_part(self, p: str, y: mx.array, total: int) -> dict[str, mx.array]:
         out = {}
         residual = y
-        for i, b in self._stages(total):
+        stages = self._stages(total)
+        for i, b in stages:
             if b == 1:
                 # Sign code with the least-squares magnitude mean |r| (1-bit min/max affine
                 # codes would put both levels at the extremes).
@@ -163,31 +166,30 @@ class TurboQuantRVQCache(CompressedKVCache):
                 out[f"{p}_codes{i}"] = codes
                 out[f"{p}_scales{i}"] = scales.astype(SIDE_DTYPE)
                 out[f"{p}_zeros{i}"] = zeros.astype(SIDE_DTYPE)
-            # What the next stage quantizes: the residual against what will really be read back
-            # (fp16 side data).
-            codes, scale, zero, g = self._stage_affine(p, i, b, y.shape[-1], store=out)
-            residual = residual - mx.dequantize(codes, scale, zero, group_size=g, bits=b)
+            if (i, b) != stages[-1]:
+                # What the next stage quantizes: the residual against what will really be read
+                # back (fp16 side data).
+                residual = residual - self._stage_values(p, i, b, y.shape[-1], store=out)
         return out
 
-    def _stage_affine(self, p: str, i: int, b: int, dim: int, store=None, n=None):
-        """One stage in mx.quantize's affine form (codes, float32 scales, zeros, group), over the
-        first n tokens (None: all). A sign stage is the 1-bit code c -> 2a c - a."""
+    def _stage_values(self, p: str, i: int, b: int, dim: int, store=None, n=None) -> mx.array:
+        """One stage read back in float32 (rotated domain), over the first n tokens (None: all).
+        A sign stage is a * (2 bits - 1), read at a supported width (cache/sign_plane.py: MLX's
+        CUDA backend has no 1-bit dequantize)."""
         store = self.store if store is None else store
         cut = (lambda a: a) if n is None else (lambda a: a[:, :, :n])
         codes = cut(store[f"{p}_codes{i}"])
         if b == 1:
-            a = cut(store[f"{p}_scale{i}"]).astype(mx.float32)
-            return codes, 2 * a, -a, dim
+            return sign_values(codes, cut(store[f"{p}_scale{i}"]))
+        # float32 side data: dequantize returns the scales' dtype, and fp16 would round.
         scales = cut(store[f"{p}_scales{i}"]).astype(mx.float32)
         zeros = cut(store[f"{p}_zeros{i}"]).astype(mx.float32)
-        return codes, scales, zeros, self._group(dim)
+        return mx.dequantize(codes, scales, zeros, group_size=self._group(dim), bits=b)
 
     def _decode_part(self, p: str, dim: int, total: int, n: int) -> mx.array:
         y = None
         for i, b in self._stages(total):
-            # float32 side data: dequantize returns the scales' dtype, and fp16 would round.
-            codes, scale, zero, g = self._stage_affine(p, i, b, dim, n=n)
-            part = mx.dequantize(codes, scale, zero, group_size=g, bits=b)
+            part = self._stage_values(p, i, b, dim, n=n)
             y = part if y is None else y + part
         return y
 
@@ -200,15 +202,29 @@ class TurboQuantRVQCache(CompressedKVCache):
 
     # ---- attention over the compressed form ---------------------------------------------------
     def _products(self, p: str, x: mx.array, dim: int, total: int, transpose: bool) -> mx.array:
-        """x times the rotated-domain codes of every stage, summed."""
+        """x times the rotated-domain codes of every stage, summed: uniform stages through the
+        affine kernels (float32 on the CPU, see sign_plane.compute_dtype), the sign stage
+        through cache/sign_plane.py (no 1-bit kernel: CUDA has none)."""
+        dtype = compute_dtype(x.dtype)
+        xc = x.astype(dtype)
         out = None
         for i, b in self._stages(total):
-            codes, scale, zero, g = self._stage_affine(p, i, b, dim)
-            if x.dtype != mx.float32:
-                scale, zero = scale.astype(x.dtype), zero.astype(x.dtype)
-            part = mx.quantized_matmul(x, codes, scale, zero, transpose=transpose, group_size=g, bits=b)
+            codes = self.store[f"{p}_codes{i}"]
+            if b == 1:
+                mags = self.store[f"{p}_scale{i}"]
+                product = sign_scores if transpose else sign_weighted_sum
+                part = product(xc, codes, mags)
+            else:
+                scales = self.store[f"{p}_scales{i}"].astype(dtype)
+                zeros = self.store[f"{p}_zeros{i}"].astype(dtype)
+                g = self._group(dim)
+                if transpose:
+                    part = mx.quantized_matmul(xc, codes, scales, zeros, transpose=True, group_size=g, bits=b)
+                else:
+                    # Long token axes split into chunks (the H200 runs one long reduction slowly).
+                    part = quantized_weighted_sum(xc, codes, scales, zeros, group_size=g, bits=b)
             out = part if out is None else out + part
-        return out
+        return out.astype(x.dtype)
 
     def _scores(self, q: mx.array) -> mx.array:
         q_rot = rotate(q, self._signs[0])
