@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 from veloxquant_mlx.cache.packing import pack_codes, unpack_codes
-from veloxquant_mlx.cache.sign_plane import sign_scores, sign_values, sign_weighted_sum, widen
+from veloxquant_mlx.cache.sign_plane import sign_scores, sign_values, sign_weighted_sum, token_chunks, widen
 
 
 def _plane(tokens, dim, heads=3, seed=0):
@@ -53,3 +53,18 @@ def test_low_precision_inputs_keep_their_dtype():
     assert got.dtype == mx.bfloat16
     ref = x @ dense.swapaxes(-1, -2)
     assert (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item() < 2e-2
+
+
+def test_chunked_products_equal_whole_ones_and_bound_the_transient():
+    tokens = 3 * 256 + 64
+    _, words, mags, dense = _plane(tokens, 64)
+    x = mx.random.normal((2, 3, 5, 64))
+    p = mx.softmax(mx.random.normal((2, 3, 5, tokens)), axis=-1)
+    # 256 tokens of 4-bit widened words: four chunks, the last one short.
+    per_token_4bit = words.nbytes // tokens * 4
+    assert token_chunks(words, 4, 256 * per_token_4bit) == [(0, 256), (256, 512), (512, 768), (768, 832)]
+    assert token_chunks(words, 4, 1 << 30) == [(0, tokens)]
+    small = 256 * per_token_4bit
+    assert mx.allclose(sign_scores(x, words, mags, small), sign_scores(x, words, mags), atol=1e-5).item()
+    got = sign_weighted_sum(p, words, mags, small)
+    assert mx.allclose(got, p @ dense, rtol=1e-5, atol=1e-5).item()

@@ -20,7 +20,11 @@ not in the span of such fields. So the words are re-expressed per call, not stor
 
 The transient is the widened plane of one layer: `bits` times the stored sign plane (2 bits per
 element for the scores, 4 for the weighted sum; e.g. 4 MiB and 8 MiB for 16K tokens x 8 heads x
-d 128), never a float copy of the history. Widths were measured on the CPU (one layer, 8 kv
+d 128; the compiled widening holds up to ~2x that while it runs), never a float copy of the
+history. Past MAX_WIDE_BYTES of widened words (128K tokens of that shape) the tokens are taken
+in chunks, each evaluated before the next is widened, so the transient stops growing with the
+context (lazy evaluation alone would allocate every chunk up front); shorter histories, the
+common case, need no mx.eval inside attention (a sync on a GPU). Widths were measured on the CPU (one layer, 8 kv
 heads, 4 query rows each, d 128, float32; CPU ms, 16K / 4K tokens; 1-bit kernel for reference):
 scores 1-bit 38.2 / 9.8, 2-bit 42.1 / 10.8, 4-bit 45.5 / 10.9; weighted sum 1-bit 31.8 / 7.6,
 2-bit 33.4 / 7.9, 4-bit 20.9 / 4.6; widening 3.1-3.4 / 0.7. Hence 2 bits for the scores and 4
@@ -38,6 +42,8 @@ from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
 SCORE_BITS = 2  # width the scores product reads the plane at
 SUM_BITS = 4  # width the weighted sum (and a full decode) reads it at
 MAX_GROUP = 128  # the largest group the affine kernels take
+MAX_WIDE_BYTES = 64 << 20  # widened words one product may hold at a time
+CHUNK_ALIGN = 256  # chunks are whole multiples of this many tokens
 
 
 def _spread2(words, halves):
@@ -91,28 +97,54 @@ def compute_dtype(x_dtype: mx.Dtype) -> mx.Dtype:
     return mx.float32 if mx.default_device().type == mx.DeviceType.cpu else x_dtype
 
 
-def sign_scores(x: mx.array, words: mx.array, mags: mx.array) -> mx.array:
+def token_chunks(words: mx.array, bits: int, max_bytes: int) -> list[tuple[int, int]]:
+    """[start, stop) token ranges whose words widened to `bits` fit max_bytes (one range when
+    the whole plane does)."""
+    tokens = words.shape[-2]
+    per_token = words.nbytes // max(tokens, 1) * bits
+    size = max(CHUNK_ALIGN, (max_bytes // max(per_token, 1)) // CHUNK_ALIGN * CHUNK_ALIGN)
+    return [(start, min(tokens, start + size)) for start in range(0, tokens, size)]
+
+
+def sign_scores(x: mx.array, words: mx.array, mags: mx.array, max_bytes: int = MAX_WIDE_BYTES) -> mx.array:
     """x (..., R, d) against the plane (words (..., T, d / 32), mags (..., T, 1)) -> (..., R, T):
     x . (a_t (2 b_t - 1)) in x's dtype."""
     dim = words.shape[-1] * 32
     dtype = compute_dtype(x.dtype)
-    scales, biases, g = affine(mags, dim, dtype)
-    out = mx.quantized_matmul(
-        x.astype(dtype), widen(words, SCORE_BITS), scales, biases,
-        transpose=True, group_size=g, bits=SCORE_BITS,
-    )
+    xc = x.astype(dtype)
+    chunks = token_chunks(words, SCORE_BITS, max_bytes)
+    parts = []
+    for start, stop in chunks:
+        scales, biases, g = affine(mags[..., start:stop, :], dim, dtype)
+        part = mx.quantized_matmul(
+            xc, widen(words[..., start:stop, :], SCORE_BITS), scales, biases,
+            transpose=True, group_size=g, bits=SCORE_BITS,
+        )
+        if len(chunks) > 1:
+            mx.eval(part)  # frees this chunk's widened words before the next is made
+        parts.append(part)
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     return out.astype(x.dtype)
 
 
-def sign_weighted_sum(p: mx.array, words: mx.array, mags: mx.array) -> mx.array:
+def sign_weighted_sum(p: mx.array, words: mx.array, mags: mx.array, max_bytes: int = MAX_WIDE_BYTES) -> mx.array:
     """p (..., R, T) times the plane's vectors -> (..., R, d): sum_t p_t a_t (2 b_t - 1), in p's
     dtype (long token axes split into chunks by split_reduction)."""
     dim = words.shape[-1] * 32
     dtype = compute_dtype(p.dtype)
-    scales, biases, g = affine(mags, dim, dtype)
-    out = quantized_weighted_sum(
-        p.astype(dtype), widen(words, SUM_BITS), scales, biases, group_size=g, bits=SUM_BITS
-    )
+    pc = p.astype(dtype)
+    chunks = token_chunks(words, SUM_BITS, max_bytes)
+    out = None
+    for start, stop in chunks:
+        scales, biases, g = affine(mags[..., start:stop, :], dim, dtype)
+        part = quantized_weighted_sum(
+            pc[..., start:stop], widen(words[..., start:stop, :], SUM_BITS), scales, biases,
+            group_size=g, bits=SUM_BITS,
+        )
+        if len(chunks) > 1:
+            part = part.astype(mx.float32)  # partial sums in float32
+            mx.eval(part)
+        out = part if out is None else out + part
     return out.astype(p.dtype)
 
 

@@ -24,12 +24,17 @@ The most recent `residual_length` tokens (plus up to block_size - 1 not yet enco
 exact in the input dtype by the base class.
 
 Attention reads the compressed form. The rotation is orthogonal, so q . k = (R q) . (R k): the
-query is rotated once per step and scored against both stages' codes with
-`mx.quantized_matmul` (keys (B, H, T, d) grouped along d, transpose=True; the sign stage is an
-affine 1-bit code with scale 2a and zero -a); the probabilities multiply the rotated values the
-same way (transpose=False) and the sum is rotated back once. The key mean adds q . mean to every
-compressed score (a constant per query row, which the softmax across compressed and exact
-tokens still needs because the exact window is not centered).
+query is rotated once per step and scored against both stages' codes (keys (B, H, T, d) grouped
+along d, transpose=True); the probabilities multiply the rotated values the same way and the sum
+is rotated back once. The uniform stage runs through `mx.quantized_matmul` at its own width (2 or
+3 bits). The sign stage is the affine 1-bit code with scale 2a and zero -a, but no 1-bit kernel
+is used (MLX's CUDA backend has none): cache/sign_plane.py widens its words per call into the
+same 0/1 codes packed 2 bits wide (scores) or 4 bits wide (weighted sum, full decode), which the
+affine kernels of every backend read, bit for bit the values the 1-bit kernels read. The key
+mean adds q . mean to every compressed score (a constant per query row, which the softmax across
+compressed and exact tokens still needs because the exact window is not centered). On the CPU
+the products run in float32 whatever the query dtype (its affine kernels are ~10x slower in
+bf16), elsewhere in the query dtype.
 
 Deviations from the paper:
   * randomized Hadamard instead of a dense random rotation (the paper allows any random
@@ -43,7 +48,20 @@ Deviations from the paper:
     sqrt(pi/2) / d * |r|: lower variance, which the softmax punishes more than bias;
   * keys are centered by a per-channel mean before rotation. Real keys carry a large constant
     offset (62% of SmolLM2's key energy), which costs quantization range on every token but adds
-    only a per-query constant to the scores; the mean is held exactly, so decoding is unchanged.
+    only a per-query constant to the scores; the mean is held exactly, so decoding is unchanged;
+  * (implementation, not the paper) the sign plane is stored 1 bit per coordinate but read at 2
+    or 4 bits: each attention call widens one layer's sign words, a transient of 2 + 4 bits per
+    compressed element (keys, values) that is freed with the call, never a float copy of the
+    history (4 MiB + 8 MiB for 16K tokens x 8 kv heads x d 128, ~2x that while the compiled
+    widening runs; the layer's store is 20 MiB, its fp16 K/V 64 MiB); past 64 MiB of widened
+    words per product (128K tokens of that shape) it is made and evaluated in chunks, so it
+    stops growing with the context. Weighed against: storing the plane 2 bits wide (twice its bytes: 0.34x fp16
+    instead of 0.31x at 4 bits); reading the stored words in place at a supported width (not
+    possible: see sign_plane.py); expanding them to +-1 floats for a regular matmul (same CPU
+    speed, but a tokens x d float transient, 148 MiB per step at 16K in float32, which lazy
+    evaluation keeps whole unless every chunk is evaluated on its own: a sync per chunk on a
+    GPU). Measured on the CPU, one layer's decode step against the 1-bit kernels it replaced:
+    results/turboquant_rvq_step_cpu.json.
 """
 
 from __future__ import annotations
