@@ -44,6 +44,28 @@ def test_rotation_is_orthogonal_and_inverts():
     assert not mx.array_equal(random_signs(3, 6, 64), signs).item()
 
 
+@pytest.mark.parametrize("dim", [32, 64, 128])
+def test_dense_fallback_rotation_equals_the_fast_transform(monkeypatch, dim):
+    """A backend without mx.hadamard_transform rotates by a matmul with the same matrix."""
+    from veloxquant_mlx.cache import hadamard
+
+    signs = random_signs(0, 1, dim)
+    x = mx.random.normal((2, 3, 5, dim))
+    fast = rotate(x, signs)
+    device = str(mx.default_device())
+    monkeypatch.setitem(hadamard._FAST_ON, device, False)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Hadamard has no CUDA implementation.")
+
+    monkeypatch.setattr(mx, "hadamard_transform", refuse)
+    assert mx.allclose(rotate(x, signs), fast, atol=1e-5).item()
+    assert mx.allclose(unrotate(rotate(x, signs), signs), x, atol=1e-5).item()
+    # The probe itself reports the missing transform.
+    monkeypatch.delitem(hadamard._FAST_ON, device)
+    assert not hadamard.fast_transform_available()
+
+
 def test_codes_are_uint32_and_bytes_match_accounting():
     cache, k, v = _filled(4096 + 64)
     assert cache.window_keys.shape[2] == 64
