@@ -234,3 +234,36 @@ def test_no_one_bit_affine_op_in_decode_prefill_or_state(monkeypatch, bits):
     assert all(b != 1 for _, b in calls)
     qmm_bits = {b for name, b in calls if name == "quantized_matmul"}
     assert qmm_bits == ({2, 4} if bits == 1 else {2, 3, 4})
+
+
+def test_first_token_is_read_back_exactly_and_survives_save_load(tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    cache, k, v = _filled(300)
+    fk, fv = cache._full_keys_values()
+    # The attention sink (token 0) comes back exactly; the next token carries its codes' error.
+    assert mx.allclose(fk[:, :, 0], k[:, :, 0], atol=1e-5).item()
+    assert mx.allclose(fv[:, :, 0], v[:, :, 0], atol=1e-5).item()
+    assert not mx.allclose(fk[:, :, 1], k[:, :, 1], atol=1e-3).item()
+    q = mx.random.normal((1, 6, 1, 64))
+    path = str(tmp_path / "tq.safetensors")
+    save_prompt_cache(path, [cache])
+    (loaded,) = load_prompt_cache(path)
+    assert isinstance(loaded, TurboQuantRVQCache) and loaded.nbytes == cache.nbytes
+    assert mx.allclose(loaded.attention(q, 0.125), cache.attention(q, 0.125), atol=1e-6).item()
+    # A state written before the sink correction (ending at key_mean) still loads, uncorrected.
+    old = TurboQuantRVQCache.from_state(cache.state[:-2])
+    assert old.sink_deltas is None and old.offset == cache.offset
+    with pytest.raises(QuantizerConfigError, match="state must be"):
+        TurboQuantRVQCache.from_state(cache.state[:-1])
+
+
+def test_sink_correction_is_rebuilt_when_trim_empties_the_history():
+    cache, k, v = _filled(300)
+    cache.trim(300 - 40)  # 40 tokens left: no whole block, all back in the window
+    assert cache.n_compressed == 0
+    k2, v2 = _keys_values(300, seed=3)
+    cache.update_and_fetch(k2[:, :, 40:], v2[:, :, 40:])
+    cache.attention(mx.random.normal((1, 6, 260, 64)), scale=0.125, mask="causal")  # flushes
+    fk, _ = cache._full_keys_values()
+    assert mx.allclose(fk[:, :, 0], k[:, :, 0], atol=1e-5).item()
