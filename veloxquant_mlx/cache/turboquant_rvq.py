@@ -55,8 +55,12 @@ Deviations from the paper:
   * the attention sink is kept exact (not in the paper; KVQuant and StreamingLLM do the same):
     on SmolLM2 (DESIGN.md protocol, simulated caches returning exactly what this one decodes)
     turboquant_rvq-4 had KL 0.0127 / top-1 91.2%, of which keys alone 0.0117 and values alone
-    0.0007; with token 0 exact the same codes gave KL 0.0022 / top-1 98.2%. The sink receives
-    most of the attention mass, so a small error in its score moves the whole softmax;
+    0.0007; with token 0 exact the same codes gave KL 0.0022 / top-1 98.2%
+    (results/turboquant_rvq_quality_attribution.json), and this cache measured KL 0.0022 /
+    top-1 98.2% / PPL 16.525 vs 16.523 (results/turboquant_rvq_quality.json). Token 0's key
+    lies ~1.5-2x further from the key mean than a typical key in SmolLM2's deeper layers (so
+    its codes err more) and it receives most of the attention mass, so its score error moves
+    the whole softmax;
   * (implementation, not the paper) the sign plane is stored 1 bit per coordinate but read at 2
     or 4 bits: each attention call widens one layer's sign words, a transient of 2 + 4 bits per
     compressed element (keys, values) that is freed with the call, never a float copy of the
