@@ -24,13 +24,15 @@ d 128; the compiled widening holds up to ~2x that while it runs), never a float 
 history. Past MAX_WIDE_BYTES of widened words (128K tokens of that shape) the tokens are taken
 in chunks, each evaluated before the next is widened, so the transient stops growing with the
 context (lazy evaluation alone would allocate every chunk up front); shorter histories, the
-common case, need no mx.eval inside attention (a sync on a GPU). Widths were measured on the CPU (one layer, 8 kv
-heads, 4 query rows each, d 128, float32; CPU ms, 16K / 4K tokens; 1-bit kernel for reference):
-scores 1-bit 38.2 / 9.8, 2-bit 42.1 / 10.8, 4-bit 45.5 / 10.9; weighted sum 1-bit 31.8 / 7.6,
-2-bit 33.4 / 7.9, 4-bit 20.9 / 4.6; widening 3.1-3.4 / 0.7. Hence 2 bits for the scores and 4
-for the weighted sum. Expanding the bits to a +-1 float matrix and a regular matmul ran as fast
-but needs a tokens x d float transient (148 MiB at 16K in float32), which lazy evaluation does
-not free chunk by chunk without an mx.eval per chunk (a sync per chunk on a GPU).
+common case, need no mx.eval inside attention (a sync on a GPU).
+
+Widths were measured on the CPU (one layer, 8 kv heads, 4 query rows each, d 128, float32; CPU
+ms at 16K / 4K tokens; the 1-bit kernel for reference): scores 1-bit 38.2 / 9.8, 2-bit 42.1 /
+10.8, 4-bit 45.5 / 10.9; weighted sum 1-bit 31.8 / 7.6, 2-bit 33.4 / 7.9, 4-bit 20.9 / 4.6;
+widening 3.1-3.4 / 0.7. Hence 2 bits for the scores and 4 for the weighted sum. Expanding the
+bits to a +-1 float matrix for a regular matmul ran as fast but needs a tokens x d float
+transient (148 MiB at 16K in float32), which lazy evaluation does not free chunk by chunk
+without an mx.eval per chunk (a sync per chunk on a GPU).
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ def token_chunks(words: mx.array, bits: int, max_bytes: int) -> list[tuple[int, 
     return [(start, min(tokens, start + size)) for start in range(0, tokens, size)]
 
 
-def sign_scores(x: mx.array, words: mx.array, mags: mx.array, max_bytes: int = MAX_WIDE_BYTES) -> mx.array:
+def sign_scores(
+    x: mx.array, words: mx.array, mags: mx.array, max_bytes: int = MAX_WIDE_BYTES
+) -> mx.array:
     """x (..., R, d) against the plane (words (..., T, d / 32), mags (..., T, 1)) -> (..., R, T):
     x . (a_t (2 b_t - 1)) in x's dtype."""
     dim = words.shape[-1] * 32
@@ -127,7 +131,9 @@ def sign_scores(x: mx.array, words: mx.array, mags: mx.array, max_bytes: int = M
     return out.astype(x.dtype)
 
 
-def sign_weighted_sum(p: mx.array, words: mx.array, mags: mx.array, max_bytes: int = MAX_WIDE_BYTES) -> mx.array:
+def sign_weighted_sum(
+    p: mx.array, words: mx.array, mags: mx.array, max_bytes: int = MAX_WIDE_BYTES
+) -> mx.array:
     """p (..., R, T) times the plane's vectors -> (..., R, d): sum_t p_t a_t (2 b_t - 1), in p's
     dtype (long token axes split into chunks by split_reduction)."""
     dim = words.shape[-1] * 32

@@ -62,18 +62,20 @@ Deviations from the paper:
     its codes err more) and it receives most of the attention mass, so its score error moves
     the whole softmax;
   * (implementation, not the paper) the sign plane is stored 1 bit per coordinate but read at 2
-    or 4 bits: each attention call widens one layer's sign words, a transient of 2 + 4 bits per
-    compressed element (keys, values) that is freed with the call, never a float copy of the
-    history (4 MiB + 8 MiB for 16K tokens x 8 kv heads x d 128, ~2x that while the compiled
-    widening runs; the layer's store is 20 MiB, its fp16 K/V 64 MiB); past 64 MiB of widened
-    words per product (128K tokens of that shape) it is made and evaluated in chunks, so it
-    stops growing with the context. Weighed against: storing the plane 2 bits wide (twice its bytes: 0.34x fp16
-    instead of 0.31x at 4 bits); reading the stored words in place at a supported width (not
-    possible: see sign_plane.py); expanding them to +-1 floats for a regular matmul (same CPU
-    speed, but a tokens x d float transient, 148 MiB per step at 16K in float32, which lazy
-    evaluation keeps whole unless every chunk is evaluated on its own: a sync per chunk on a
-    GPU). Measured on the CPU, one layer's decode step against the 1-bit kernels it replaced:
-    results/turboquant_rvq_step_cpu.json.
+    or 4 bits (MLX's CUDA backend has no 1-bit kernels): each attention call widens one layer's
+    sign words, a transient of 2 + 4 bits per compressed element (keys, values) freed with the
+    call, never a float copy of the history (4 MiB + 8 MiB for 16K tokens x 8 kv heads x d 128,
+    ~2x that while the compiled widening runs; that layer's store is 20 MiB, its fp16 K/V 64
+    MiB); past 64 MiB of widened words per product (128K tokens of that shape) it is made and
+    evaluated in chunks, so it stops growing with the context. Measured peak added by one such
+    decode step: 12.6 / 47.8 MiB at 4K / 16K tokens (5.4 / 18.1 MiB with the 1-bit kernels).
+    Weighed against: storing the plane 2 bits wide (twice its bytes: 0.34x fp16 instead of
+    0.31x at 4 bits); reading the stored words in place at a supported width (not possible: see
+    sign_plane.py); expanding them to +-1 floats for a regular matmul (same CPU speed, but a
+    tokens x d float transient, 148 MiB per step at 16K in float32, which lazy evaluation keeps
+    whole unless every chunk is evaluated on its own: a sync per chunk on a GPU). CPU time of
+    that step against the 1-bit kernels: 0.98-1.0x in float32, 0.16-0.17x in bf16 (float32
+    compute) at 4K and 16K tokens (results/turboquant_rvq_step_cpu.json).
 """
 
 from __future__ import annotations
