@@ -44,6 +44,28 @@ def test_rotation_is_orthogonal_and_inverts():
     assert not mx.array_equal(random_signs(3, 6, 64), signs).item()
 
 
+@pytest.mark.parametrize("dim", [32, 64, 128])
+def test_dense_fallback_rotation_equals_the_fast_transform(monkeypatch, dim):
+    """A backend without mx.hadamard_transform rotates by a matmul with the same matrix."""
+    from veloxquant_mlx.cache import hadamard
+
+    signs = random_signs(0, 1, dim)
+    x = mx.random.normal((2, 3, 5, dim))
+    fast = rotate(x, signs)
+    device = str(mx.default_device())
+    monkeypatch.setitem(hadamard._FAST_ON, device, False)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Hadamard has no CUDA implementation.")
+
+    monkeypatch.setattr(mx, "hadamard_transform", refuse)
+    assert mx.allclose(rotate(x, signs), fast, atol=1e-5).item()
+    assert mx.allclose(unrotate(rotate(x, signs), signs), x, atol=1e-5).item()
+    # The probe itself reports the missing transform.
+    monkeypatch.delitem(hadamard._FAST_ON, device)
+    assert not hadamard.fast_transform_available()
+
+
 def test_codes_are_uint32_and_bytes_match_accounting():
     cache, k, v = _filled(4096 + 64)
     assert cache.window_keys.shape[2] == 64
@@ -163,3 +185,85 @@ def test_bad_input_is_refused():
     with pytest.raises(QuantizerConfigError, match="got 'kivi'"):
         TurboQuantRVQCache(KVCacheConfig(method="kivi"))
     assert cache.empty()
+
+
+def _refuse_one_bit(monkeypatch):
+    """Make every 1-bit affine op raise, as MLX's CUDA backend does for quantized_matmul."""
+    calls = []
+
+    def guard(name):
+        original = getattr(mx, name)
+
+        def wrapped(*args, **kwargs):
+            bits = kwargs.get("bits", 4)
+            calls.append((name, bits))
+            if bits == 1:
+                raise ValueError(f"[{name}] 1-bit quantization is not supported.")
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(mx, name, wrapped)
+
+    for name in ("quantized_matmul", "dequantize", "quantize"):
+        guard(name)
+    return calls
+
+
+@pytest.mark.parametrize("bits", [1, 4])
+def test_no_one_bit_affine_op_in_decode_prefill_or_state(monkeypatch, bits):
+    calls = _refuse_one_bit(monkeypatch)
+    cache = TurboQuantRVQCache(_config(bit_width_inlier=bits))
+    k, v = _keys_values(400)
+    # Prefill chunks: a long one (fused attention over the decoded history) and a short one
+    # (compressed-form attention); each flushes blocks through _encode.
+    cache.update_and_fetch(k[:, :, :300], v[:, :, :300])
+    mx.eval(cache.attention(mx.random.normal((1, 6, 300, 64)), scale=0.125, mask="causal"))
+    cache.update_and_fetch(k[:, :, 300:305], v[:, :, 300:305])
+    mx.eval(cache.attention(mx.random.normal((1, 6, 5, 64)), scale=0.125, mask="causal"))
+    assert cache.n_compressed > 0
+    cache.update_and_fetch(k[:, :, 305:400], v[:, :, 305:400])
+    mx.eval(cache.attention(mx.random.normal((1, 6, 400 - 305, 64)), scale=0.125, mask="causal"))
+    # Decode steps, before and after a state round trip.
+    q = mx.random.normal((1, 6, 1, 64))
+    cache.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    mx.eval(cache.attention(q, scale=0.125))
+    clone = TurboQuantRVQCache.from_state(cache.state)
+    clone.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    mx.eval(clone.attention(q, scale=0.125), *clone._full_keys_values())
+    # Nothing asked for 1 bit; the sign stage was read at 2 bits (scores), 4 bits (weighted
+    # sum) and the uniform stage, if any, at its own width.
+    assert all(b != 1 for _, b in calls)
+    qmm_bits = {b for name, b in calls if name == "quantized_matmul"}
+    assert qmm_bits == ({2, 4} if bits == 1 else {2, 3, 4})
+
+
+def test_first_token_is_read_back_exactly_and_survives_save_load(tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    cache, k, v = _filled(300)
+    fk, fv = cache._full_keys_values()
+    # The attention sink (token 0) comes back exactly; the next token carries its codes' error.
+    assert mx.allclose(fk[:, :, 0], k[:, :, 0], atol=1e-5).item()
+    assert mx.allclose(fv[:, :, 0], v[:, :, 0], atol=1e-5).item()
+    assert not mx.allclose(fk[:, :, 1], k[:, :, 1], atol=1e-3).item()
+    q = mx.random.normal((1, 6, 1, 64))
+    path = str(tmp_path / "tq.safetensors")
+    save_prompt_cache(path, [cache])
+    (loaded,) = load_prompt_cache(path)
+    assert isinstance(loaded, TurboQuantRVQCache) and loaded.nbytes == cache.nbytes
+    assert mx.allclose(loaded.attention(q, 0.125), cache.attention(q, 0.125), atol=1e-6).item()
+    # A state written before the sink correction (ending at key_mean) still loads, uncorrected.
+    old = TurboQuantRVQCache.from_state(cache.state[:-2])
+    assert old.sink_deltas is None and old.offset == cache.offset
+    with pytest.raises(QuantizerConfigError, match="state must be"):
+        TurboQuantRVQCache.from_state(cache.state[:-1])
+
+
+def test_sink_correction_is_rebuilt_when_trim_empties_the_history():
+    cache, k, v = _filled(300)
+    cache.trim(300 - 40)  # 40 tokens left: no whole block, all back in the window
+    assert cache.n_compressed == 0
+    k2, v2 = _keys_values(300, seed=3)
+    cache.update_and_fetch(k2[:, :, 40:], v2[:, :, 40:])
+    cache.attention(mx.random.normal((1, 6, 260, 64)), scale=0.125, mask="causal")  # flushes
+    fk, _ = cache._full_keys_values()
+    assert mx.allclose(fk[:, :, 0], k[:, :, 0], atol=1e-5).item()

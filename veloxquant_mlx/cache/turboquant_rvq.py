@@ -21,15 +21,23 @@ What this cache stores, per key/value vector of head_dim d, for `bits` = b total
 across both stages; `key_bits` / `value_bits` override it for keys or values. Side data add
 32 / group_size + 16 / d bits per coordinate (0.75 at d = 64), see `bits_per_element`.
 The most recent `residual_length` tokens (plus up to block_size - 1 not yet encoded) are kept
-exact in the input dtype by the base class.
+exact in the input dtype by the base class. The first token of the sequence (the attention sink,
+`exact_sink_tokens`) is read back exactly: its codes stay in the store, and a float32 correction
+(exact - decoded, d values per head for keys and for values) is added to its score column and to
+the weighted values.
 
 Attention reads the compressed form. The rotation is orthogonal, so q . k = (R q) . (R k): the
-query is rotated once per step and scored against both stages' codes with
-`mx.quantized_matmul` (keys (B, H, T, d) grouped along d, transpose=True; the sign stage is an
-affine 1-bit code with scale 2a and zero -a); the probabilities multiply the rotated values the
-same way (transpose=False) and the sum is rotated back once. The key mean adds q . mean to every
-compressed score (a constant per query row, which the softmax across compressed and exact
-tokens still needs because the exact window is not centered).
+query is rotated once per step and scored against both stages' codes (keys (B, H, T, d) grouped
+along d, transpose=True); the probabilities multiply the rotated values the same way and the sum
+is rotated back once. The uniform stage runs through `mx.quantized_matmul` at its own width (2 or
+3 bits). The sign stage is the affine 1-bit code with scale 2a and zero -a, but no 1-bit kernel
+is used (MLX's CUDA backend has none): cache/sign_plane.py widens its words per call into the
+same 0/1 codes packed 2 bits wide (scores) or 4 bits wide (weighted sum, full decode), which the
+affine kernels of every backend read, bit for bit the values the 1-bit kernels read. The key
+mean adds q . mean to every compressed score (a constant per query row, which the softmax across
+compressed and exact tokens still needs because the exact window is not centered). On the CPU
+the products run in float32 whatever the query dtype (its affine kernels are ~10x slower in
+bf16), elsewhere in the query dtype.
 
 Deviations from the paper:
   * randomized Hadamard instead of a dense random rotation (the paper allows any random
@@ -43,16 +51,44 @@ Deviations from the paper:
     sqrt(pi/2) / d * |r|: lower variance, which the softmax punishes more than bias;
   * keys are centered by a per-channel mean before rotation. Real keys carry a large constant
     offset (62% of SmolLM2's key energy), which costs quantization range on every token but adds
-    only a per-query constant to the scores; the mean is held exactly, so decoding is unchanged.
+    only a per-query constant to the scores; the mean is held exactly, so decoding is unchanged;
+  * the attention sink is kept exact (not in the paper; KVQuant and StreamingLLM do the same):
+    on SmolLM2 (DESIGN.md protocol, simulated caches returning exactly what this one decodes)
+    turboquant_rvq-4 had KL 0.0127 / top-1 91.2%, of which keys alone 0.0117 and values alone
+    0.0007; with token 0 exact the same codes gave KL 0.0022 / top-1 98.2%
+    (results/turboquant_rvq_quality_attribution.json), and this cache measured KL 0.0022 /
+    top-1 98.2% / PPL 16.525 vs 16.523 (results/turboquant_rvq_quality.json). Token 0's key
+    lies ~1.5-2x further from the key mean than a typical key in SmolLM2's deeper layers (so
+    its codes err more) and it receives most of the attention mass, so its score error moves
+    the whole softmax;
+  * (implementation, not the paper) the sign plane is stored 1 bit per coordinate but read at 2
+    or 4 bits (MLX's CUDA backend has no 1-bit kernels): each attention call widens one layer's
+    sign words, a transient of 2 + 4 bits per compressed element (keys, values) freed with the
+    call, never a float copy of the history (4 MiB + 8 MiB for 16K tokens x 8 kv heads x d 128,
+    ~2x that while the compiled widening runs; that layer's store is 20 MiB, its fp16 K/V 64
+    MiB); past 64 MiB of widened words per product (128K tokens of that shape) it is made and
+    evaluated in chunks, so it stops growing with the context. Measured peak added by one such
+    decode step: 12.6 / 47.8 MiB at 4K / 16K tokens (5.4 / 18.1 MiB with the 1-bit kernels).
+    Weighed against: storing the plane 2 bits wide (twice its bytes: 0.34x fp16 instead of
+    0.31x at 4 bits); reading the stored words in place at a supported width (not possible: see
+    sign_plane.py); expanding them to +-1 floats for a regular matmul (same CPU speed, but a
+    tokens x d float transient, 148 MiB per step at 16K in float32, which lazy evaluation keeps
+    whole unless every chunk is evaluated on its own: a sync per chunk on a GPU). CPU time of
+    that step against the 1-bit kernels: 0.98-1.0x in float32, 0.16-0.17x in bf16 (float32
+    compute) at 4K and 16K tokens (results/turboquant_rvq_step_cpu.json).
 """
 
 from __future__ import annotations
+
+import json
 
 import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.hadamard import is_power_of_two, random_signs, rotate, unrotate
 from veloxquant_mlx.cache.packing import pack_codes
+from veloxquant_mlx.cache.sign_plane import compute_dtype, sign_scores, sign_values, sign_weighted_sum
+from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
 from veloxquant_mlx.errors import QuantizerConfigError
 
 SIDE_DTYPE = mx.float16  # scales, zeros and residual magnitudes
@@ -66,6 +102,10 @@ class TurboQuantRVQCache(CompressedKVCache):
     # Recent tokens kept exact: 64 fp16 tokens cost 0.25 bits per element at 4096 tokens.
     exact_window = 64
     max_group_size = 64
+    # The first tokens of the sequence (the attention sink) are read back exactly: their
+    # codes stay in the store and a float32 correction (exact - decoded) per token is added to
+    # their score column and to the weighted values. 0 turns it off.
+    exact_sink_tokens = 1
 
     def _setup(self) -> None:
         total = self.config.bits_for_layer(self.layer_index, self.n_layers)
@@ -79,6 +119,8 @@ class TurboQuantRVQCache(CompressedKVCache):
                 )
         if not hasattr(self, "key_mean"):
             self.key_mean = None
+        if not hasattr(self, "sink_deltas"):
+            self.sink_deltas = None  # (keys, values) float32 (B, H, sink tokens, d): exact - decoded
         self._signs = None
         if self.head_dim:
             self._make_signs()
@@ -147,12 +189,21 @@ class TurboQuantRVQCache(CompressedKVCache):
         k = keys.astype(mx.float32) - self.key_mean.astype(mx.float32)
         out.update(self._encode_part("k", rotate(k, self._signs[0]), self.key_bits))
         out.update(self._encode_part("v", rotate(values.astype(mx.float32), self._signs[1]), self.value_bits))
+        sink = min(self.exact_sink_tokens, keys.shape[2])
+        if self.n_compressed == 0 and sink > 0:
+            # This block starts the sequence: keep what its first tokens' codes miss.
+            k_hat, v_hat = self._reconstruct(out, sink)
+            self.sink_deltas = (
+                keys[:, :, :sink].astype(mx.float32) - k_hat,
+                values[:, :, :sink].astype(mx.float32) - v_hat,
+            )
         return out
 
     def _encode_part(self, p: str, y: mx.array, total: int) -> dict[str, mx.array]:
         out = {}
         residual = y
-        for i, b in self._stages(total):
+        stages = self._stages(total)
+        for i, b in stages:
             if b == 1:
                 # Sign code with the least-squares magnitude mean |r| (1-bit min/max affine
                 # codes would put both levels at the extremes).
@@ -163,62 +214,93 @@ class TurboQuantRVQCache(CompressedKVCache):
                 out[f"{p}_codes{i}"] = codes
                 out[f"{p}_scales{i}"] = scales.astype(SIDE_DTYPE)
                 out[f"{p}_zeros{i}"] = zeros.astype(SIDE_DTYPE)
-            # What the next stage quantizes: the residual against what will really be read back
-            # (fp16 side data).
-            codes, scale, zero, g = self._stage_affine(p, i, b, y.shape[-1], store=out)
-            residual = residual - mx.dequantize(codes, scale, zero, group_size=g, bits=b)
+            if (i, b) != stages[-1]:
+                # What the next stage quantizes: the residual against what will really be read
+                # back (fp16 side data).
+                residual = residual - self._stage_values(p, i, b, y.shape[-1], store=out)
         return out
 
-    def _stage_affine(self, p: str, i: int, b: int, dim: int, store=None, n=None):
-        """One stage in mx.quantize's affine form (codes, float32 scales, zeros, group), over the
-        first n tokens (None: all). A sign stage is the 1-bit code c -> 2a c - a."""
+    def _stage_values(self, p: str, i: int, b: int, dim: int, store=None, n=None) -> mx.array:
+        """One stage read back in float32 (rotated domain), over the first n tokens (None: all).
+        A sign stage is a * (2 bits - 1), read at a supported width (cache/sign_plane.py: MLX's
+        CUDA backend has no 1-bit dequantize)."""
         store = self.store if store is None else store
         cut = (lambda a: a) if n is None else (lambda a: a[:, :, :n])
         codes = cut(store[f"{p}_codes{i}"])
         if b == 1:
-            a = cut(store[f"{p}_scale{i}"]).astype(mx.float32)
-            return codes, 2 * a, -a, dim
+            return sign_values(codes, cut(store[f"{p}_scale{i}"]))
+        # float32 side data: dequantize returns the scales' dtype, and fp16 would round.
         scales = cut(store[f"{p}_scales{i}"]).astype(mx.float32)
         zeros = cut(store[f"{p}_zeros{i}"]).astype(mx.float32)
-        return codes, scales, zeros, self._group(dim)
+        return mx.dequantize(codes, scales, zeros, group_size=self._group(dim), bits=b)
 
-    def _decode_part(self, p: str, dim: int, total: int, n: int) -> mx.array:
+    def _decode_part(self, p: str, dim: int, total: int, n: int, store=None) -> mx.array:
         y = None
         for i, b in self._stages(total):
-            # float32 side data: dequantize returns the scales' dtype, and fp16 would round.
-            codes, scale, zero, g = self._stage_affine(p, i, b, dim, n=n)
-            part = mx.dequantize(codes, scale, zero, group_size=g, bits=b)
+            part = self._stage_values(p, i, b, dim, store=store, n=n)
             y = part if y is None else y + part
         return y
 
+    def _reconstruct(self, store, n: int) -> tuple[mx.array, mx.array]:
+        """The first n tokens of `store` decoded to float32 K, V (no sink correction)."""
+        k = unrotate(self._decode_part("k", self.head_dim, self.key_bits, n, store), self._signs[0])
+        v = unrotate(self._decode_part("v", self.value_dim, self.value_bits, n, store), self._signs[1])
+        return k + self.key_mean.astype(mx.float32), v
+
     def _decode(self) -> tuple[mx.array, mx.array]:
-        n = self.n_compressed
-        k = unrotate(self._decode_part("k", self.head_dim, self.key_bits, n), self._signs[0])
-        k = k + self.key_mean.astype(mx.float32)
-        v = unrotate(self._decode_part("v", self.value_dim, self.value_bits, n), self._signs[1])
+        k, v = self._reconstruct(self.store, self.n_compressed)
+        if self.sink_deltas is not None:
+            dk, dv = self.sink_deltas
+            s = dk.shape[2]
+            k = mx.concatenate([k[:, :, :s] + dk, k[:, :, s:]], axis=2)
+            v = mx.concatenate([v[:, :, :s] + dv, v[:, :, s:]], axis=2)
         return k.astype(self.dtype), v.astype(self.dtype)
 
     # ---- attention over the compressed form ---------------------------------------------------
     def _products(self, p: str, x: mx.array, dim: int, total: int, transpose: bool) -> mx.array:
-        """x times the rotated-domain codes of every stage, summed."""
+        """x times the rotated-domain codes of every stage, summed: uniform stages through the
+        affine kernels (float32 on the CPU, see sign_plane.compute_dtype), the sign stage
+        through cache/sign_plane.py (no 1-bit kernel: CUDA has none)."""
+        dtype = compute_dtype(x.dtype)
+        xc = x.astype(dtype)
         out = None
         for i, b in self._stages(total):
-            codes, scale, zero, g = self._stage_affine(p, i, b, dim)
-            if x.dtype != mx.float32:
-                scale, zero = scale.astype(x.dtype), zero.astype(x.dtype)
-            part = mx.quantized_matmul(x, codes, scale, zero, transpose=transpose, group_size=g, bits=b)
+            codes = self.store[f"{p}_codes{i}"]
+            if b == 1:
+                mags = self.store[f"{p}_scale{i}"]
+                product = sign_scores if transpose else sign_weighted_sum
+                part = product(xc, codes, mags)
+            else:
+                scales = self.store[f"{p}_scales{i}"].astype(dtype)
+                zeros = self.store[f"{p}_zeros{i}"].astype(dtype)
+                g = self._group(dim)
+                if transpose:
+                    part = mx.quantized_matmul(xc, codes, scales, zeros, transpose=True, group_size=g, bits=b)
+                else:
+                    # Long token axes split into chunks (the H200 runs one long reduction slowly).
+                    part = quantized_weighted_sum(xc, codes, scales, zeros, group_size=g, bits=b)
             out = part if out is None else out + part
-        return out
+        return out.astype(x.dtype)
 
     def _scores(self, q: mx.array) -> mx.array:
         q_rot = rotate(q, self._signs[0])
         scores = self._products("k", q_rot, self.head_dim, self.key_bits, transpose=True)
         # The centered-out key mean: the same q . mean for every compressed column of a row.
-        return scores + q @ self.key_mean.astype(q.dtype).swapaxes(-1, -2)
+        scores = scores + q @ self.key_mean.astype(q.dtype).swapaxes(-1, -2)
+        if self.sink_deltas is None:
+            return scores
+        dk = self.sink_deltas[0]
+        s = dk.shape[2]
+        exact = scores[..., :s] + (q.astype(mx.float32) @ dk.swapaxes(-1, -2)).astype(scores.dtype)
+        return mx.concatenate([exact, scores[..., s:]], axis=-1)
 
     def _weighted_values(self, p: mx.array) -> mx.array:
         out_rot = self._products("v", p, self.value_dim, self.value_bits, transpose=False)
-        return unrotate(out_rot, self._signs[1])
+        out = unrotate(out_rot, self._signs[1])
+        if self.sink_deltas is None:
+            return out
+        dv = self.sink_deltas[1]
+        return out + (p[..., : dv.shape[2]].astype(mx.float32) @ dv).astype(out.dtype)
 
     # ---- accounting and state -----------------------------------------------------------------
     def _part_bits(self, dim: int, total: int) -> float:
@@ -231,7 +313,7 @@ class TurboQuantRVQCache(CompressedKVCache):
     def bits_per_element(self) -> float:
         """Stored bits per cached K/V element of the compressed history (keys and values
         averaged, weighted by their head dims): codes + side data. The exact window and the
-        key mean (d values per head) are not included."""
+        key mean and the sink corrections (d values per head each) are not included."""
         d_k = self.head_dim or 64
         d_v = self.value_dim or d_k
         bits_k = self._part_bits(d_k, self.key_bits)
@@ -241,17 +323,30 @@ class TurboQuantRVQCache(CompressedKVCache):
     @property
     def nbytes(self) -> int:
         extra = 0 if self.key_mean is None else self.key_mean.nbytes
+        if self.sink_deltas is not None:
+            extra += sum(d.nbytes for d in self.sink_deltas)
         return super().nbytes + extra
 
     @property
     def state(self):
-        return (*CompressedKVCache.state.fget(self), self.key_mean)
+        deltas = self.sink_deltas or (None, None)
+        return (*CompressedKVCache.state.fget(self), self.key_mean, *deltas)
 
     @state.setter
     def state(self, v):
-        if not isinstance(v, (list, tuple)) or len(v) < 4:
+        # (meta, window_keys, window_values, *arrays, key_mean, sink_key_delta, sink_value_delta);
+        # states written before the sink correction end at key_mean.
+        try:
+            n_arrays = len(json.loads(v[0])["store"])
+        except (TypeError, ValueError, KeyError, IndexError):
+            n_arrays = None
+        extra = None if n_arrays is None else len(v) - 3 - n_arrays
+        if not isinstance(v, (list, tuple)) or extra not in (1, 3):
             raise QuantizerConfigError(
-                "TurboQuantRVQCache state must be (meta, window_keys, window_values, *arrays, key_mean)"
+                "TurboQuantRVQCache state must be (meta, window_keys, window_values, *arrays, "
+                "key_mean, sink_key_delta, sink_value_delta)"
             )
-        self.key_mean = v[-1]
-        CompressedKVCache.state.fset(self, v[:-1])
+        self.key_mean = v[3 + n_arrays]
+        deltas = tuple(v[4 + n_arrays :])
+        self.sink_deltas = deltas if len(deltas) == 2 and deltas[0] is not None else None
+        CompressedKVCache.state.fset(self, v[: 3 + n_arrays])
