@@ -134,8 +134,11 @@ class KVQuantCache(CompressedKVCache):
         if first:
             # The attention sink: kept exactly, and kept out of its block's statistics (its
             # entries are often far larger than the rest) by copying token 1 over it.
-            self.store["sink_keys"] = keys[:, :, :1]
-            self.store["sink_values"] = values[:, :, :1]
+            # A copy, not a slice: a slice is a view that would keep the whole prompt chunk's
+            # K/V buffers alive for the cache's lifetime (measured: +3.1 MB per layer after a
+            # 2047-token chunk of SmolLM2's shape, 6x the layer's compressed bytes).
+            self.store["sink_keys"] = mx.contiguous(keys[:, :, :1])
+            self.store["sink_values"] = mx.contiguous(values[:, :, :1])
             kb = _copy_row(kb)
             vb = _copy_row(vb)
         out = {}
