@@ -52,9 +52,9 @@ def _run(cache, prompt_tokens: int, decode_steps: int) -> None:
 def test_active_memory_growth_matches_nbytes(make):
     before = _settled_active()
     cache = make()
-    # A prompt chunk 16x the compressed bytes, then enough decode steps to flush blocks.
-    _run(cache, prompt_tokens=2047, decode_steps=40)
+    # A prompt chunk ~5x the compressed bytes, then enough decode steps to flush blocks.
+    _run(cache, prompt_tokens=1023, decode_steps=40)
     growth = _settled_active() - before
     assert cache.nbytes > 0
-    # The prompt's float32 K/V alone are ~5x nbytes: holding any of it fails this bound.
+    # Holding the prompt chunk (or any per-step transient) fails this bound.
     assert growth <= 1.2 * cache.nbytes + SLACK_BYTES, (growth, cache.nbytes)
