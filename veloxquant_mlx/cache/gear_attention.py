@@ -15,6 +15,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
 from veloxquant_mlx.cache.gear_outliers import block_positions, sparse_scores, sparse_weighted_values
 
 
@@ -48,7 +49,9 @@ def scores_function(bits: int, group: int, rank: int, outliers: bool, block: int
 def values_function(bits: int, group: int, rank: int, outliers: bool, block: int, dim: int):
     def weighted_values(p, codes, scales, zeros, *side):
         B, H, M, cap = p.shape
-        out = mx.quantized_matmul(p, codes, scales, zeros, transpose=False, group_size=group, bits=bits)
+        # One query row against a long token axis: split into chunks summed afterwards (a
+        # single transpose=False call is a long serial reduction on the GPU; split_reduction.py).
+        out = quantized_weighted_sum(p, codes, scales, zeros, group_size=group, bits=bits)
         n_blocks = cap // block
         if rank:
             lr_tokens, lr_channels, *side = side
