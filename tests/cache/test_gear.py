@@ -205,3 +205,19 @@ def test_bad_input_is_refused():
         cache.update_and_fetch(mx.ones((1, 2, 3, 64), mx.int32), mx.ones((1, 2, 3, 64), mx.int32))
     with pytest.raises(QuantizerConfigError, match="trim"):
         cache.trim(-1)
+
+
+def test_long_history_splits_the_weighted_values_and_stays_equal():
+    # From split_reduction.SPLIT_FROM_TOKENS tokens on, p @ V runs as chunks summed afterwards.
+    from veloxquant_mlx.cache.split_reduction import SPLIT_FROM_TOKENS, chunk_for
+
+    cache = GEARCache(KVCacheConfig(method="gear"))
+    keys, values = _data(tokens=SPLIT_FROM_TOKENS, heads=1, dim=32, dtype=mx.float32)
+    cache.update_and_fetch(keys, values)
+    cache._flush()
+    assert cache.capacity == SPLIT_FROM_TOKENS and chunk_for(cache.capacity) is not None
+    dk, dv = cache.decode_float32()
+    q = mx.random.normal((1, 3, 1, 32), key=mx.random.key(4))
+    out = cache.attention(q, 0.125)
+    ref = mx.fast.scaled_dot_product_attention(q, mx.repeat(dk, 3, axis=1), mx.repeat(dv, 3, axis=1), scale=0.125)
+    assert mx.allclose(out, ref, atol=2e-4, rtol=1e-3).item(), mx.max(mx.abs(out - ref)).item()
