@@ -207,8 +207,11 @@ def test_bad_input_is_refused():
         cache.trim(-1)
 
 
-def test_long_history_splits_the_weighted_values_and_stays_equal():
-    # From split_reduction.SPLIT_FROM_TOKENS tokens on, p @ V runs as chunks summed afterwards.
+def test_long_history_both_attention_paths_agree():
+    # The CPU path computes in float32 with one quantized_matmul; the other (GPU) path keeps the
+    # cache dtype and, from split_reduction.SPLIT_FROM_TOKENS tokens on, splits p @ V into
+    # chunks summed afterwards. Both run here on the CPU, on the same store.
+    from veloxquant_mlx.cache.gear_attention import scores_function, values_function
     from veloxquant_mlx.cache.split_reduction import SPLIT_FROM_TOKENS, chunk_for
 
     cache = GEARCache(KVCacheConfig(method="gear"))
@@ -221,3 +224,9 @@ def test_long_history_splits_the_weighted_values_and_stays_equal():
     out = cache.attention(q, 0.125)
     ref = mx.fast.scaled_dot_product_attention(q, mx.repeat(dk, 3, axis=1), mx.repeat(dv, 3, axis=1), scale=0.125)
     assert mx.allclose(out, ref, atol=2e-4, rtol=1e-3).item(), mx.max(mx.abs(out - ref)).item()
+    settings = (cache.code_bits, cache.code_group, cache.rank, True, cache.block_tokens, 32)
+    q3 = q.reshape(1, 1, 3, 32)
+    p = mx.softmax(mx.random.normal((1, 1, 3, cache.capacity), key=mx.random.key(5)) * 3, axis=-1)
+    for fn, x, side in ((scores_function, q3, cache._side("k")), (values_function, p, cache._side("v"))):
+        cpu, other = fn(*settings, True)(x, *side), fn(*settings, False)(x, *side)
+        assert mx.allclose(cpu, other, atol=1e-4, rtol=1e-4).item(), mx.max(mx.abs(cpu - other)).item()
