@@ -49,7 +49,7 @@ from veloxquant_mlx.cache.kvquant_attention import (
     scores_function,
     values_function,
 )
-from veloxquant_mlx.cache.nonuniform_codebook import fit_codebook, nearest_level
+from veloxquant_mlx.cache.nonuniform_codebook import fit_codebook, lookup_table, nearest_level
 from veloxquant_mlx.cache.packing import pack_codes, packed_length
 from veloxquant_mlx.cache.sparse_outliers import (
     gather_entries,
@@ -214,10 +214,11 @@ class KVQuantCache(CompressedKVCache):
             ("value", self.value_dim, decode_value_blocks),
         ):
             codes, scale, zero, codebook, sink, *sparse = self._reader_args(prefix)
+            table = lookup_table(codebook, self.code_bits, self.group_size * dim)
             parts = [
                 decode(
                     codes, scale, zero, codebook, b0, b1, self.code_bits, self.group_size, dim,
-                    sparse or None, sink if b0 == 0 else None,
+                    sparse or None, sink if b0 == 0 else None, table,
                 )
                 for b0, b1 in chunks(n_blocks, self._chunk_blocks())
             ]

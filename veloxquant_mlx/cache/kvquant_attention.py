@@ -33,26 +33,26 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.nonuniform_codebook import lookup_packed
+from veloxquant_mlx.cache.nonuniform_codebook import lookup_packed, lookup_table
 
 
-def decode_key_blocks(codes, scale, zero, codebook, b0, b1, bits, group, dim, sparse=None, sink=None):
+def decode_key_blocks(codes, scale, zero, codebook, b0, b1, bits, group, dim, sparse=None, sink=None, table=None):
     """Keys of blocks [b0, b1) as float32 (B, H, (b1 - b0) * group, dim): codebook levels times
     each block's channel scale plus its zero, exact outliers written over their entries and,
     when given (b0 == 0), the exact sink over token 0."""
     B, H = codes.shape[:2]
-    u = lookup_packed(codebook, codes[:, :, b0:b1], bits, group * dim)
+    u = lookup_packed(codebook, codes[:, :, b0:b1], bits, group * dim, table)
     k = u.reshape(B, H, b1 - b0, group, dim) * scale[:, :, b0:b1, None].astype(mx.float32)
     k = k + zero[:, :, b0:b1, None].astype(mx.float32)
     return _finish(k.reshape(B, H, b1 - b0, group * dim), b0, b1, group, dim, sparse, sink)
 
 
-def decode_value_blocks(codes, scale, zero, codebook, b0, b1, bits, group, dim, sparse=None, sink=None):
+def decode_value_blocks(codes, scale, zero, codebook, b0, b1, bits, group, dim, sparse=None, sink=None, table=None):
     """Values of blocks [b0, b1) as float32 (B, H, (b1 - b0) * group, dim): codebook levels times
     each token's scale plus its zero, with the exact outliers and sink as for the keys."""
     B, H = codes.shape[:2]
     t0, t1 = b0 * group, b1 * group
-    u = lookup_packed(codebook, codes[:, :, b0:b1], bits, group * dim)
+    u = lookup_packed(codebook, codes[:, :, b0:b1], bits, group * dim, table)
     v = u.reshape(B, H, t1 - t0, dim) * scale[:, :, t0:t1, None].astype(mx.float32)
     v = v + zero[:, :, t0:t1, None].astype(mx.float32)
     return _finish(v.reshape(B, H, b1 - b0, group * dim), b0, b1, group, dim, sparse, sink)
@@ -85,12 +85,12 @@ def _normalized(exact, scale, zero):
     return mx.where(scale > 0, (exact.astype(mx.float32) - zero.astype(mx.float32)) / safe, 0.0)
 
 
-def _levels_with_exact(codes, codebook, b0, b1, bits, group, dim, scale_at, zero_at, sparse, sink, sink_scale, sink_zero):
+def _levels_with_exact(codes, table, b0, b1, bits, group, dim, scale_at, zero_at, sparse, sink, sink_scale, sink_zero):
     """Codebook levels (B, H, blocks, group * dim) of blocks [b0, b1) with the outliers and the
     sink written in as normalized values. scale_at / zero_at(row, col) give the scale and zero
     of each outlier (uint32 row-in-block and column arrays)."""
     B, H = codes.shape[:2]
-    u = lookup_packed(codebook, codes[:, :, b0:b1], bits, group * dim)
+    u = lookup_packed(None, codes[:, :, b0:b1], bits, group * dim, table)
     if sparse is not None:
         positions, exact = sparse
         pos = positions[:, :, b0:b1].astype(mx.uint32)
@@ -113,12 +113,13 @@ def scores_function(bits: int, group: int, dim: int, chunk_blocks: int, outliers
     def scores(q, codes, scale, zero, codebook, sink, *sparse):
         B, H, R, D = q.shape
         q = q.astype(mx.float32)
+        table = lookup_table(codebook, bits, group * dim)
         parts = []
         for b0, b1 in chunks(codes.shape[2], chunk_blocks):
             sc = scale[:, :, b0:b1].astype(mx.float32)
             ze = zero[:, :, b0:b1].astype(mx.float32)
             u = _levels_with_exact(
-                codes, codebook, b0, b1, bits, group, dim,
+                codes, table, b0, b1, bits, group, dim,
                 lambda row, col: mx.take_along_axis(sc, col, axis=-1),
                 lambda row, col: mx.take_along_axis(ze, col, axis=-1),
                 sparse if outliers else None,
@@ -142,6 +143,7 @@ def values_function(bits: int, group: int, dim: int, chunk_blocks: int, outliers
     def weighted_values(p, codes, scale, zero, codebook, sink, *sparse):
         B, H, R, _ = p.shape
         p = p.astype(mx.float32)
+        table = lookup_table(codebook, bits, group * dim)
         out = None
         for b0, b1 in chunks(codes.shape[2], chunk_blocks):
             t0, t1 = b0 * group, b1 * group
@@ -150,7 +152,7 @@ def values_function(bits: int, group: int, dim: int, chunk_blocks: int, outliers
             blocks_sc = sc.reshape(B, H, b1 - b0, group)
             blocks_ze = ze.reshape(B, H, b1 - b0, group)
             u = _levels_with_exact(
-                codes, codebook, b0, b1, bits, group, dim,
+                codes, table, b0, b1, bits, group, dim,
                 lambda row, col: mx.take_along_axis(blocks_sc, row, axis=-1),
                 lambda row, col: mx.take_along_axis(blocks_ze, row, axis=-1),
                 sparse if outliers else None,

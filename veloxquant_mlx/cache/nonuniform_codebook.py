@@ -79,7 +79,23 @@ def unpack_indices(words: mx.array, bits: int, n_codes: int, codes_per_index: in
     return codes if codes.shape[-1] == n else codes[..., :n]
 
 
-def lookup_packed(levels: mx.array, words: mx.array, bits: int, n_codes: int) -> mx.array:
+def _pairs_apply(bits: int, n_codes: int) -> bool:
+    return (32 // bits) % 2 == 0 and n_codes % 2 == 0
+
+
+def lookup_table(levels: mx.array, bits: int, n_codes: int) -> mx.array:
+    """What `lookup_packed` gathers from, (B, H, K * K) uint64 level pairs or (B, H, K)
+    float32 levels; build it once per attention call and pass it to every chunk's lookup."""
+    K = levels.shape[-1]
+    levels = levels.astype(mx.float32)
+    if not _pairs_apply(bits, n_codes):
+        return levels
+    pair = mx.arange(K * K)
+    table = mx.stack([mx.take(levels, pair % K, axis=-1), mx.take(levels, pair // K, axis=-1)], axis=-1)
+    return mx.view(table, mx.uint64).reshape(*levels.shape[:-1], K * K)
+
+
+def lookup_packed(levels: mx.array, words: mx.array, bits: int, n_codes: int, table: mx.array | None = None) -> mx.array:
     """Level values of codes packed by `packing.pack_codes` along the last axis.
 
     levels (B, H, K); words (B, H, ..., W) uint32 -> float32 (B, H, ..., n_codes). Same result as
@@ -88,15 +104,13 @@ def lookup_packed(levels: mx.array, words: mx.array, bits: int, n_codes: int) ->
     as one 8-byte element (mx.view), and the result is viewed back as float32. The padding is
     dropped from the uint8 indices, so the gathered floats need no copy. Measured on the CPU
     (8 heads x 1024 tokens x 128 codes): 35% faster than one gather per code, itself ~2x faster
-    than gathering with uint32 indices and slicing the floats.
+    than gathering with uint32 indices and slicing the floats. `table`: lookup_table's result,
+    if already built.
     """
-    B, H, K = levels.shape
-    lead = [1] * (words.ndim - 3)
-    levels = levels.astype(mx.float32)
-    if (32 // bits) % 2 == 0 and n_codes % 2 == 0:
-        pair = mx.arange(K * K)
-        table = mx.stack([mx.take(levels, pair % K, axis=-1), mx.take(levels, pair // K, axis=-1)], axis=-1)
-        table = mx.view(table, mx.uint64).reshape(B, H, *lead, K * K)
-        pairs = mx.take_along_axis(table, unpack_indices(words, bits, n_codes, 2), axis=-1)
-        return mx.view(pairs, mx.float32)
-    return mx.take_along_axis(levels.reshape(B, H, *lead, K), unpack_indices(words, bits, n_codes), axis=-1)
+    if table is None:
+        table = lookup_table(levels, bits, n_codes)
+    B, H = table.shape[:2]
+    table = table.reshape(B, H, *([1] * (words.ndim - 3)), table.shape[-1])
+    if table.dtype == mx.uint64:
+        return mx.view(mx.take_along_axis(table, unpack_indices(words, bits, n_codes, 2), axis=-1), mx.float32)
+    return mx.take_along_axis(table, unpack_indices(words, bits, n_codes), axis=-1)
