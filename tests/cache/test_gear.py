@@ -205,3 +205,28 @@ def test_bad_input_is_refused():
         cache.update_and_fetch(mx.ones((1, 2, 3, 64), mx.int32), mx.ones((1, 2, 3, 64), mx.int32))
     with pytest.raises(QuantizerConfigError, match="trim"):
         cache.trim(-1)
+
+
+def test_long_history_both_attention_paths_agree():
+    # The CPU path computes in float32 with one quantized_matmul; the other (GPU) path keeps the
+    # cache dtype and, from split_reduction.SPLIT_FROM_TOKENS tokens on, splits p @ V into
+    # chunks summed afterwards. Both run here on the CPU, on the same store.
+    from veloxquant_mlx.cache.gear_attention import scores_function, values_function
+    from veloxquant_mlx.cache.split_reduction import SPLIT_FROM_TOKENS, chunk_for
+
+    cache = GEARCache(KVCacheConfig(method="gear"))
+    keys, values = _data(tokens=SPLIT_FROM_TOKENS, heads=1, dim=32, dtype=mx.float32)
+    cache.update_and_fetch(keys, values)
+    cache._flush()
+    assert cache.capacity == SPLIT_FROM_TOKENS and chunk_for(cache.capacity) is not None
+    dk, dv = cache.decode_float32()
+    q = mx.random.normal((1, 3, 1, 32), key=mx.random.key(4))
+    out = cache.attention(q, 0.125)
+    ref = mx.fast.scaled_dot_product_attention(q, mx.repeat(dk, 3, axis=1), mx.repeat(dv, 3, axis=1), scale=0.125)
+    assert mx.allclose(out, ref, atol=2e-4, rtol=1e-3).item(), mx.max(mx.abs(out - ref)).item()
+    settings = (cache.code_bits, cache.code_group, cache.rank, True, cache.block_tokens, 32)
+    q3 = q.reshape(1, 1, 3, 32)
+    p = mx.softmax(mx.random.normal((1, 1, 3, cache.capacity), key=mx.random.key(5)) * 3, axis=-1)
+    for fn, x, side in ((scores_function, q3, cache._side("k")), (values_function, p, cache._side("v"))):
+        cpu, other = fn(*settings, True)(x, *side), fn(*settings, False)(x, *side)
+        assert mx.allclose(cpu, other, atol=1e-4, rtol=1e-4).item(), mx.max(mx.abs(cpu - other)).item()

@@ -203,3 +203,34 @@ def test_save_and_load_prompt_cache_round_trip(tmp_path):
     assert isinstance(loaded, KVQuantCache) and loaded.offset == 100
     q = mx.random.normal((1, 6, 1, 64)).astype(mx.float16)
     assert mx.array_equal(cache.attention(q, 0.125), loaded.attention(q, 0.125)).item()
+
+
+def _attention_over_decoded(cache, q, scale=0.125):
+    fk, fv = cache._full_keys_values()
+    rep = q.shape[1] // fk.shape[1]
+    return mx.fast.scaled_dot_product_attention(
+        q, mx.repeat(fk, rep, axis=1).astype(q.dtype), mx.repeat(fv, rep, axis=1).astype(q.dtype), scale=scale
+    )
+
+
+def test_attention_after_trim_ignores_stale_blocks_beyond_the_history():
+    # Trimming into the history leaves the old blocks' codes in the store past n_compressed;
+    # the compressed attention reads the whole capacity, so they must contribute nothing.
+    cache, k, v = _filled(256)
+    cache.trim(100)
+    assert cache.n_compressed == 128 and cache.capacity == 256 and cache.offset == 156
+    q = mx.random.normal((1, 6, 1, 64))
+    out = cache.attention(q, scale=0.125)
+    assert mx.allclose(out, _attention_over_decoded(cache, q), atol=2e-5, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_half_precision_attention_equals_attention_over_decoded_kv(dtype, bits):
+    cache, k, v = _filled(320, bits, dtype)
+    cache.decode_chunk_tokens = 128  # three chunks, the last one partial
+    q = mx.random.normal((1, 6, 1, 64)).astype(dtype)
+    # The decoded K/V are rounded to the cache dtype; the compressed attention is not.
+    ref = _attention_over_decoded(cache, q.astype(mx.float32))
+    out = cache.attention(q, scale=0.125).astype(mx.float32)
+    assert mx.allclose(out, ref, atol=2e-2, rtol=2e-2).item(), mx.abs(out - ref).max().item()

@@ -13,7 +13,7 @@ from veloxquant_mlx.cache.sparse_outliers import (
 )
 
 
-@pytest.mark.parametrize("bits,n", [(2, 2048), (3, 2048), (3, 64), (4, 100)])
+@pytest.mark.parametrize("bits,n", [(2, 2048), (3, 2048), (3, 64), (4, 100), (3, 63), (2, 7)])
 def test_lookup_packed_equals_unpack_then_lookup(bits, n):
     mx.random.seed(bits)
     codes = mx.random.randint(0, 1 << bits, (2, 3, 5, n)).astype(mx.uint8)

@@ -244,10 +244,19 @@ class GEARCache(CompressedKVCache):
 
     def _scores(self, q: mx.array) -> mx.array:
         outliers = "k_out_values" in self.store
-        fn = scores_function(self.code_bits, self.code_group, self.rank, outliers, self.block_tokens, self.head_dim)
+        fn = scores_function(
+            self.code_bits, self.code_group, self.rank, outliers, self.block_tokens, self.head_dim, _on_cpu()
+        )
         return fn(q, *self._side("k"))
 
     def _weighted_values(self, p: mx.array) -> mx.array:
         outliers = "v_out_values" in self.store
-        fn = values_function(self.code_bits, self.code_group, self.rank, outliers, self.block_tokens, self.value_dim)
+        fn = values_function(
+            self.code_bits, self.code_group, self.rank, outliers, self.block_tokens, self.value_dim, _on_cpu()
+        )
         return fn(p, *self._side("v"))
+
+
+def _on_cpu() -> bool:
+    """Whether attention runs on the CPU (gear_attention computes in float32 there)."""
+    return mx.default_device() == mx.cpu

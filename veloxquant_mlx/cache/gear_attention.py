@@ -6,7 +6,16 @@ values(p) = quantized_matmul(p, V codes) + (p A_v) B_v^T + sparse_v.
 mx.compile fuses the casts, transposes and the gather / scatter of the sparse part into few
 kernels; on the CPU the per-op overhead of ~15 small ops per layer otherwise rivals the two
 quantized matmuls themselves. One compiled function per static setting (bits, group, rank,
-whether outliers are kept, block length, head_dim); MLX retraces it when the capacity grows.
+whether outliers are kept, block length, head_dim, CPU or not); MLX retraces it when the
+capacity grows.
+
+On the CPU (`on_cpu`) both products run in float32 whatever the cache dtype: MLX's CPU
+quantized_matmul and matmul in bfloat16 / float16 have no fast path (measured, one layer of 8
+KV heads x 128, 8K tokens: ~7x slower than in float32; benchmarks/compressed_attention_ops.py),
+and the side data is small, so the casts cost little. Elsewhere the input dtype is kept, and
+p @ V over a long history is split into chunks summed afterwards (split_reduction.py: a single
+transpose=False quantized_matmul is a long serial reduction on the GPU; on the CPU the split
+gains nothing).
 """
 
 from __future__ import annotations
@@ -15,12 +24,19 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
 from veloxquant_mlx.cache.gear_outliers import block_positions, sparse_scores, sparse_weighted_values
 
 
+def _to_float32(*arrays):
+    return [a.astype(mx.float32) for a in arrays]
+
+
 @lru_cache(maxsize=None)
-def scores_function(bits: int, group: int, rank: int, outliers: bool, block: int, dim: int):
+def scores_function(bits: int, group: int, rank: int, outliers: bool, block: int, dim: int, on_cpu: bool = False):
     def scores(q, codes, scales, zeros, *side):
+        if on_cpu:
+            q, scales, zeros = _to_float32(q, scales, zeros)
         B, H, M, D = q.shape
         cap = scales.shape[-1] * group
         out = mx.quantized_matmul(
@@ -45,10 +61,14 @@ def scores_function(bits: int, group: int, rank: int, outliers: bool, block: int
 
 
 @lru_cache(maxsize=None)
-def values_function(bits: int, group: int, rank: int, outliers: bool, block: int, dim: int):
+def values_function(bits: int, group: int, rank: int, outliers: bool, block: int, dim: int, on_cpu: bool = False):
     def weighted_values(p, codes, scales, zeros, *side):
         B, H, M, cap = p.shape
-        out = mx.quantized_matmul(p, codes, scales, zeros, transpose=False, group_size=group, bits=bits)
+        if on_cpu:
+            p, scales, zeros = _to_float32(p, scales, zeros)
+            out = mx.quantized_matmul(p, codes, scales, zeros, transpose=False, group_size=group, bits=bits)
+        else:
+            out = quantized_weighted_sum(p, codes, scales, zeros, group_size=group, bits=bits)
         n_blocks = cap // block
         if rank:
             lr_tokens, lr_channels, *side = side

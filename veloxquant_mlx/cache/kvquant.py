@@ -15,10 +15,11 @@ tokens and KV head:
 Nothing else is held: no recent fp16 window (residual_length 0); the base's window only holds the
 < G tokens of a block not yet full.
 
-Attention reads this form (see `_scores`, `_weighted_values`): codes are looked up in the codebook
-chunk by chunk of at most `decode_chunk_tokens` tokens; the per-channel key scale is folded into
-the query and the per-token value scale into the probabilities, so the only full-size work per
-step is unpacking and one gather per element; outliers and the sink add small corrections.
+Attention reads this form (see `_scores`, `_weighted_values` and kvquant_attention.py): codes
+are looked up in the codebook chunk by chunk of at most `decode_chunk_tokens` tokens, the
+chunk's outliers and the sink written into those levels, the key scales folded into the query
+and the value scales into the probabilities; the transient is one chunk of codebook levels,
+K and V are never materialized.
 
 Deviations from the paper (all because a cache sees no calibration data and post-RoPE keys):
   - Keys are quantized after RoPE: mlx-lm hands the cache rotated keys and the attention
@@ -41,7 +42,14 @@ from __future__ import annotations
 import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
-from veloxquant_mlx.cache.nonuniform_codebook import fit_codebook, lookup_packed, nearest_level
+from veloxquant_mlx.cache.kvquant_attention import (
+    chunks,
+    decode_key_blocks,
+    decode_value_blocks,
+    scores_function,
+    values_function,
+)
+from veloxquant_mlx.cache.nonuniform_codebook import fit_codebook, lookup_table, nearest_level
 from veloxquant_mlx.cache.packing import pack_codes, packed_length
 from veloxquant_mlx.cache.sparse_outliers import (
     gather_entries,
@@ -52,6 +60,8 @@ from veloxquant_mlx.cache.sparse_outliers import (
 from veloxquant_mlx.errors import QuantizerConfigError
 
 MIN_HEAD_DIM = 8
+CPU_CHUNK_TOKENS = 1024
+GPU_CHUNK_TOKENS = 4096
 # Smallest stored scale (the smallest normal fp16): keeps (outlier - zero) / scale finite.
 MIN_SCALE = 2.0**-14
 
@@ -59,8 +69,12 @@ MIN_SCALE = 2.0**-14
 class KVQuantCache(CompressedKVCache):
     method = "kvquant"
     # Tokens whose codes are looked up at once in attention: bounds the per-step transient to
-    # chunk * head_dim floats per head whatever the context length.
-    decode_chunk_tokens = 4096
+    # chunk * head_dim floats per head whatever the context length. None: CPU_CHUNK_TOKENS on
+    # the CPU, where a chunk that stays in cache between the lookup and its product was
+    # ~15-25% faster than 4096 (one layer, 8 KV heads x 128, 8K tokens: medians 91 / 92 ms
+    # for 512 / 1024 against 123 ms for 4096, 2 shared cores under load 8), else
+    # GPU_CHUNK_TOKENS (fewer, larger kernels; not yet measured on a GPU). An int overrides.
+    decode_chunk_tokens: int | None = None
 
     def _setup(self) -> None:
         # Not named `bits`: mlx-lm routes any cache with a `bits` attribute to its own
@@ -134,8 +148,11 @@ class KVQuantCache(CompressedKVCache):
         if first:
             # The attention sink: kept exactly, and kept out of its block's statistics (its
             # entries are often far larger than the rest) by copying token 1 over it.
-            self.store["sink_keys"] = keys[:, :, :1]
-            self.store["sink_values"] = values[:, :, :1]
+            # A copy, not a slice: a slice is a view that would keep the whole prompt chunk's
+            # K/V buffers alive for the cache's lifetime (measured: +3.1 MB per layer after a
+            # 2047-token chunk of SmolLM2's shape, 6x the layer's compressed bytes).
+            self.store["sink_keys"] = mx.contiguous(keys[:, :, :1])
+            self.store["sink_values"] = mx.contiguous(values[:, :, :1])
             kb = _copy_row(kb)
             vb = _copy_row(vb)
         out = {}
@@ -167,134 +184,51 @@ class KVQuantCache(CompressedKVCache):
         return out
 
     # ---- reading ------------------------------------------------------------------------------
-    def _chunks(self):
-        """(first block, last block) ranges of at most decode_chunk_tokens tokens."""
-        n_blocks = self.n_compressed // self.group_size
-        per = max(1, self.decode_chunk_tokens // self.group_size)
-        return [(b, min(b + per, n_blocks)) for b in range(0, n_blocks, per)]
+    def _chunk_blocks(self) -> int:
+        tokens = self.decode_chunk_tokens
+        if tokens is None:
+            tokens = CPU_CHUNK_TOKENS if mx.default_device() == mx.cpu else GPU_CHUNK_TOKENS
+        return max(1, tokens // self.group_size)
 
-    def _normalized(self, prefix: str, b0: int, b1: int, dim: int) -> mx.array:
-        """Codebook values of blocks [b0, b1): (B, H, blocks, G * dim) float32."""
-        words = self.store[f"{prefix}_codes"][:, :, b0:b1]
-        return lookup_packed(self.store[f"{prefix}_codebook"], words, self.code_bits, self.group_size * dim)
-
-    def _outlier_deltas(self, prefix, normalized, b0, b1, dim):
-        """Each outlier of blocks [b0, b1) as (token within the chunk, channel, exact value minus
-        its dense reconstruction, exact value), each (B, H, n); None without outliers."""
-        if f"{prefix}_outlier_position" not in self.store:
-            return None
-        B, H = self.batch_size, self.n_kv_heads
-        pos = self.store[f"{prefix}_outlier_position"][:, :, b0:b1].astype(mx.uint32)
-        exact = self.store[f"{prefix}_outlier_value"][:, :, b0:b1]
-        level = mx.take_along_axis(normalized, pos, axis=-1)
-        row, col = pos // dim, pos % dim
-        if prefix == "key":
-            scale = mx.take_along_axis(self.store["key_scale"][:, :, b0:b1], col, axis=-1)
-            zero = mx.take_along_axis(self.store["key_zero"][:, :, b0:b1], col, axis=-1)
-        else:
-            G = self.group_size
-            s = self.store["value_scale"][:, :, b0 * G : b1 * G].reshape(B, H, b1 - b0, G)
-            z = self.store["value_zero"][:, :, b0 * G : b1 * G].reshape(B, H, b1 - b0, G)
-            scale = mx.take_along_axis(s, row, axis=-1)
-            zero = mx.take_along_axis(z, row, axis=-1)
-        token = row + (mx.arange(b1 - b0, dtype=mx.uint32) * self.group_size)[:, None]
-        delta = exact - (level * scale + zero)
-        return tuple(a.reshape(B, H, -1) for a in (token, col, delta, exact))
+    def _reader_args(self, prefix: str) -> list[mx.array]:
+        """The arrays kvquant_attention's functions read for keys or values, over the capacity."""
+        names = [f"{prefix}_codes", f"{prefix}_scale", f"{prefix}_zero", f"{prefix}_codebook", f"sink_{prefix}s"]
+        if f"{prefix}_outlier_position" in self.store:
+            names += [f"{prefix}_outlier_position", f"{prefix}_outlier_value"]
+        return [self.store[n] for n in names]
 
     def _scores(self, q: mx.array) -> mx.array:
-        B, H, rows, D = q.shape
-        G = self.group_size
-        q = q.astype(mx.float32)
-        parts = []
-        for b0, b1 in self._chunks():
-            nbc = b1 - b0
-            u = self._normalized("key", b0, b1, D)
-            blocks = u.reshape(B, H, nbc, G, D)
-            scale = self.store["key_scale"][:, :, b0:b1]
-            zero = self.store["key_zero"][:, :, b0:b1]
-            if rows < G:
-                # Fold each block's channel scales into the query: rows x D per block instead of
-                # G x D multiplies, then one batched product per block.
-                qs = q[:, :, None] * scale[:, :, :, None, :]
-                s = qs @ blocks.swapaxes(-1, -2) + (q[:, :, None] * zero[:, :, :, None, :]).sum(-1, keepdims=True)
-                s = s.transpose(0, 1, 3, 2, 4).reshape(B, H, rows, nbc * G)
-            else:
-                k_hat = (blocks * scale[:, :, :, None, :] + zero[:, :, :, None, :]).reshape(B, H, nbc * G, D)
-                s = q @ k_hat.swapaxes(-1, -2)
-            found = self._outlier_deltas("key", u, b0, b1, D)
-            if found is not None:
-                token, col, delta, _ = found
-                n = token.shape[-1]
-                q_at = mx.take_along_axis(q, mx.broadcast_to(col[:, :, None], (B, H, rows, n)), axis=-1)
-                s = s.at[_bh_index(B, H, rows) + (token[:, :, None],)].add(q_at * delta[:, :, None])
-            parts.append(s)
-        if "sink_keys" in self.store:
-            sink = q @ self.store["sink_keys"].astype(mx.float32).swapaxes(-1, -2)
-            parts[0] = mx.concatenate([sink, parts[0][..., 1:]], axis=-1)
-        pad = self.capacity - self.n_compressed
-        if pad:
-            parts.append(mx.zeros((B, H, rows, pad), mx.float32))
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+        outliers = "key_outlier_position" in self.store
+        fn = scores_function(self.code_bits, self.group_size, self.head_dim, self._chunk_blocks(), outliers)
+        return fn(q, *self._reader_args("key"))
 
     def _weighted_values(self, p: mx.array) -> mx.array:
-        B, H, rows, _ = p.shape
-        G, Dv = self.group_size, self.value_dim
-        p = p[..., : self.n_compressed].astype(mx.float32)
-        sink_p = p[..., :1]
-        p = mx.concatenate([mx.zeros_like(sink_p), p[..., 1:]], axis=-1)
-        out = sink_p @ self.store["sink_values"].astype(mx.float32)
-        for b0, b1 in self._chunks():
-            t0, t1 = b0 * G, b1 * G
-            u = self._normalized("value", b0, b1, Dv)
-            pc = p[..., t0:t1]
-            scale = self.store["value_scale"][:, :, None, t0:t1]
-            zero = self.store["value_zero"][:, :, None, t0:t1]
-            out = out + (pc * scale) @ u.reshape(B, H, t1 - t0, Dv) + (pc * zero).sum(-1, keepdims=True)
-            found = self._outlier_deltas("value", u, b0, b1, Dv)
-            if found is not None:
-                token, col, delta, _ = found
-                n = token.shape[-1]
-                p_at = mx.take_along_axis(pc, mx.broadcast_to(token[:, :, None], (B, H, rows, n)), axis=-1)
-                out = out.at[_bh_index(B, H, rows) + (col[:, :, None],)].add(p_at * delta[:, :, None])
-        return out
+        outliers = "value_outlier_position" in self.store
+        fn = values_function(self.code_bits, self.group_size, self.value_dim, self._chunk_blocks(), outliers)
+        return fn(p, *self._reader_args("value"))
 
     def _decode(self) -> tuple[mx.array, mx.array]:
-        B, H, G, T = self.batch_size, self.n_kv_heads, self.group_size, self.n_compressed
-        keys, values = [], []
-        for b0, b1 in self._chunks():
-            nbc = b1 - b0
-            for prefix, dim, acc in (("key", self.head_dim, keys), ("value", self.value_dim, values)):
-                u = self._normalized(prefix, b0, b1, dim)
-                if prefix == "key":
-                    scale = self.store["key_scale"][:, :, b0:b1, None, :]
-                    zero = self.store["key_zero"][:, :, b0:b1, None, :]
-                else:
-                    scale = self.store["value_scale"][:, :, b0 * G : b1 * G].reshape(B, H, nbc, G, 1)
-                    zero = self.store["value_zero"][:, :, b0 * G : b1 * G].reshape(B, H, nbc, G, 1)
-                x = u.reshape(B, H, nbc, G, dim) * scale.astype(mx.float32) + zero.astype(mx.float32)
-                x = x.reshape(B, H, nbc * G * dim)
-                found = self._outlier_deltas(prefix, u, b0, b1, dim)
-                if found is not None:
-                    token, col, _, exact = found
-                    x = mx.put_along_axis(x, (token * dim + col).astype(mx.uint32), exact, axis=-1)
-                acc.append(x.reshape(B, H, nbc * G, dim))
-        k = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
-        v = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
-        k = mx.concatenate([self.store["sink_keys"].astype(mx.float32), k[:, :, 1:T]], axis=2)
-        v = mx.concatenate([self.store["sink_values"].astype(mx.float32), v[:, :, 1:T]], axis=2)
-        return k.astype(self.dtype), v.astype(self.dtype)
+        n_blocks = self.n_compressed // self.group_size
+        out = []
+        for prefix, dim, decode in (
+            ("key", self.head_dim, decode_key_blocks),
+            ("value", self.value_dim, decode_value_blocks),
+        ):
+            codes, scale, zero, codebook, sink, *sparse = self._reader_args(prefix)
+            table = lookup_table(codebook, self.code_bits, self.group_size * dim)
+            parts = [
+                decode(
+                    codes, scale, zero, codebook, b0, b1, self.code_bits, self.group_size, dim,
+                    sparse or None, sink if b0 == 0 else None, table,
+                )
+                for b0, b1 in chunks(n_blocks, self._chunk_blocks())
+            ]
+            x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+            out.append(x.astype(self.dtype))
+        return out[0], out[1]
 
 
 def _copy_row(blocks: mx.array) -> mx.array:
     """blocks (B, H, nb, G, D) with token 0 of block 0 replaced by token 1."""
     first = mx.concatenate([blocks[:, :, :1, 1:2], blocks[:, :, :1, 1:]], axis=3)
     return mx.concatenate([first, blocks[:, :, 1:]], axis=2)
-
-
-def _bh_index(B: int, H: int, rows: int) -> tuple:
-    """Broadcast index arrays for the (batch, head, row) axes of a scatter-add."""
-    return (
-        mx.arange(B).reshape(B, 1, 1, 1),
-        mx.arange(H).reshape(1, H, 1, 1),
-        mx.arange(rows).reshape(1, 1, rows, 1),
-    )
