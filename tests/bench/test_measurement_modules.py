@@ -10,7 +10,7 @@ import pytest
 
 from veloxquant_mlx.bench import timing
 
-MODULES = ["attention", "encode", "synthetic", "lowrank", "quality_split"]
+MODULES = ["attention", "encode", "synthetic", "lowrank", "quality_split", "rvq_attribution"]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -43,6 +43,7 @@ def test_attention_tiny(tmp_path):
     assert list(rows) == ["fp16", "mlx-q4", "kivi:kivi_residual_length=0"]
     for row in rows.values():
         assert "error" not in row and row["microseconds"]["n"] == 2 and row["microseconds"]["min"] > 0
+        assert row["cpu_microseconds"]["n"] == 2 and row["peak_added_bytes"] >= 0
     assert rows["kivi:kivi_residual_length=0"]["cache_nbytes"] < rows["fp16"]["cache_nbytes"]
 
 

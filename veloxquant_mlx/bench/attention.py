@@ -9,8 +9,11 @@ own K/V), then one attention call is timed per round, rounds interleaved across 
 - fp16 and mlx-q*: mlx-lm's own `scaled_dot_product_attention` with the cache's output, i.e.
   `mx.fast.scaled_dot_product_attention` or mlx-lm's quantized attention, as in a model;
 - ours: `cache.attention`, the compressed-form attention our dispatcher calls in a model.
-Reported per spec in microseconds: min, quartiles, median, max. The minimum is the least
-load-disturbed figure on a shared CPU; the median is what a loaded machine gives.
+Reported per spec in microseconds: min, quartiles, median, max of wall time
+(`microseconds`) and of the process's CPU time (`cpu_microseconds`, all threads: the steadier
+figure on a shared CPU; run with OPENBLAS_NUM_THREADS=1), and the bytes one call adds to MLX's
+peak memory (`peak_added_bytes`). The minimum is the least load-disturbed wall figure on a
+shared CPU; the median is what a loaded machine gives.
 On MLX's CUDA backend our kivi/xquant caches run fused kernels (cache/fused_decode.py);
 `--kernels both` also times each of our specs with VELOXQUANT_CUDA_KERNELS=0 (the portable
 path), as "<spec> (portable)". For the H200 figures:
@@ -79,6 +82,37 @@ def _with_kernels(call, switch: str):
     return switched
 
 
+WARMUP = 2  # untimed calls per spec before the rounds
+
+
+def _with_cpu_time(call, seconds: list):
+    """`call`, evaluated, appending the process's CPU time (all threads) to `seconds`: far less
+    sensitive than wall time to other jobs on a shared machine (set OPENBLAS_NUM_THREADS=1 so
+    idle BLAS threads do not spin into it)."""
+    import time
+
+    import mlx.core as mx
+
+    def measured():
+        start = time.process_time()
+        mx.eval(call())
+        seconds.append(time.process_time() - start)
+
+    return measured
+
+
+def _peak_added(call) -> int:
+    """Bytes one evaluated call adds to MLX's peak memory over what is active before it (the
+    transients of the attention: scores, decoded or widened codes)."""
+    import mlx.core as mx
+
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(call())
+    return int(mx.get_peak_memory() - before)
+
+
 def run(args) -> dict:
     import mlx.core as mx
 
@@ -110,9 +144,13 @@ def run(args) -> dict:
                 rows[f"{spec.name} (portable)"] = dict(rows[spec.name])
                 calls[f"{spec.name} (portable)"] = _with_kernels(calls[spec.name], "0")
                 calls[spec.name] = _with_kernels(calls[spec.name], "1")
-    seconds = time_calls(calls, rounds=args.rounds, warmup=2)
+    cpu: dict[str, list[float]] = {}
+    timed = {name: _with_cpu_time(call, cpu.setdefault(name, [])) for name, call in calls.items()}
+    seconds = time_calls(timed, rounds=args.rounds, warmup=WARMUP)
     for name, values in seconds.items():
         rows[name]["microseconds"] = summarize(values, unit=1e-6)
+        rows[name]["cpu_microseconds"] = summarize(cpu[name][WARMUP:], unit=1e-6)
+        rows[name]["peak_added_bytes"] = _peak_added(calls[name])
     fp16 = rows.get("fp16", {}).get("microseconds", {}).get("median")
     for row in rows.values():
         median = row.get("microseconds", {}).get("median")

@@ -72,7 +72,7 @@ def decoded_ppl(run, tokens, n_prefill: int) -> float:
     return math.exp(nll.item())
 
 
-def run(args, model, tokens, specs, on_row=None) -> dict:
+def run(args, model, tokens, specs, on_row=None, label: str = "quality_split") -> dict:
     import time
 
     from veloxquant_mlx.bench.progress import Progress
@@ -81,7 +81,7 @@ def run(args, model, tokens, specs, on_row=None) -> dict:
 
     ref = reference_run(model, tokens, args.prefill)
     rows = {}
-    with Progress(len(specs), "quality_split") as bar:
+    with Progress(len(specs), label) as bar:
         for spec in specs:
             bar.set_postfix_str(spec.name)
             start = time.perf_counter()
