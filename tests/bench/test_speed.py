@@ -31,3 +31,33 @@ def test_a_failing_spec_is_recorded_and_the_run_continues():
     assert "error" not in fp16 and fp16["decode_tps"]["median"] > 0
     assert q4["error"].startswith("warm-up failed:") and q4["runs"] == []
     assert q4["decode_tps"]["median"] is None and q4["ratio_vs"]["fp16"]["decode_tps"] is None
+
+
+def test_measure_case_leaves_the_last_decoded_token_untimed(tiny_model, monkeypatch):
+    # The last token read has no step queued behind it, so its interval is short (not steady
+    # state): measure_case decodes one token past the timed ones and never times that one.
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from veloxquant_mlx.bench import speed
+    from veloxquant_mlx.bench.drive import DecodeTrace
+
+    asked = []
+
+    def fake_decode(model, cache, logits, n_tokens):
+        asked.append(n_tokens)
+        # warm-up intervals 0.5 s, steady 0.1 s, the tail 0.01 s
+        steps = [0.5] * 2 + [0.1] * (n_tokens - 4) + [0.01]
+        times = [0.0]
+        for step in steps:
+            times.append(times[-1] + step)
+        return DecodeTrace(tokens=[0] * n_tokens, times=times)
+
+    monkeypatch.setattr(speed, "decode", fake_decode)
+    prompt = speed.random_prompt(256, 8)
+    result = speed.measure_case(tiny_model, lambda: make_prompt_cache(tiny_model), prompt,
+                                decode_tokens=5, warmup_tokens=2)
+    assert asked == [2 + 5 + 2]
+    assert result["decoded_tokens_timed"] == 5
+    assert abs(result["decode_interval_ms_min"] - 100) < 1e-6
+    assert abs(result["decode_interval_ms_max"] - 100) < 1e-6
+    assert abs(result["decode_tps"] - 10) < 1e-6
