@@ -378,8 +378,6 @@ def _kernels():
     return partials, merge
 
 
-
-
 def tokens_per_block(n_valid: int, n_heads: int) -> int:
     """History tokens per block of 4 warps: tiles of TILE tokens, enough warps to fill the GPU
     (TARGET_WARPS over all heads) and at most 64 tiles per warp."""
