@@ -1,4 +1,5 @@
-"""Decode speed and bytes of KVQuantCache against mlx-lm's KVCache and QuantizedKVCache-4.
+"""Decode speed and bytes of KVQuantCache (and, with --gear-bits, GEARCache) against mlx-lm's
+KVCache and QuantizedKVCache-4.
 
 Speed: a random-weight llama of SmolLM2-135M's shape in float32 on the CPU (weights do not change
 speed), a `--context`-token prompt prefilled in chunks of 512, then `--steps` single-token decode
@@ -41,6 +42,13 @@ def install_dispatch(model):
     patch_model_kv_cache(model, KVCacheConfig(method="kvquant"))
 
 
+def gear_caches(bits, n_layers):
+    from veloxquant_mlx.cache.gear import GEARCache
+
+    config = KVCacheConfig(method="gear", gear_bits=bits)
+    return [GEARCache(config, i, n_layers) for i in range(n_layers)]
+
+
 def kvquant_caches(bits, n_layers):
     config = KVCacheConfig(method="kvquant", kvquant_bits=bits)
     return [KVQuantCache(config, i, n_layers) for i in range(n_layers)]
@@ -52,6 +60,7 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bits", type=int, nargs="+", default=[3])
+    ap.add_argument("--gear-bits", type=int, nargs="*", default=[], help="also time GEAR caches")
     ap.add_argument("--out")
     args = ap.parse_args()
     mx.random.seed(0)
@@ -64,6 +73,8 @@ def main():
               "mlx-lm QuantizedKVCache 4-bit g64": lambda: [QuantizedKVCache(64, 4) for _ in range(n)]}
     for b in args.bits:
         makers[f"kvquant-{b}"] = lambda b=b: kvquant_caches(b, n)
+    for b in args.gear_bits:
+        makers[f"gear-{b}"] = lambda b=b: gear_caches(b, n)
     prompt = mx.random.randint(0, SMOLLM2["vocab_size"], (1, args.context))
     caches = {}
     for name, make in makers.items():  # prefill every cache once
