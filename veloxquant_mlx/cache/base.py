@@ -220,11 +220,13 @@ class CompressedKVCache(_BaseCache):
         return out
 
     # A chunk of at least this many queries is a prefill: its attention decodes this layer's
-    # history once (a transient of one layer, freed before the next layer runs, so the peak
-    # stays below the fp16 cache of all layers) and runs the fused mx.fast attention. Per
+    # history once (a transient of one layer that only this layer's attention reads, so MLX
+    # can release it once that runs: measured peaks stay below the fp16 cache's, e.g. kivi-2's
+    # 16K prefill peak 0.19x, results/kivi_peak.json) and runs the fused mx.fast attention. Per
     # query row that decode is amortised over the whole chunk (rows x history work, where BLAS
     # beats a quantized matmul ~10x on the CPU), and the fused kernel tiles its score matrix
-    # itself; on the H200 it turned a 32K prefill from 33 s into 0.73 s (fp16 cache: 1.34 s).
+    # itself; on the H200 it turned kivi's 32K prefill from 33 s into 0.74-0.83 s (fp16 cache:
+    # 0.42 s warm, results/gpu_speed_h200.json).
     # Decode steps (fewer rows) always read the compressed form. None: never decode.
     prefill_rows: ClassVar[int | None] = 16
 
