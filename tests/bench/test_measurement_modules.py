@@ -10,7 +10,7 @@ import pytest
 
 from veloxquant_mlx.bench import timing
 
-MODULES = ["attention", "encode", "synthetic", "lowrank", "quality_split", "rvq_attribution"]
+MODULES = ["attention", "encode", "synthetic", "lowrank", "quality_split", "rvq_attribution", "ops"]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -94,8 +94,40 @@ def test_quality_split_tiny_random_model(tmp_path):
     assert gear["nbytes_after_run"] > 0 and "error" not in gear
 
 
+def test_ops_tiny_against_head(tmp_path):
+    import mlx_lm.models.cache as mlx_lm_cache
+
+    from veloxquant_mlx.cache.kvquant import KVQuantCache
+
+    # HEAD's cache code on the same store: same outputs; a ratio of medians for each op.
+    rows = _run("ops", ["--context", "320", "--rounds", "2", "--baseline", "HEAD", "--reference",
+                        "--methods", "kvquant,gear"], tmp_path)
+    for name in ("kvquant", "gear"):
+        assert "error" not in rows[name] and rows[name]["capacity"] > 0
+        for op in ("scores", "values"):
+            entry = rows[name][op]
+            assert entry["current"]["n"] == entry["baseline"]["n"] == 2
+            assert entry["max_rel_diff"] == pytest.approx(0.0, abs=1e-6)
+            assert entry["baseline_over_current"] > 0
+    assert rows["mlx-q4 scores"]["microseconds"]["min"] > 0
+    # Importing the baseline package left mlx-lm's loader bound to the current classes.
+    assert mlx_lm_cache.KVQuantCache is KVQuantCache
+
+
+def test_ops_without_baseline(tmp_path):
+    rows = _run("ops", ["--context", "96", "--rounds", "1", "--methods", "kivi:kivi_residual_length=0"],
+                tmp_path)
+    row = rows["kivi:kivi_residual_length=0"]
+    assert row["scores"]["current"]["n"] == 1 and "baseline" not in row["values"]
+    assert row["cache_nbytes"] > 0
+    # Too short a context to compress anything is that spec's error, not a crash.
+    rows = _run("ops", ["--context", "8", "--rounds", "1", "--methods", "gear"], tmp_path)
+    assert "leaves nothing compressed" in rows["gear"]["error"]
+
+
 @pytest.mark.parametrize("name,argv", [
     ("attention", ["--methods", "mlx-q7"]),
+    ("ops", ["--methods", "fp16"]),
     ("synthetic", ["--methods", "gear-magnitude:gear_nope=1"]),
 ])
 def test_bad_spec_exits_2(name, argv, capsys, tmp_path):
@@ -111,6 +143,8 @@ def test_bad_spec_exits_2(name, argv, capsys, tmp_path):
     ("quality_split", ["--tokens", "64", "--prefill", "64"]),
     ("quality_split", ["--from-row", "600"]),
     ("encode", ["--context", "0"]),
+    ("ops", ["--q-heads", "4", "--kv-heads", "3"]),
+    ("ops", ["--baseline", "no-such-ref-xyz"]),
 ])
 def test_bad_arguments_are_usage_errors(name, argv):
     module = importlib.import_module(f"veloxquant_mlx.bench.{name}")

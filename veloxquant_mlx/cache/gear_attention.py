@@ -11,7 +11,7 @@ capacity grows.
 
 On the CPU (`on_cpu`) both products run in float32 whatever the cache dtype: MLX's CPU
 quantized_matmul and matmul in bfloat16 / float16 have no fast path (measured, one layer of 8
-KV heads x 128, 8K tokens: ~7x slower than in float32; benchmarks/compressed_attention_ops.py),
+KV heads x 128, 8K tokens: ~7x slower than in float32; python -m veloxquant_mlx.bench.ops),
 and the side data is small, so the casts cost little. Elsewhere the input dtype is kept, and
 p @ V over a long history is split into chunks summed afterwards (split_reduction.py: a single
 transpose=False quantized_matmul is a long serial reduction on the GPU; on the CPU the split

@@ -10,7 +10,7 @@ transient is one chunk of levels, whatever the context; K and V are never materi
 `decode_key_blocks` / `decode_value_blocks` give the same K/V decoded (trim, unpatched use).
 
 Why this shape (measured on the CPU, one layer, 8 KV heads x head_dim 128, 8K tokens; see
-benchmarks/compressed_attention_ops.py):
+python -m veloxquant_mlx.bench.ops):
   - codes are unpacked to uint8 in one fused kernel (mx.compile) and the padding slice is taken
     on those indices, not on the gathered floats: the eager uint32 shift-and-mask plus a copy of
     the sliced float32 levels cost more than the codebook gather itself;
