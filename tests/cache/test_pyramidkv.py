@@ -156,3 +156,22 @@ def test_long_chunk_is_tiled_over_query_rows_with_the_same_result():
     b, ref = forward(tiled, 80, 0, array_mask=True)
     assert mx.allclose(a, b, atol=1e-5).item() and mx.allclose(b, ref, atol=1e-4).item()
     assert mx.array_equal(whole.store["positions"], tiled.store["positions"]).item()
+
+
+def test_fused_attention_tiled_over_rows_on_the_cpu_is_the_same():
+    # A tile budget of 7 query rows: the string-mask (fused) path splits the chunk's rows and
+    # cuts the keys per tile; the result equals one untiled call and the reference.
+    config = KVCacheConfig(method="pyramidkv", pyramidkv_budget=24, pyramidkv_window=4)
+    whole, tiled = PyramidKVCache(config), PyramidKVCache(config)
+    tiled.attention_tile_bytes = 4 * H * REP * 80 * 7
+    a, ref = forward(whole, 80, 0)
+    b, _ = forward(tiled, 80, 0)
+    assert mx.allclose(a, b, atol=1e-5).item() and mx.allclose(b, ref, atol=1e-4).item()
+    for seed in (1, 2):  # decode steps after the eviction, then a 5-token chunk
+        a, _ = forward(whole, 1, seed)
+        b, ref = forward(tiled, 1, seed)
+        assert mx.allclose(a, b, atol=1e-5).item() and mx.allclose(b, ref, atol=1e-4).item()
+    tiled.attention_tile_bytes = 4 * H * REP * 40 * 2  # 2 rows per tile
+    a, _ = forward(whole, 5, 3)
+    b, ref = forward(tiled, 5, 3)
+    assert mx.allclose(a, b, atol=1e-5).item() and mx.allclose(b, ref, atol=1e-4).item()

@@ -154,13 +154,9 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
         else:
             # The kept tokens are in position order and this chunk's are the last L of them, so
             # the bottom-right aligned causal mask of the fused attention is the true one (the
-            # gaps of evicted tokens lie wholly before the chunk). One kernel, tiled by MLX,
-            # instead of explicit scores: on the H200 the explicit form made decode 0.59x fp16.
-            keys, values = self._full_keys_values()
-            out = mx.fast.scaled_dot_product_attention(
-                queries, keys.astype(queries.dtype), values.astype(queries.dtype), scale=scale,
-                mask="causal" if L > 1 else None,
-            )
+            # gaps of evicted tokens lie wholly before the chunk). One kernel instead of explicit
+            # scores: on the H200 the explicit form made decode 0.59x fp16.
+            out = self._attend_fused(queries, scale)
         if L > 1 and not self.decoding and n > self.layer_budget:
             # The observation window: the chunk's last queries vote with their probabilities.
             observed = min(self.window, L)
@@ -170,6 +166,32 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
             _, probs = self._attend_rows(queries[:, :, L - observed :], scale, window_mask, rep, observed)
             self._evict(probs.reshape(B, self.n_kv_heads, rep, observed, n))
         return out
+
+    def _attend_fused(self, queries: mx.array, scale: float) -> mx.array:
+        """mx.fast attention of the last L kept positions over the kept tokens, causal. On the
+        CPU, where MLX's fast attention has no fused kernel and builds the chunk's whole score
+        matrix, the query rows are tiled like _attend_tiled (a tile of rows [a, b) sees the
+        kept tokens up to row b's position, bottom-right causal within): +100 MB of prefill
+        peak at 4096 tokens without it (results/pyramidkv_memory_4096_*0487470.json)."""
+        B, n_q_heads, L, _ = queries.shape
+        n = self.n_kept
+        keys, values = self._full_keys_values()
+        keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
+        rows = L
+        if mx.default_device() == mx.cpu:
+            rows = max(1, self.attention_tile_bytes // max(B * n_q_heads * n * 4, 1))
+        tiles = []
+        for start in range(0, L, rows):
+            stop = min(L, start + rows)
+            cut = n - L + stop
+            tile = mx.fast.scaled_dot_product_attention(
+                queries[:, :, start:stop], keys[:, :, :cut], values[:, :, :cut], scale=scale,
+                mask="causal" if stop - start > 1 else None,
+            )
+            if stop < L:
+                mx.eval(tile)  # free this tile's scores before the next one is built
+            tiles.append(tile)
+        return tiles[0] if len(tiles) == 1 else mx.concatenate(tiles, axis=2)
 
     def _attend_tiled(self, queries: mx.array, scale: float, mask: mx.array, rep: int) -> mx.array:
         """Attention under a given boolean mask; a long chunk is split over query rows so the
