@@ -532,8 +532,12 @@ class CompressedKVCache(_BaseCache):
         n = ((n_window - self.residual_length) // self.block_size) * self.block_size
         if n <= 0:
             return
+        self._append_compressed(self._encode(self.window_keys[:, :, :n], self.window_values[:, :, :n]), n)
+
+    def _append_compressed(self, encoded: dict[str, mx.array], n: int) -> None:
+        """Write the encoded first n window tokens into the store (growing it) and drop them
+        from the exact window. Cross-layer caches call it with blocks encoded by a pair."""
         self._ensure_capacity(self.n_compressed + n)
-        encoded = self._encode(self.window_keys[:, :, :n], self.window_values[:, :, :n])
         for spec in self._store_layout():
             start = self.n_compressed // spec.tokens_per_index
             stop = start + encoded[spec.name].shape[spec.axis]

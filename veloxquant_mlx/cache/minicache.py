@@ -221,21 +221,6 @@ class MiniCacheCache(CrossLayerMixin, CompressedKVCache):
             f"dirbias_{part}": biases.astype(SIDE_DTYPE),
         }
 
-    def _append_compressed(self, encoded: dict, n: int) -> None:
-        """Write a merged block into this layer's store and drop it from the exact window."""
-        self._ensure_capacity(self.n_compressed + n)
-        for spec in self._store_layout():
-            start = self.n_compressed // spec.tokens_per_index
-            stop = start + encoded[spec.name].shape[spec.axis]
-            self.store[spec.name][:, :, start:stop] = encoded[spec.name]
-        self.n_compressed += n
-        if self.window_keys.shape[2] == n:
-            self.window_keys = self.window_values = None
-        else:
-            # A slice would keep the whole chunk's buffer alive: copy the remainder.
-            self.window_keys = mx.contiguous(self.window_keys[:, :, n:])
-            self.window_values = mx.contiguous(self.window_values[:, :, n:])
-
     def _relinked(self) -> None:
         if self.role != "upper" or not self.owns_directions:
             return
