@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from veloxquant_mlx.cli.main import COMMANDS, main
+from tests.cli.run_cli import run
+from veloxquant_mlx.cli.main import COMMANDS
 from veloxquant_mlx.policy import sources
 from veloxquant_mlx.policy.sources import default_policy_path
 from tests.policy.helpers import edited
@@ -17,21 +18,6 @@ from tests.policy.helpers import edited
 DEFAULT = str(default_policy_path())
 SEED = ["--head-dim", "128", "--seq-len", "64000", "--n-layers", "32", "--batch-size", "4",
         "--total-memory-bytes", str(32 * 2**30), "--active-memory-bytes", str(4 * 2**30)]
-
-
-@pytest.fixture(autouse=True)
-def _no_env(monkeypatch):
-    monkeypatch.delenv(sources.ENV_VAR, raising=False)
-
-
-def run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse usage errors
-        code = exc.code
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out, err
 
 
 def _file(tmp_path, name, text):

@@ -3,30 +3,12 @@ compactly in text and on one line in JSON, diff between v1 and v2, errors as one
 
 import json
 
-import pytest
-
-from veloxquant_mlx.cli.main import main
-from veloxquant_mlx.policy import sources
+from tests.cli.run_cli import run
 from veloxquant_mlx.policy.sources import default_policy_path
 
 V1 = str(default_policy_path(1))
 V2 = str(default_policy_path(2))
 MEDIUM = ["--head-dim", "128", "--seq-len", "4096", "--n-layers", "32", "--batch-size", "1", "--unknown-memory"]
-
-
-@pytest.fixture(autouse=True)
-def _no_env(monkeypatch):
-    monkeypatch.delenv(sources.ENV_VAR, raising=False)
-
-
-def run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out, err
 
 
 def test_validate_and_lint_v2(capsys):
