@@ -135,3 +135,31 @@ def mutated_policy_v2(seed: int, text: str) -> str:
     if rng.random() < 0.6:
         return mutate_document(rng, yaml.safe_load(text), profiles=True)
     return mutate_text(rng, text)
+
+
+def compiled_or_none(text: str, seed: int):
+    """The compiled policy, or None when it is refused with a PolicyError naming its file."""
+    from veloxquant_mlx import PolicyError
+    from veloxquant_mlx.policy import compile_policy_text
+
+    try:
+        return compile_policy_text(text, f"fuzz-{seed}.yaml")
+    except PolicyError as exc:
+        assert str(exc).startswith(f"fuzz-{seed}.yaml"), str(exc)
+        return None
+
+
+def run_fuzz(seeds, run_case, policy_text) -> dict:
+    """Count run_case(seed)'s outcomes ("invalid" / "valid"); any exception other than an
+    assertion fails the test with the seed and the mutated policy (policy_text(seed))."""
+    import pytest
+
+    outcomes = {"invalid": 0, "valid": 0}
+    for seed in seeds:
+        try:
+            outcomes[run_case(seed)] += 1
+        except AssertionError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the point of the fuzz tests
+            pytest.fail(f"seed {seed}: {type(exc).__name__}: {exc}\n--- policy ---\n{policy_text(seed)}")
+    return outcomes

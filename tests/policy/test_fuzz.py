@@ -4,9 +4,9 @@ a valid one then decides workloads or raises PolicyError (a gap), and lints with
 import pytest
 
 from veloxquant_mlx import HardwareInfo, PolicyError, WorkloadSpec
-from veloxquant_mlx.policy import compile_policy_text, decide, facts_of
+from veloxquant_mlx.policy import decide, facts_of
 from veloxquant_mlx.policy.lint import lint_policy
-from tests.policy.fuzzing import mutated_policy
+from tests.policy.fuzzing import compiled_or_none, mutated_policy, run_fuzz
 
 PROBES = [
     facts_of(WorkloadSpec(128, 100), HardwareInfo()),
@@ -16,11 +16,8 @@ PROBES = [
 
 
 def _run_case(seed: int) -> str:
-    text = mutated_policy(seed)
-    try:
-        policy = compile_policy_text(text, f"fuzz-{seed}.yaml")
-    except PolicyError as exc:
-        assert str(exc).startswith(f"fuzz-{seed}.yaml"), str(exc)
+    policy = compiled_or_none(mutated_policy(seed), seed)
+    if policy is None:
         return "invalid"
     for facts in PROBES:
         try:
@@ -38,15 +35,7 @@ def _run_case(seed: int) -> str:
 
 
 def _run(seeds) -> dict:
-    outcomes = {"invalid": 0, "valid": 0}
-    for seed in seeds:
-        try:
-            outcomes[_run_case(seed)] += 1
-        except AssertionError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the point of the test
-            pytest.fail(f"seed {seed}: {type(exc).__name__}: {exc}\n--- policy ---\n{mutated_policy(seed)}")
-    return outcomes
+    return run_fuzz(seeds, _run_case, mutated_policy)
 
 
 def test_fuzz_fast():

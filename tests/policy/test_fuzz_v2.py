@@ -6,11 +6,11 @@ and lints without crashing."""
 import pytest
 
 from veloxquant_mlx import HardwareInfo, PolicyError, WorkloadSpec
-from veloxquant_mlx.policy import compile_policy_text, decide, facts_of
+from veloxquant_mlx.policy import decide, facts_of
 from veloxquant_mlx.policy.diff import diff_policies
 from veloxquant_mlx.policy.lint import lint_policy
 from veloxquant_mlx.policy.sources import default_policy_path, load_policy
-from tests.policy.fuzzing import mutated_policy_v2
+from tests.policy.fuzzing import compiled_or_none, mutated_policy_v2, run_fuzz
 
 V2_TEXT = default_policy_path(2).read_text(encoding="utf-8")
 PROBES = [
@@ -22,11 +22,8 @@ PROBES = [
 
 
 def _run_case(seed: int) -> str:
-    text = mutated_policy_v2(seed, V2_TEXT)
-    try:
-        policy = compile_policy_text(text, f"fuzz-{seed}.yaml")
-    except PolicyError as exc:
-        assert str(exc).startswith(f"fuzz-{seed}.yaml"), str(exc)
+    policy = compiled_or_none(mutated_policy_v2(seed, V2_TEXT), seed)
+    if policy is None:
         return "invalid"
     for facts in PROBES:
         try:
@@ -49,16 +46,7 @@ def _run_case(seed: int) -> str:
 
 
 def _run(seeds) -> dict:
-    outcomes = {"invalid": 0, "valid": 0}
-    for seed in seeds:
-        try:
-            outcomes[_run_case(seed)] += 1
-        except AssertionError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the point of the test
-            pytest.fail(f"seed {seed}: {type(exc).__name__}: {exc}\n--- policy ---\n"
-                        f"{mutated_policy_v2(seed, V2_TEXT)}")
-    return outcomes
+    return run_fuzz(seeds, _run_case, lambda seed: mutated_policy_v2(seed, V2_TEXT))
 
 
 def test_fuzz_v2_fast():
