@@ -1,6 +1,8 @@
 """GEARCache through mlx-lm's own paths on a tiny random llama: patched generate, the prompt
 cache file round trip, and trim."""
 
+from functools import partial
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -9,14 +11,11 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache, trim_promp
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, patch_model_kv_cache, unpatch_model_kv_cache
 from veloxquant_mlx.cache.gear import GEARCache
 from tests.integration.decode_spy import assert_decode_steps_never_decoded, spy_history_decodes
-from tests.integration.tiny_llama import tiny_llama
+from tests.integration.tiny_llama import greedy_tokens, tiny_llama
 
 CONFIG = KVCacheConfig(method="gear", gear_bits=2)
 PROMPT = mx.array([(i * 7) % 64 for i in range(560)])  # two whole blocks of 256 + a window
-
-
-def _tokens(model, cache=None, prompt=PROMPT, n=24):
-    return [t for t, _ in generate_step(prompt, model, max_tokens=n, prompt_cache=cache, prefill_step_size=128)]
+_tokens = partial(greedy_tokens, prompt=PROMPT, n=24)
 
 
 @pytest.fixture

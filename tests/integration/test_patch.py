@@ -1,5 +1,7 @@
 """patch_model_kv_cache on a tiny random mlx-lm llama, through mlx_lm's own generate paths."""
 
+from functools import partial
+
 import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 import mlx_lm.models.llama as mlx_llama
@@ -24,15 +26,11 @@ from veloxquant_mlx import (
 )
 from veloxquant_mlx.cache.kivi import KIVICache
 from tests.integration.decode_spy import assert_decode_steps_never_decoded, spy_history_decodes
-from tests.integration.tiny_llama import CharTokenizer, tiny_llama
+from tests.integration.tiny_llama import CharTokenizer, greedy_tokens, tiny_llama
 
 CONFIG = KVCacheConfig(method="kivi", bit_width_inlier=2, kivi_residual_length=32)
 PROMPT = mx.array([(i * 7) % 64 for i in range(300)])
-
-
-def _tokens(model, cache=None, prompt=PROMPT, n=40, **kwargs):
-    return [t for t, _ in generate_step(prompt, model, max_tokens=n, prompt_cache=cache,
-                                        prefill_step_size=128, **kwargs)]
+_tokens = partial(greedy_tokens, prompt=PROMPT, n=40)
 
 
 @pytest.fixture

@@ -51,3 +51,12 @@ class CharTokenizer:
 
     def decode(self, ids, **kwargs):
         return "".join(chr(48 + int(i) % 64) for i in ids)
+
+
+def greedy_tokens(model, cache=None, *, prompt, n, prefill_step_size=128, **kwargs):
+    """The first n greedy tokens mlx-lm's generate_step gives after `prompt` (with `cache` as
+    its prompt_cache; None: the model's make_cache, i.e. a patched model's own caches)."""
+    from mlx_lm.generate import generate_step
+
+    return [t for t, _ in generate_step(prompt, model, max_tokens=n, prompt_cache=cache,
+                                        prefill_step_size=prefill_step_size, **kwargs)]
