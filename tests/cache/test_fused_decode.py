@@ -141,3 +141,31 @@ def test_kernel_with_many_tiles_per_warp_matches_the_portable_step(monkeypatch):
     monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
     fused = cache.attention(q_heads, scale=128**-0.5).astype(mx.float32)
     assert mx.allclose(fused, portable, atol=2e-2, rtol=2e-2).item(), mx.abs(fused - portable).max().item()
+
+
+@pytest.mark.parametrize("name, make", [(c[0], c[1]) for c in KERNEL_CASES if c[0].startswith(("kivi-2", "xquant"))])
+def test_decode_step_hands_the_kernels_the_caches_arrays(monkeypatch, name, make):
+    # The wiring from a cache to the kernels, checked on any device: with the kernels reported
+    # active, decode_step passes the cache's codes, window, history length and heads.
+    cache = _filled(make(), 700, D=128, Dv=128)
+    q_heads = _decode_step(cache, D=128, Dv=128)
+    seen = {}
+    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
+    monkeypatch.setattr(fused_decode, "affine_decode_attention",
+                        lambda *a, **k: seen.update(args=a, kwargs=k) or "kernel output")
+    assert cache._fused_decode(q_heads, 0.5) == "kernel output"
+    args, kwargs = seen["args"], seen["kwargs"]
+    assert args[0] is q_heads and args[1] == 0.5
+    assert args[8] is cache.window_keys and args[9] is cache.window_values
+    assert kwargs["n_valid"] == cache.n_compressed == 640 and kwargs["n_kv_heads"] == 2
+    assert kwargs["meta_cache"] is cache._fused_meta
+    s = cache.store
+    if cache.method == "kivi":
+        expected = [s[k] for k in ("key_codes", "key_scales", "key_biases", "value_codes", "value_scales", "value_biases")]
+    else:  # xquant reads its codes through _codes(): K^T words as one stream per channel
+        k_codes, v_codes = cache._codes()
+        expected = [k_codes, s["k_scale"], s["k_zero"], v_codes, s["v_scale"], s["v_zero"]]
+    for got, want in zip(args[2:8], expected):
+        assert got.shape == want.shape and got.dtype == want.dtype and mx.array_equal(got, want).item()
+    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: False)
+    assert cache._fused_decode(q_heads, 0.5) is None

@@ -434,6 +434,26 @@ class FusedDecodeMeta:
         return self._value
 
 
+def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bits: int,
+                value_bits: int):
+    """A KIVI-layout cache's decode-step attention through the kernels, or None where they are
+    not active (off CUDA, switched off, a shape supports() refuses): the cache then takes the
+    portable path. `arrays()` gives (key codes, scales, zeros, value codes, scales, zeros); it is
+    only called when the kernels run. The window, history length and heads come from `cache`."""
+    rows = queries.shape[1] // cache.n_kv_heads
+    if not kernels_enabled() or not supports(
+        cache.head_dim, cache.value_dim, group_size, key_bits, value_bits, rows
+    ):
+        return None
+    # The meta array belongs to the cache (it changes with its history), made on first use.
+    meta_cache = cache.__dict__.setdefault("_fused_meta", FusedDecodeMeta())
+    return affine_decode_attention(
+        queries, scale, *arrays(), cache.window_keys, cache.window_values,
+        n_valid=cache.n_compressed, group_size=group_size, key_bits=key_bits,
+        value_bits=value_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
+    )
+
+
 def affine_decode_attention(
     queries, scale: float, key_codes, key_scales, key_zeros, value_codes, value_scales,
     value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
@@ -441,7 +461,7 @@ def affine_decode_attention(
 ):
     """softmax(q K^T * scale) V for one query row per head, queries (B, Hq, 1, D), over the
     first n_valid compressed tokens and the exact window (B, H, W, D), W >= 1 -> (B, Hq, 1, DV)
-    in the queries' dtype. Only call when kernels_enabled() and supports(...)."""
+    in the queries' dtype. Only call when kernels_enabled() and supports(...): decode_step checks."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads

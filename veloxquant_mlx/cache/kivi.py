@@ -118,7 +118,6 @@ class KIVICache(CompressedKVCache):
         self.value_bits = config.value_bits if config.value_bits is not None else bits
         self.group_size = config.kivi_group_size
         self._residual_length = config.kivi_residual_length
-        self._fused_meta = fused_decode.FusedDecodeMeta()
         # NB: never name an attribute `bits`: mlx-lm's scaled_dot_product_attention treats any
         # cache with `bits` as its own QuantizedKVCache.
 
@@ -206,18 +205,12 @@ class KIVICache(CompressedKVCache):
         )
 
     def _fused_decode(self, queries: mx.array, scale: float):
-        rows = queries.shape[1] // self.n_kv_heads
-        if not fused_decode.kernels_enabled() or not fused_decode.supports(
-            self.head_dim, self.value_dim, self.group_size, self.key_bits, self.value_bits, rows
-        ):
-            return None
         s = self.store
-        return fused_decode.affine_decode_attention(
-            queries, scale, s["key_codes"], s["key_scales"], s["key_biases"],
-            s["value_codes"], s["value_scales"], s["value_biases"],
-            self.window_keys, self.window_values,
-            n_valid=self.n_compressed, group_size=self.group_size, key_bits=self.key_bits,
-            value_bits=self.value_bits, n_kv_heads=self.n_kv_heads, meta_cache=self._fused_meta,
+        return fused_decode.decode_step(
+            self, queries, scale,
+            lambda: (s["key_codes"], s["key_scales"], s["key_biases"],
+                     s["value_codes"], s["value_scales"], s["value_biases"]),
+            group_size=self.group_size, key_bits=self.key_bits, value_bits=self.value_bits,
         )
 
     def bits_per_element(self) -> float:

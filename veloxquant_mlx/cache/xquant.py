@@ -125,7 +125,6 @@ class XQuantCache(CrossLayerMixin, CompressedKVCache):
         cfg = self.config
         self.code_bits = cfg.bits_for_layer(self.layer_index, self.n_layers)
         self.group = cfg.xquant_group_size
-        self._fused_meta = fused_decode.FusedDecodeMeta()
         self.eta = DEFAULT_ETA[self.code_bits] if cfg.xquant_eta is None else cfg.xquant_eta
         self._residual = cfg.xquant_residual_length
         first_shared = math.ceil(cfg.xquant_share_from * self.n_layers)
@@ -307,18 +306,14 @@ class XQuantCache(CrossLayerMixin, CompressedKVCache):
         )
 
     def _fused_decode(self, queries: mx.array, scale: float):
-        rows = queries.shape[1] // self.n_kv_heads
-        if not fused_decode.kernels_enabled() or not fused_decode.supports(
-            self.head_dim, self.value_dim, self.group, self.code_bits, self.code_bits, rows
-        ):
-            return None
-        k_codes, v_codes = self._codes()
-        s = self.store
-        return fused_decode.affine_decode_attention(
-            queries, scale, k_codes, s["k_scale"], s["k_zero"], v_codes, s["v_scale"], s["v_zero"],
-            self.window_keys, self.window_values,
-            n_valid=self.n_compressed, group_size=self.group, key_bits=self.code_bits,
-            value_bits=self.code_bits, n_kv_heads=self.n_kv_heads, meta_cache=self._fused_meta,
+        def arrays():
+            k_codes, v_codes = self._codes()
+            s = self.store
+            return k_codes, s["k_scale"], s["k_zero"], v_codes, s["v_scale"], s["v_zero"]
+
+        return fused_decode.decode_step(
+            self, queries, scale, arrays,
+            group_size=self.group, key_bits=self.code_bits, value_bits=self.code_bits,
         )
 
     # ---- state: a follower's state carries its leader's codes --------------------------------
