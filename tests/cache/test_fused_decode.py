@@ -90,6 +90,18 @@ def test_meta_is_rebuilt_only_when_its_values_change():
     first = meta.get(640, 128, 5, 0.125)
     assert meta.get(640, 128, 5, 0.125) is first
     assert meta.get(672, 128, 6, 0.125).tolist()[:3] == [672, 128, 6]
+    assert meta.get(672, 128, 6, 0.125, 1).tolist()[4] == 1  # n_skip
+
+
+def test_skip_must_leave_the_first_tile_a_token():
+    cache = _filled(_kivi(bit_width_inlier=2)(), 700, D=128, Dv=128)
+    q = _decode_step(cache, D=128, Dv=128)
+    for skip in (-1, 128):
+        with pytest.raises(QuantizerConfigError, match=f"skip={skip} leading tokens of 640; allowed is 0 <= skip < min"):
+            fused_decode.affine_decode_attention(
+                q, 0.1, *[cache.store[k] for k in ("key_codes", "key_scales", "key_biases", "value_codes", "value_scales", "value_biases")],
+                cache.window_keys, cache.window_values, n_valid=640, group_size=32, key_bits=2,
+                value_bits=2, n_kv_heads=2, meta_cache=fused_decode.FusedDecodeMeta(), skip=skip)
 
 
 def _kivi(**fields):
@@ -143,6 +155,26 @@ def test_kernel_with_many_tiles_per_warp_matches_the_portable_step(monkeypatch):
     assert mx.allclose(fused, portable, atol=2e-2, rtol=2e-2).item(), mx.abs(fused - portable).max().item()
 
 
+@cuda_only
+@pytest.mark.parametrize("skip", [1, 3])
+def test_kernel_skip_with_the_skipped_tokens_as_exact_prefix_is_the_same_attention(monkeypatch, skip):
+    # Skipping the first tokens of the history and handing their decoded K/V in as exact tokens
+    # attends to the same set of tokens: the same output as the plain kernel step.
+    shape = dict(B=1, rep=4, D=128, Dv=128, dtype=mx.float16)
+    cache = _filled(_kivi(bit_width_inlier=2)(), 1000, **shape)
+    q_heads = _decode_step(cache, **shape)
+    keys, values = cache._decode()
+    s = cache.store
+    arrays = lambda: tuple(s[k] for k in ("key_codes", "key_scales", "key_biases", "value_codes", "value_scales", "value_biases"))
+    step = lambda **kw: fused_decode.decode_step(cache, q_heads, 128**-0.5, arrays, group_size=32,
+                                                 key_bits=2, value_bits=2, **kw).astype(mx.float32)
+    plain = step()
+    skipped = step(skip=skip, exact_prefix=(keys[:, :, :skip], values[:, :, :skip]))
+    assert mx.allclose(plain, skipped, atol=2e-3, rtol=2e-3).item(), mx.abs(plain - skipped).max().item()
+    # Skipping without handing the tokens back changes the output (the skip is real).
+    assert not mx.allclose(plain, step(skip=skip), atol=1e-4).item()
+
+
 @pytest.mark.parametrize("name, make", [(c[0], c[1]) for c in KERNEL_CASES if c[0].startswith(("kivi-2", "xquant"))])
 def test_decode_step_hands_the_kernels_the_caches_arrays(monkeypatch, name, make):
     # The wiring from a cache to the kernels, checked on any device: with the kernels reported
@@ -169,3 +201,18 @@ def test_decode_step_hands_the_kernels_the_caches_arrays(monkeypatch, name, make
         assert got.shape == want.shape and got.dtype == want.dtype and mx.array_equal(got, want).item()
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: False)
     assert cache._fused_decode(q_heads, 0.5) is None
+
+
+def test_decode_step_puts_an_exact_prefix_before_the_window(monkeypatch):
+    cache = _filled(_kivi(bit_width_inlier=2)(), 700, D=128, Dv=128)
+    q_heads = _decode_step(cache, D=128, Dv=128)
+    seen = {}
+    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
+    monkeypatch.setattr(fused_decode, "affine_decode_attention", lambda *a, **k: seen.update(args=a, kwargs=k))
+    keys, values = cache._decode()
+    fused_decode.decode_step(cache, q_heads, 0.5, lambda: (None,) * 6, group_size=32, key_bits=2,
+                             value_bits=2, skip=1, exact_prefix=(keys[:, :, :1], values[:, :, :1]))
+    wk, wv = seen["args"][8:10]
+    assert wk.shape[2] == cache.window_keys.shape[2] + 1 and seen["kwargs"]["skip"] == 1
+    assert mx.array_equal(wk[:, :, :1], keys[:, :, :1]).item() and mx.array_equal(wk[:, :, 1:], cache.window_keys).item()
+    assert mx.array_equal(wv[:, :, :1], values[:, :, :1]).item() and mx.array_equal(wv[:, :, 1:], cache.window_values).item()

@@ -66,7 +66,9 @@ __device__ __forceinline__ float vq_warp_sum(float x) {
 # Kernel 1: partials. Template constants: D, DV (key / value head dims), R (query rows per kv
 # head), G (group), KB, VB (bits), LPT (lanes per value token, lanes_per_token), QT (query
 # dtype: also the window's), ST (side-data dtype).
-# meta = [n_valid, tokens per block, blocks over the history, scale as float bits].
+# meta = [n_valid, tokens per block, blocks over the history, scale as float bits, n_skip]:
+# history tokens [0, n_skip) are ignored (a cache that reads them exactly, e.g. the attention
+# sink, hands them in with the window).
 # Blocks [0, n_hist_blocks) read the compressed history, the last block the exact window.
 # A warp takes tiles of 128 tokens: scoring, lane i holds tokens 4i..4i+3 (one code word slice
 # per channel: the warp's 32 lanes read one contiguous run of each channel's codes); weighing
@@ -97,6 +99,7 @@ _PARTIALS = r"""
   const int per_block = meta[1];
   const int n_hist_blocks = meta[2];
   const float scale = __int_as_float(meta[3]);
+  const int n_skip = meta[4];
   const bool window = blockIdx.x >= n_hist_blocks;
   const int n_window = wk_shape[2];
   const int cap = vc_shape[2];
@@ -135,6 +138,7 @@ _PARTIALS = r"""
   }
 
   const int first = window ? 0 : blockIdx.x * per_block;
+  const int lo = window ? 0 : n_skip;  // tokens before lo are not attended
   const int last = window ? n_window : min(first + per_block, n_valid);
   for (int base = first + warp * TILE; base < last; base += TILE * NW) {
     // ---- scores of the lane's TPL tokens t0 .. t0 + TPL - 1 ----
@@ -182,13 +186,18 @@ _PARTIALS = r"""
     for (int r = 0; r < R; ++r) {
       float tile_max = neg_inf;
       #pragma unroll
-      for (int i = 0; i < TPL; ++i) tile_max = t0 + i < last ? fmaxf(tile_max, s[i][r]) : tile_max;
-      const float m_new = fmaxf(m[r], vq_warp_max(tile_max));  // finite: token base is valid
+      for (int i = 0; i < TPL; ++i) {
+        const bool ok = t0 + i < last && t0 + i >= lo;
+        tile_max = ok ? fmaxf(tile_max, s[i][r]) : tile_max;
+      }
+      // Finite: every tile holds a valid token (n_skip < n_valid and n_skip < TILE, checked
+      // by the caller, so the first tile keeps tokens n_skip..; the others start at valid ones).
+      const float m_new = fmaxf(m[r], vq_warp_max(tile_max));
       const float alpha = expf(m[r] - m_new);
       float sum = 0.f;
       #pragma unroll
       for (int i = 0; i < TPL; ++i) {
-        const float p = t0 + i < last ? expf(s[i][r] - m_new) : 0.f;
+        const float p = t0 + i < last && t0 + i >= lo ? expf(s[i][r] - m_new) : 0.f;
         p_tile[(lane * TPL + i) * R + r] = p;
         sum += p;
       }
@@ -414,9 +423,9 @@ def supports(head_dim: int, value_dim: int, group_size: int, key_bits: int, valu
     return 1 <= head_dim <= 256 and rows * (head_dim + WARPS_PER_BLOCK * widest) * 4 <= 48 * 1024
 
 
-def _meta(n_valid: int, per_block: int, n_hist_blocks: int, scale: float) -> mx.array:
+def _meta(n_valid: int, per_block: int, n_hist_blocks: int, scale: float, n_skip: int) -> mx.array:
     scale_bits = int(np.array([scale], dtype=np.float32).view(np.int32)[0])
-    return mx.array([n_valid, per_block, n_hist_blocks, scale_bits], dtype=mx.int32)
+    return mx.array([n_valid, per_block, n_hist_blocks, scale_bits, n_skip], dtype=mx.int32)
 
 
 class FusedDecodeMeta:
@@ -427,40 +436,47 @@ class FusedDecodeMeta:
         self._key = None
         self._value = None
 
-    def get(self, n_valid: int, per_block: int, n_hist_blocks: int, scale: float) -> mx.array:
-        key = (n_valid, per_block, n_hist_blocks, scale)
+    def get(self, n_valid: int, per_block: int, n_hist_blocks: int, scale: float,
+            n_skip: int = 0) -> mx.array:
+        key = (n_valid, per_block, n_hist_blocks, scale, n_skip)
         if key != self._key:
             self._key, self._value = key, _meta(*key)
         return self._value
 
 
 def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bits: int,
-                value_bits: int):
+                value_bits: int, skip: int = 0, exact_prefix=None):
     """A KIVI-layout cache's decode-step attention through the kernels, or None where they are
     not active (off CUDA, switched off, a shape supports() refuses): the cache then takes the
     portable path. `arrays()` gives (key codes, scales, zeros, value codes, scales, zeros); it is
-    only called when the kernels run. The window, history length and heads come from `cache`."""
+    only called when the kernels run. The window, history length and heads come from `cache`.
+    `skip`: leading compressed tokens to ignore; `exact_prefix`: (keys, values) attended exactly
+    with the window (a cache holding its first tokens exactly passes both)."""
     rows = queries.shape[1] // cache.n_kv_heads
     if not kernels_enabled() or not supports(
         cache.head_dim, cache.value_dim, group_size, key_bits, value_bits, rows
     ):
         return None
+    window_keys, window_values = cache.window_keys, cache.window_values
+    if exact_prefix is not None:
+        window_keys = mx.concatenate([exact_prefix[0].astype(window_keys.dtype), window_keys], axis=2)
+        window_values = mx.concatenate([exact_prefix[1].astype(window_values.dtype), window_values], axis=2)
     # The meta array belongs to the cache (it changes with its history), made on first use.
     meta_cache = cache.__dict__.setdefault("_fused_meta", FusedDecodeMeta())
     return affine_decode_attention(
-        queries, scale, *arrays(), cache.window_keys, cache.window_values,
+        queries, scale, *arrays(), window_keys, window_values,
         n_valid=cache.n_compressed, group_size=group_size, key_bits=key_bits,
-        value_bits=value_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
+        value_bits=value_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache, skip=skip,
     )
 
 
 def affine_decode_attention(
     queries, scale: float, key_codes, key_scales, key_zeros, value_codes, value_scales,
     value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
-    value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta,
+    value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0,
 ):
     """softmax(q K^T * scale) V for one query row per head, queries (B, Hq, 1, D), over the
-    first n_valid compressed tokens and the exact window (B, H, W, D), W >= 1 -> (B, Hq, 1, DV)
+    compressed tokens [skip, n_valid) and the exact window (B, H, W, D), W >= 1 -> (B, Hq, 1, DV)
     in the queries' dtype. Only call when kernels_enabled() and supports(...): decode_step checks."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
@@ -472,6 +488,12 @@ def affine_decode_attention(
             f"fused decode: scales and zeros must share one dtype, got {key_scales.dtype}, "
             f"{key_zeros.dtype}, {value_scales.dtype}, {value_zeros.dtype}"
         )
+    if not 0 <= skip < min(n_valid, TILE):
+        # The kernel keeps every tile non-empty only for skips inside the first tile.
+        raise QuantizerConfigError(
+            f"fused decode: skip={skip} leading tokens of {n_valid}; allowed is 0 <= skip < "
+            f"min(history, {TILE})"
+        )
     per_block = tokens_per_block(n_valid, BH)
     n_hist_blocks = -(-n_valid // per_block)
     n_blocks = n_hist_blocks + 1  # + the window's block
@@ -481,7 +503,7 @@ def affine_decode_attention(
             f"kernel's {MAX_BLOCKS}; set {ENV_SWITCH}=0 to use the portable path"
         )
     partials, merge = _kernels()
-    meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale))
+    meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip)
     dtype = queries.dtype
     part_o, part_m, part_l = partials(
         inputs=[queries, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
