@@ -196,3 +196,17 @@ def test_save_and_load_with_an_empty_window(tmp_path):
     assert type(loaded) is KIVICache and loaded.window_keys is None
     for a, b in zip(loaded._full_keys_values(), cache._full_keys_values()):
         assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("bits, side", [(2, mx.float16), (3, mx.bfloat16), (4, mx.float16), (8, mx.bfloat16)])
+def test_compiled_encoder_is_bit_identical_to_the_plain_one(bits, side):
+    # The cache encodes through mx.compile (fused ops); the compiled graph must not change a code,
+    # scale or bias.
+    from veloxquant_mlx.cache.kivi import affine_quantize, compiled_affine_quantize
+
+    x = (mx.random.normal((1, 2, 40, 96), key=mx.random.key(bits)) * 3).astype(mx.float32)
+    plain = affine_quantize(x, 32, bits, side)
+    fused = compiled_affine_quantize(32, bits, side)(x)
+    for a, b in zip(plain, fused):
+        assert a.dtype == b.dtype and mx.array_equal(a, b).item()
+    assert compiled_affine_quantize(32, bits, side) is compiled_affine_quantize(32, bits, side)

@@ -46,6 +46,7 @@ Deviations from the paper:
 from __future__ import annotations
 
 from fractions import Fraction
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -100,6 +101,15 @@ def affine_quantize(x: mx.array, group_size: int, bits: int, side_dtype: mx.Dtyp
     codes = mx.clip(mx.round((groups - biases.astype(mx.float32)) / safe), 0, levels)
     codes = codes.astype(mx.uint32).reshape(x.shape)
     return pack_stream(codes, bits), scales.squeeze(-1), biases.squeeze(-1)
+
+
+@lru_cache(maxsize=None)
+def compiled_affine_quantize(group_size: int, bits: int, side_dtype: mx.Dtype):
+    """affine_quantize for one setting, through mx.compile: its ~25 elementwise ops (min/max,
+    rounding, the bit-stream packing) fuse into a few kernels. On the H200 the unfused ops took
+    0.72 ms per 2048-token prefill chunk of one layer (K and V), a third of the gap between
+    kivi's and the fp16 cache's prefill; the codes are bit-identical (tests check it)."""
+    return mx.compile(lambda x: affine_quantize(x, group_size, bits, side_dtype))
 
 
 def _tokens_per_word(bits: int):
@@ -159,8 +169,8 @@ class KIVICache(CompressedKVCache):
 
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
         G, side = self.group_size, self._side_dtype()
-        key_codes, key_scales, key_biases = affine_quantize(keys.swapaxes(-1, -2), G, self.key_bits, side)
-        value_codes, value_scales, value_biases = affine_quantize(values, G, self.value_bits, side)
+        key_codes, key_scales, key_biases = compiled_affine_quantize(G, self.key_bits, side)(keys.swapaxes(-1, -2))
+        value_codes, value_scales, value_biases = compiled_affine_quantize(G, self.value_bits, side)(values)
         return {
             "key_codes": key_codes,
             "key_scales": key_scales,
