@@ -52,12 +52,6 @@ template <> __device__ __forceinline__ float vq_cast<float>(float x) { return x;
 template <> __device__ __forceinline__ __half vq_cast<__half>(float x) { return __float2half(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 vq_cast<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 
-// A code (< 2^23) as a float without I2F, a quarter-rate instruction on sm_90 that bounded the
-// kernel: OR it into the mantissa of 2^23, then subtract 2^23 (both exact).
-__device__ __forceinline__ float vq_code(unsigned c) {
-  return __int_as_float(0x4B000000u | c) - 8388608.f;
-}
-
 __device__ __forceinline__ float vq_warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
@@ -134,14 +128,11 @@ _PARTIALS = r"""
   const QT* wv_bh = wv + (size_t)bh * n_window * DV;
   float* p_tile = ps[warp];
 
-  // acc: sum p * scale * code per channel; zacc: sum p * zero (a lane's channels share one
-  // group, so one zero point per token serves all of them: one FMA per element fewer).
-  float m[R], l[R], acc[R][CPL], zacc[R];
+  float m[R], l[R], acc[R][CPL];
   #pragma unroll
   for (int r = 0; r < R; ++r) {
     m[r] = neg_inf;
     l[r] = 0.f;
-    zacc[r] = 0.f;
     #pragma unroll
     for (int c = 0; c < CPL; ++c) acc[r][c] = 0.f;
   }
@@ -184,7 +175,7 @@ _PARTIALS = r"""
         for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
         #pragma unroll
         for (int i = 0; i < TPL; ++i) {
-          const float kv = fmaf(sc, vq_code((w >> (i * KB)) & ((1u << KB) - 1u)), zp);
+          const float kv = fmaf(sc, (float)((w >> (i * KB)) & ((1u << KB) - 1u)), zp);
           #pragma unroll
           for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
         }
@@ -213,7 +204,6 @@ _PARTIALS = r"""
       l[r] = l[r] * alpha + vq_warp_sum(sum);
       #pragma unroll
       for (int c = 0; c < CPL; ++c) acc[r][c] *= alpha;
-      zacc[r] *= alpha;
       m[r] = m_new;
     }
     __syncwarp();
@@ -248,16 +238,13 @@ _PARTIALS = r"""
           const int j = (b0 + k) * TPR + tl;
           float pj[R];
           #pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const float p = p_tile[j * R + r];
-            pj[r] = p * sc[k];
-            zacc[r] = fmaf(p, zp[k], zacc[r]);
-          }
+          for (int r = 0; r < R; ++r) pj[r] = p_tile[j * R + r];
           #pragma unroll
           for (int c = 0; c < CPL; ++c) {
-            const float code = vq_code((words[k][(c * VB) >> 5] >> ((c * VB) & 31)) & ((1u << VB) - 1u));
+            const unsigned code = (words[k][(c * VB) >> 5] >> ((c * VB) & 31)) & ((1u << VB) - 1u);
+            const float v = fmaf(sc[k], (float)code, zp[k]);
             #pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], code, acc[r][c]);
+            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
           }
         }
       }
@@ -270,7 +257,6 @@ _PARTIALS = r"""
   for (int r = 0; r < R; ++r) {
     #pragma unroll
     for (int c = 0; c < CPL; ++c) {
-      acc[r][c] += zacc[r];
       #pragma unroll
       for (int o = LPT; o < 32; o <<= 1) acc[r][c] += __shfl_xor_sync(0xffffffffu, acc[r][c], o);
     }
