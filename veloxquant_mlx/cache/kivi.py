@@ -17,10 +17,27 @@ What the paper does and what this cache stores:
   False) and out = quantized_matmul(p, V codes, transpose=False), the two products the paper's
   fused kernels compute, plus exact attention over the window, under one softmax (the base).
 
+- The first token of the sequence (the attention sink, `exact_sink_tokens`) is kept exact
+  beside the store, (B, H, 1, D) in the input dtype; see the deviations.
+
 Bits: `bit_width_inlier` (2, 3, 4 or 8; per layer from a list), or `key_bits` / `value_bits`
 when set, so keys and values can get different widths.
 
 Deviations from the paper:
+- The attention sink is exact (not in the paper; StreamingLLM, KVQuant and our turboquant_rvq
+  do the same). Token 0 receives most of the attention mass and its key is an outlier; per
+  channel quantization in groups of G tokens let it widen the range of every channel's first
+  group, so tokens 0..G-1 all erred. Now, when the first group is encoded, token 0's exact K/V
+  are set aside and the group quantizes a copy of token 1 in its place; attention scores
+  column 0 with the exact key and weighs the exact value there (the placeholder codes are
+  never read), under the same one softmax; `_decode` returns the exact token 0, and the CUDA
+  decode kernels are told to skip column 0 and attend the exact sink like the window
+  (fused_decode.decode_step's skip / exact_prefix). On SmolLM2 (DESIGN.md protocol,
+  results/kivi_quality.json -> results/kivi_quality_sink.json) kivi-2 went from KL 0.105 /
+  top-1 83.6% / PPL 17.43 to KL 0.059 / top-1 87.5% / PPL 17.02 (fp16 cache: 16.52), and
+  kivi-4 from KL 0.0024 / 97.1% to 0.0007 / 98.4%, for 2 x head_dim input-dtype values per
+  kv head and layer (nbytes counts them; bits_per_element does not, like the window).
+  Trimming into the first group decodes it (the exact sink included) back into the window.
 - Scales and biases are stored in float16 (bfloat16 for a bfloat16 model) even when the model
   runs in float32: this halves the side data (1 bit per element instead of 2 at group 32) and its
   rounding error (~5e-4 relative) is far below the 2-bit quantization error.
