@@ -103,10 +103,12 @@ def test_nbytes_is_the_arrays_held_and_matches_the_accounting():
     cache.attention(mx.zeros((1, 9, 1, 64), mx.float16), scale=1.0)  # flushes the window
     held = sum(a.nbytes for a in cache.store.values())
     held += cache.window_keys.nbytes + cache.window_values.nbytes
-    assert cache.nbytes == held
+    sink = cache.sink_keys.nbytes + cache.sink_values.nbytes
+    assert sink == 2 * 3 * 64 * 2  # one exact fp16 token of K and V per head
+    assert cache.nbytes == held + sink
     elements = 2 * 3 * 64  # K and V per token
     expected = cache.capacity * elements * cache.bits_per_element() / 8
-    expected += cache.window_keys.nbytes + cache.window_values.nbytes
+    expected += cache.window_keys.nbytes + cache.window_values.nbytes + sink
     assert abs(cache.nbytes - expected) <= 0.1 * expected
     fp16 = 2 * 4096 * elements
     assert cache.nbytes <= 0.23 * fp16

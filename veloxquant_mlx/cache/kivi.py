@@ -17,10 +17,32 @@ What the paper does and what this cache stores:
   False) and out = quantized_matmul(p, V codes, transpose=False), the two products the paper's
   fused kernels compute, plus exact attention over the window, under one softmax (the base).
 
+- The first token of the sequence (the attention sink, `exact_sink_tokens`) is kept exact
+  beside the store, (B, H, 1, D) in the input dtype; see the deviations.
+
 Bits: `bit_width_inlier` (2, 3, 4 or 8; per layer from a list), or `key_bits` / `value_bits`
 when set, so keys and values can get different widths.
 
 Deviations from the paper:
+- The attention sink is exact (not in the paper; StreamingLLM, KVQuant and our turboquant_rvq
+  do the same). Token 0 receives most of the attention mass and its key is an outlier; per
+  channel quantization in groups of G tokens let it widen the range of every channel's first
+  group, so tokens 0..G-1 all erred. Now, when the first group is encoded, token 0's exact K/V
+  are set aside and the group quantizes a copy of token 1 in its place; attention scores
+  column 0 with the exact key and weighs the exact value there (the placeholder codes are
+  never read), under the same one softmax; `_decode` returns the exact token 0, and the CUDA
+  decode kernels are told to skip column 0 and attend the exact sink like the window
+  (fused_decode.decode_step's skip / exact_prefix). On SmolLM2 (DESIGN.md protocol,
+  results/kivi_quality.json -> results/kivi_quality_sink.json) kivi-2 went from KL 0.105 /
+  top-1 83.6% / PPL 17.43 to KL 0.059 / top-1 87.5% / PPL 17.02 (fp16 cache: 16.52), and
+  kivi-4 from KL 0.0024 / 97.1% to 0.0007 / 98.4%, for 2 x head_dim input-dtype values per
+  kv head and layer (nbytes counts them; bits_per_element does not, like the window).
+  What is left at 2 bits is mostly the keys': with the sink, 4-bit keys and 2-bit values give
+  KL 0.0049 / top-1 96.4%, 2-bit keys and 4-bit values 0.0445 / 88.8%
+  (results/kivi_quality_sink_split.json). Cost on the CPU: one layer's decode step at 4096
+  tokens (SmolLM2's shape, fp32) took 2.44-2.51 ms median against 2.39-2.49 ms without the
+  sink (+1-2%; two interleaved runs, loaded 2-core VM). Trimming into the first group decodes
+  it (the exact sink included) back into the window; it is set aside again when re-encoded.
 - Scales and biases are stored in float16 (bfloat16 for a bfloat16 model) even when the model
   runs in float32: this halves the side data (1 bit per element instead of 2 at group 32) and its
   rounding error (~5e-4 relative) is far below the 2-bit quantization error.
@@ -45,6 +67,7 @@ Deviations from the paper:
 
 from __future__ import annotations
 
+import json
 from fractions import Fraction
 from functools import lru_cache
 
@@ -120,6 +143,12 @@ def _tokens_per_word(bits: int):
 
 class KIVICache(CompressedKVCache):
     method = "kivi"
+    # The first tokens of the sequence (the attention sink) are kept exact beside the store and
+    # attended in place of their compressed columns, which hold a copy of the next token so
+    # that they do not widen group 0's per-channel key range. 0 turns it off (the cache as it
+    # was before: same numbers, results/kivi_quality_nosink_split.json). A class attribute, not
+    # a config field: only 1 and 0 were measured, and a field would change every schema.
+    exact_sink_tokens = 1
 
     def _setup(self) -> None:
         config = self.config
@@ -128,6 +157,10 @@ class KIVICache(CompressedKVCache):
         self.value_bits = config.value_bits if config.value_bits is not None else bits
         self.group_size = config.kivi_group_size
         self._residual_length = config.kivi_residual_length
+        if not hasattr(self, "sink_keys"):
+            # The exact sink, (B, H, S, D) / (B, H, S, Dv) in the input dtype; None until the
+            # first group is encoded (and for states written before the sink was kept).
+            self.sink_keys = self.sink_values = None
         # NB: never name an attribute `bits`: mlx-lm's scaled_dot_product_attention treats any
         # cache with `bits` as its own QuantizedKVCache.
 
@@ -168,6 +201,9 @@ class KIVICache(CompressedKVCache):
         ]
 
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        if self.n_compressed == 0:
+            # This block starts the sequence: set its sink aside, exact.
+            keys, values = self._set_sink_aside(keys, values)
         G, side = self.group_size, self._side_dtype()
         key_codes, key_scales, key_biases = compiled_affine_quantize(G, self.key_bits, side)(keys.swapaxes(-1, -2))
         value_codes, value_scales, value_biases = compiled_affine_quantize(G, self.value_bits, side)(values)
@@ -198,32 +234,133 @@ class KIVICache(CompressedKVCache):
             group_size=G,
             bits=self.value_bits,
         )
-        return keys_t.swapaxes(-1, -2), values
+        keys = keys_t.swapaxes(-1, -2)
+        if self.sink_keys is None:
+            return keys, values
+        S = self._sink_length()
+        return (
+            mx.concatenate([self.sink_keys.astype(dtype), keys[:, :, S:]], axis=2),
+            mx.concatenate([self.sink_values.astype(dtype), values[:, :, S:]], axis=2),
+        )
+
+    # ---- the exact sink -----------------------------------------------------------------------
+    def _sink_length(self) -> int:
+        return 0 if self.sink_keys is None else self.sink_keys.shape[2]
+
+    def _set_sink_aside(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Keep the block's first exact_sink_tokens tokens exact (a copy, not a view of the
+        chunk) and return the block with each of them replaced by the first token after the
+        sink, for quantization only: the copy adds nothing to any group's range, so group 0
+        quantizes like any other group. The compressed columns [0, S) are never read."""
+        S = min(self.exact_sink_tokens, keys.shape[2] - 1)
+        if S <= 0:
+            self.sink_keys = self.sink_values = None
+            return keys, values
+        self.sink_keys = mx.contiguous(keys[:, :, :S])
+        self.sink_values = mx.contiguous(values[:, :, :S])
+
+        def fill(x):
+            return mx.concatenate([mx.repeat(x[:, :, S : S + 1], S, axis=2), x[:, :, S:]], axis=2)
+
+        return fill(keys), fill(values)
 
     def _scores(self, q: mx.array) -> mx.array:
         s = self.store
-        return mx.quantized_matmul(
+        scores = mx.quantized_matmul(
             q, s["key_codes"], s["key_scales"], s["key_biases"],
             transpose=False, group_size=self.group_size, bits=self.key_bits,
         )
+        if self.sink_keys is None:
+            return scores
+        # Columns [0, S) are the sink's: its exact scores replace those of the placeholder codes.
+        S = self._sink_length()
+        sink = (q @ self.sink_keys.astype(q.dtype).swapaxes(-1, -2)).astype(scores.dtype)
+        return mx.concatenate([sink, scores[..., S:]], axis=-1)
 
     def _weighted_values(self, p: mx.array) -> mx.array:
         s = self.store
-        return quantized_weighted_sum(
+        S = self._sink_length()
+        if S:
+            # The sink's probabilities weigh its exact values, not the placeholder codes.
+            sink_p, p = p[..., :S], mx.concatenate([mx.zeros_like(p[..., :S]), p[..., S:]], axis=-1)
+        out = quantized_weighted_sum(
             p, s["value_codes"], s["value_scales"], s["value_biases"],
             group_size=self.group_size, bits=self.value_bits,
         )
+        if not S:
+            return out
+        return out + (sink_p @ self.sink_values.astype(sink_p.dtype)).astype(out.dtype)
 
     def _fused_decode(self, queries: mx.array, scale: float):
+        if not fused_decode.kernels_enabled():
+            # decode_step checks this gate too; checked here first so that the CPU and Metal
+            # never reach the call below, whose skip / exact_prefix keywords need the
+            # decode_step of fused_decode.py that takes them (a TypeError before it).
+            return None
         s = self.store
+        # The kernels skip the sink's placeholder columns and attend its exact K/V like the window.
+        sink = None if self.sink_keys is None else (self.sink_keys, self.sink_values)
         return fused_decode.decode_step(
             self, queries, scale,
             lambda: (s["key_codes"], s["key_scales"], s["key_biases"],
                      s["value_codes"], s["value_scales"], s["value_biases"]),
             group_size=self.group_size, key_bits=self.key_bits, value_bits=self.value_bits,
+            skip=self._sink_length(), exact_prefix=sink,
         )
 
     def bits_per_element(self) -> float:
-        # codes plus a 16-bit scale and a 16-bit bias per group, averaged over keys and values
+        """Stored bits per cached K/V element of the compressed history: codes plus a 16-bit
+        scale and a 16-bit bias per group, averaged over keys and values. The exact window and
+        the exact sink (exact_sink_tokens tokens in the input dtype, which nbytes counts) are
+        not included; the sink's placeholder codes are (they fill whole groups)."""
         side = 2 * 16 / self.group_size
         return (self.key_bits + self.value_bits) / 2 + side
+
+    @property
+    def nbytes(self) -> int:
+        sink = 0 if self.sink_keys is None else self.sink_keys.nbytes + self.sink_values.nbytes
+        return super().nbytes + sink
+
+    def trim(self, n: int) -> int:
+        # Trimming into the first group decodes it (the exact sink included) back into the exact
+        # window; the sink is then set aside again when that group is encoded anew.
+        trimmed = super().trim(n)
+        if self.n_compressed == 0:
+            self.sink_keys = self.sink_values = None
+        return trimmed
+
+    @property
+    def state(self):
+        return (*CompressedKVCache.state.fget(self), self.sink_keys, self.sink_values)
+
+    @state.setter
+    def state(self, v):
+        # (meta, window_keys, window_values, *arrays, sink_keys, sink_values); states written
+        # before the sink was kept end at the arrays: they load without a sink, and attend
+        # exactly as they did (their column 0 holds token 0's own codes).
+        try:
+            n_arrays = len(json.loads(v[0])["store"])
+        except (TypeError, ValueError, KeyError, IndexError):
+            n_arrays = None
+        extra = None if n_arrays is None else len(v) - 3 - n_arrays
+        if not isinstance(v, (list, tuple)) or extra not in (0, 2):
+            raise QuantizerConfigError(
+                "KIVICache state must be (meta, window_keys, window_values, *arrays, sink_keys, "
+                "sink_values), or without the two sink entries (states written before the exact "
+                f"sink); got {len(v) if isinstance(v, (list, tuple)) else type(v).__name__} entries"
+            )
+        CompressedKVCache.state.fset(self, v[: 3 + n_arrays])
+        sink = tuple(v[3 + n_arrays :]) or (None, None)
+        if (sink[0] is None) != (sink[1] is None):
+            raise QuantizerConfigError("KIVICache state: sink_keys and sink_values must both be arrays or both None")
+        if sink[0] is not None:
+            S = sink[0].shape[2] if sink[0].ndim == 4 else -1
+            expected_k = (self.batch_size, self.n_kv_heads, S, self.head_dim)
+            expected_v = (self.batch_size, self.n_kv_heads, S, self.value_dim)
+            if S < 1 or S > self.n_compressed or sink[0].shape != expected_k or sink[1].shape != expected_v:
+                raise QuantizerConfigError(
+                    f"KIVICache state: sink shapes {sink[0].shape} / {sink[1].shape} do not fit "
+                    f"the cache: allowed is (batch, kv_heads, S, head_dim) = {expected_k} / "
+                    f"value dim {self.value_dim}, with 1 <= S <= n_compressed={self.n_compressed}"
+                )
+        self.sink_keys, self.sink_values = sink
