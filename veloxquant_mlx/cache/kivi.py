@@ -292,11 +292,6 @@ class KIVICache(CompressedKVCache):
         return out + (sink_p @ self.sink_values.astype(sink_p.dtype)).astype(out.dtype)
 
     def _fused_decode(self, queries: mx.array, scale: float):
-        if not fused_decode.kernels_enabled():
-            # decode_step checks this gate too; checked here first so that the CPU and Metal
-            # never reach the call below, whose skip / exact_prefix keywords need the
-            # decode_step of fused_decode.py that takes them (a TypeError before it).
-            return None
         s = self.store
         # The kernels skip the sink's placeholder columns and attend its exact K/V like the window.
         sink = None if self.sink_keys is None else (self.sink_keys, self.sink_values)
