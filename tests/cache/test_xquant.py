@@ -145,3 +145,15 @@ def test_share_from_limits_sharing_and_the_fit_beats_min_max():
     ours_err = mx.sum((fk.astype(mx.float32) - k.astype(mx.float32)) ** 2).item()
     paper_err = mx.sum((paper - k.astype(mx.float32)) ** 2).item()
     assert ours_err <= paper_err * 1.01
+
+
+@pytest.mark.parametrize("bits, eta", [(2, 0.05), (3, 0.0), (4, 0.0)])
+def test_compiled_encoders_are_bit_identical_to_the_plain_ones(bits, eta):
+    from veloxquant_mlx.cache.xquant import fit_to_codes, fit_to_codes_fused, quantize_groups, quantize_groups_fused
+
+    groups = (mx.random.normal((1, 2, 8, 3, 32), key=mx.random.key(bits)) * 2).astype(mx.bfloat16)
+    for a, b in zip(quantize_groups(groups, bits, eta), quantize_groups_fused(groups, bits, eta)):
+        assert a.dtype == b.dtype and mx.array_equal(a, b).item()
+    codes = mx.random.randint(0, 1 << bits, groups.shape, key=mx.random.key(7)).astype(mx.float32)
+    for a, b in zip(fit_to_codes(groups, codes), fit_to_codes_fused(groups, codes)):
+        assert a.dtype == b.dtype and mx.array_equal(a, b).item()
