@@ -16,7 +16,8 @@ What it stores: from layer ceil(minicache_start_fraction * n_layers) on, layers 
     most `minicache_retain_slots` such tokens (the least similar first), stored as exact
     vectors plus their int32 positions (-1 for an unused slot).
 Layers below the start and an unpaired last layer keep their exact KV (no compression, as in the
-paper's shallow layers).
+paper's shallow layers), in a buffer grown in place and read by the fused attention, as mlx-lm's
+KVCache does (cache/growing_window.py: appending to the base's window copied it whole per step).
 
 Order within a forward pass: layer l calls update_and_fetch and attention before layer l+1, so
 the lower layer cannot merge on its own: it keeps its new tokens in its exact window until the
@@ -58,6 +59,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
+from veloxquant_mlx.cache.growing_window import GrowingWindowMixin
 from veloxquant_mlx.errors import QuantizerConfigError
 
 BLOCK = 32
@@ -96,12 +98,28 @@ def slerp_merge(x_lower: mx.array, x_upper: mx.array):
     return merged, mag_lower, mag_upper, cos
 
 
-class MiniCacheCache(CrossLayerMixin, CompressedKVCache):
+class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
     method = "minicache"
 
     def __init__(self, config, layer_index: int = 0, n_layers: int = 1, coordinator=None):
         super().__init__(config, layer_index, n_layers)
         self._attach(coordinator)
+
+    # ---- plain layers: the whole history exact, kept like mlx-lm's KVCache -------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.role != "plain":
+            return super().update_and_fetch(keys, values)
+        # Never compressed: written in place into a growing buffer (growing_window.py), not
+        # concatenated to the window (a copy of the whole history per step).
+        self._validate_input(keys, values)
+        self._append_in_place(keys, values)
+        self.offset += keys.shape[2]
+        return self.window_keys, self.window_values
+
+    def attention(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
+        if self.role == "plain" and sinks is None and not isinstance(mask, mx.array):
+            return self._attend_whole_window(queries, scale, mask)
+        return super().attention(queries, scale, mask, sinks)
 
     def _setup(self) -> None:
         cfg = self.config
