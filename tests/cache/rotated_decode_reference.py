@@ -9,9 +9,10 @@ tests can check it against the portable turboquant_rvq attention:
   * scores of compressed tokens in the kernel's form: per stage-1 group
     scale * (q_rot . codes) + zero * sum(q_rot), plus a (2 q_rot . bits - sum q_rot), plus the
     bias q . key_mean; the sink's codes skipped;
-  * partials (m, l, o) per block of `split` tokens, o in the rotated value basis; the exact
-    block (sink, then window) against the unrotated query, its o rotated at the end;
-  * the merge of fused_decode's kernel 2, then one unrotation.
+  * partials (m, l, o) per block of `split` tokens, o summed in the rotated value basis and
+    rotated back at the block's end; the exact block (sink, then window) against the
+    unrotated query, in the original basis throughout;
+  * the merge of fused_decode's kernel 2.
 """
 
 from __future__ import annotations
@@ -142,20 +143,18 @@ def reference_step(cache, queries: mx.array, scale: float, split: int) -> np.nda
     parts = []
     for start in range(n_sink, n_valid, split):
         stop = min(start + split, n_valid)
-        parts.append(_partial(scores[..., start:stop], values[:, :, start:stop]))
-    # The exact block: sink then window, unrotated query, o rotated at the end.
+        m, l, o_rot = _partial(scores[..., start:stop], values[:, :, start:stop])
+        o = np.array(unrotate(mx.array(o_rot.astype(np.float32)), cache._signs[1]), dtype=np.float64)
+        parts.append((m, l, o))
+    # The exact block: sink then window, unrotated query, original basis.
     ek = _np(cache.window_keys.astype(queries.dtype))
     ev = _np(cache.window_values.astype(queries.dtype))
     if sink is not None:
         ek = np.concatenate([_np(sink[0]), ek], axis=2)
         ev = np.concatenate([_np(sink[1]), ev], axis=2)
-    m_e, l_e, o_e = _partial(qx @ ek.swapaxes(-1, -2), ev)
-    o_e = np.array(rotate(mx.array(o_e.astype(np.float32)), cache._signs[1]), dtype=np.float64)
-    parts.append((m_e, l_e, o_e))
+    parts.append(_partial(qx @ ek.swapaxes(-1, -2), ev))
 
     top = np.max([m for m, _, _ in parts], axis=0)
     num = sum(np.exp(m - top)[..., None] * o for m, _, o in parts)
     den = sum(np.exp(m - top) * l for m, l, _ in parts)
-    out_rot = (num / den[..., None]).astype(np.float32)
-    out = unrotate(mx.array(out_rot), cache._signs[1])
-    return np.array(out, dtype=np.float64).reshape(B, n_q_heads, 1, -1)
+    return (num / den[..., None]).reshape(B, n_q_heads, 1, -1)

@@ -219,8 +219,10 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, bits, sink, dt
     for step in range(3):  # windows of different lengths
         q_heads = _step(cache, seed=20 + step, **shape)
         monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
-        # The window stays under residual + block tokens: neither call flushes.
-        portable = cache.attention(q_heads, scale=D**-0.5).astype(mx.float32)
+        # The portable step with a float32 query computes in float32 throughout (the kernel
+        # does too, from bf16/fp16 inputs); the window stays under residual + block tokens, so
+        # neither call flushes.
+        portable = cache.attention(q_heads.astype(mx.float32), scale=D**-0.5)
         monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
         calls = []
         kernel = fdr.rotated_decode_attention
@@ -231,7 +233,7 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, bits, sink, dt
         assert fused.dtype == dtype and fused.shape == q_heads.shape
         fused = fused.astype(mx.float32)
         err = mx.abs(fused - portable)
-        tol = 3e-2 if dtype == mx.bfloat16 else 3e-3
+        tol = {mx.bfloat16: 1.5e-2, mx.float16: 3e-3, mx.float32: 1e-4}[dtype]  # output rounding
         worst = int(mx.argmax(err.reshape(-1)).item())
         assert mx.allclose(fused, portable, atol=tol, rtol=tol).item(), (
             f"{name} step {step}: max |diff| {err.max().item():.4g} at flat index {worst} "
@@ -248,7 +250,7 @@ def test_kernel_with_many_tiles_per_warp_matches_the_portable_step(monkeypatch):
     cache = _filled(_cache(bits=4), 3000, **shape)
     q_heads = _step(cache, **shape)
     monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
-    portable = cache.attention(q_heads, scale=128**-0.5).astype(mx.float32)
+    portable = cache.attention(q_heads.astype(mx.float32), scale=128**-0.5)
     monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
     fused = cache.attention(q_heads, scale=128**-0.5).astype(mx.float32)
-    assert mx.allclose(fused, portable, atol=3e-2, rtol=3e-2).item(), mx.abs(fused - portable).max().item()
+    assert mx.allclose(fused, portable, atol=1.5e-2, rtol=1.5e-2).item(), mx.abs(fused - portable).max().item()

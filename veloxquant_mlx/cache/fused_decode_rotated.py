@@ -4,10 +4,10 @@ Why: on MLX's CUDA backend a turboquant_rvq decode step ran as ~20 small ops per
 rotation, one quantized_matmul per stage for the scores and again for the values, sign-plane
 widening, the key-mean bias, the sink correction, concatenations, softmax, unrotation) and
 decoded at 0.29x the fp16 cache's tokens/s on the H200 (issue 5). This kernel reads every
-token's packed codes once and produces flash-decoding partials (m, l, o) per block of tokens;
-fused_decode.py's merge kernel (imported, unchanged) combines them; one unrotation of the output
-row follows. Per layer and step: partials, merge, unrotate (mx.hadamard_transform or its matmul
-fallback), a cast: 4-5 ops instead of ~20.
+token's packed codes once and produces flash-decoding partials (m, l, o) per block of tokens,
+each block's o already rotated back to the original basis; fused_decode.py's merge kernel
+(imported, unchanged) combines them into the output row. Per layer and step: 2 kernels instead
+of ~20 ops.
 
 What one compressed token holds (turboquant_rvq.py; per token, along the channel axis, in the
 rotated basis y = H (s * x) / sqrt(d), keys centered by the cache's key mean first):
@@ -26,18 +26,19 @@ The algorithm (tests/cache/rotated_decode_reference.py states it in MLX ops for 
     y1's contribution is summed per group as scale * sum(q_rot * code) + zero * sum_group(q_rot),
     y2's as a * (2 sum_{bit=1} q_rot - sum q_rot), so each channel costs one FMA per row and
     stage plus the code extraction;
-  * values accumulate in the rotated basis: o = sum_t p_t (y1_t + y2_t);
+  * values accumulate in the rotated basis, o = sum_t p_t (y1_t + y2_t), and each history
+    block rotates its o back at its end, s * (H o) / sqrt(DV) (butterflies over R x DV floats
+    in shared memory): the merge is linear in o, so unrotating every partial before it equals
+    unrotating the merged row, and it saves the 2-3 ops per layer an MLX unrotation would cost;
   * the exact tokens (the attention sink's exact K/V, then the window) form the last block.
     They are scored against the UNROTATED query (no bias: they are not centered) and their
-    values accumulate unrotated; that block's o is rotated once at the end (butterflies over
-    R x DV floats in shared memory) so every partial is in the rotated basis. Why not rotate
-    the window's K/V per step in MLX: that costs 4 more ops per layer and step (two transforms,
-    two sign products), which is what this kernel removes; in the kernel it is one transform
-    of R x DV numbers per step;
+    values accumulate unrotated, so that block needs no rotation at all. Why not rotate the
+    window's K/V per step in MLX instead: 4 more ops per layer and step (two transforms, two
+    sign products), which is what this kernel removes;
   * the sink: compressed token 0 (its codes stay in the store) is skipped, and the exact sink
     (decoded token 0 + the cache's float32 deltas, derived once and kept on the cache) is
     attended as an exact token, which is what the portable path's correction computes;
-  * merge (fused_decode's kernel 2) -> rotated output row, unrotated once with value signs.
+  * merge (fused_decode's kernel 2) -> the output row in the queries' dtype.
 
 Work split of the partials kernel: blocks of 4 warps per (batch * kv head, range of tokens),
 the last block per head over the exact tokens. A warp walks tiles of 32 tokens:
@@ -64,7 +65,6 @@ import mlx.core as mx
 import numpy as np
 
 from veloxquant_mlx.cache import fused_decode
-from veloxquant_mlx.cache.hadamard import unrotate
 from veloxquant_mlx.errors import QuantizerConfigError
 
 TILE = 32  # tokens per warp tile: one per lane when scoring
@@ -167,18 +167,31 @@ _PARTIALS = r"""
   }
   for (int i = threadIdx.x; i < R * D; i += 32 * NW) qr[i] *= rsqrtf((float)D);
   __syncthreads();
-  if (threadIdx.x < R) {
-    const int r = threadIdx.x;
-    float total = 0.f, b = 0.f;
-    for (int g = 0; g < KGN; ++g) {
-      float sum = 0.f;
-      for (int d = g * KG1; d < (g + 1) * KG1; ++d) sum += qr[d * R + r];
-      qg[g * R + r] = sum;
-      total += sum;
+  // Per row (one warp per row, lanes over channels): the group sums of the rotated query,
+  // their total, and the bias q . key_mean.
+  for (int r = warp; r < R; r += NW) {
+    float gsum[KGN];
+    float b = 0.f;
+    #pragma unroll
+    for (int g = 0; g < KGN; ++g) gsum[g] = 0.f;
+    #pragma unroll
+    for (int d0 = 0; d0 < D; d0 += 32) {
+      const int d = d0 + lane;
+      gsum[d0 / KG1] += qr[d * R + r];
+      b = fmaf(qx[d * R + r], vq_f32(kmean[(size_t)bh * D + d]), b);
     }
-    for (int d = 0; d < D; ++d) b = fmaf(qx[d * R + r], vq_f32(kmean[(size_t)bh * D + d]), b);
-    qt[r] = total;
-    bias[r] = b;
+    float total = 0.f;
+    #pragma unroll
+    for (int g = 0; g < KGN; ++g) {
+      gsum[g] = vq_warp_sum(gsum[g]);
+      total += gsum[g];
+      if (lane == 0) qg[g * R + r] = gsum[g];
+    }
+    b = vq_warp_sum(b);
+    if (lane == 0) {
+      qt[r] = total;
+      bias[r] = b;
+    }
   }
   __syncthreads();
 
@@ -207,6 +220,7 @@ _PARTIALS = r"""
     if (exact) {
       if (t < n_sink) {
         const float* krow = sk + ((size_t)bh * n_sink + t) * D;
+        #pragma unroll 16
         for (int d = 0; d < D; ++d) {
           const float kv = krow[d];
           #pragma unroll
@@ -214,6 +228,7 @@ _PARTIALS = r"""
         }
       } else {
         const QT* krow = wk + ((size_t)bh * n_window + (t - n_sink)) * D;
+        #pragma unroll 16  // loads in flight: the exact block is one per head, little else hides latency
         for (int d = 0; d < D; ++d) {
           const float kv = vq_f32(krow[d]);
           #pragma unroll
@@ -404,11 +419,10 @@ _PARTIALS = r"""
       part_l[out_row + r] = den;
     }
   }
-  if (exact) {
-    // The exact block's o is in the original basis: rotate it like the stored values,
-    // H (s * o) / sqrt(DV), so the merge adds partials of one basis.
-    __syncthreads();
-    for (int i = threadIdx.x; i < R * DV; i += 32 * NW) ps[0][i] *= vsg[i % DV];
+  if (!exact) {
+    // A history block's o is in the values' rotated basis: rotate it back, s * (H o) / sqrt(DV)
+    // (the merge is linear in o, so every partial can be unrotated before it; the merge then
+    // writes the final row, and the exact block's o is already in the original basis).
     __syncthreads();
     for (int h = 1; h < DV; h <<= 1) {
       for (int i = threadIdx.x; i < R * DV / 2; i += 32 * NW) {
@@ -420,7 +434,7 @@ _PARTIALS = r"""
       }
       __syncthreads();
     }
-    for (int i = threadIdx.x; i < R * DV; i += 32 * NW) ps[0][i] *= rsqrtf((float)DV);
+    for (int i = threadIdx.x; i < R * DV; i += 32 * NW) ps[0][i] *= vsg[i % DV] * rsqrtf((float)DV);
   }
   __syncthreads();
   for (int i = threadIdx.x; i < R * DV; i += 32 * NW) part_o[out_row * DV + i] = ps[0][i];
@@ -586,13 +600,12 @@ def rotated_decode_attention(
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     merge = fused_decode._kernels()[1]
-    (out_rot,) = merge(
+    (out,) = merge(
         inputs=[part_o, part_m, part_l],
-        template=[("DV", DV), ("MAX_BLOCKS", fused_decode.MAX_BLOCKS), ("QT", mx.float32)],
+        template=[("DV", DV), ("MAX_BLOCKS", fused_decode.MAX_BLOCKS), ("QT", dtype)],
         grid=(DV, BH * R, 1),
         threadgroup=(DV, 1, 1),
         output_shapes=[(B, n_q_heads, 1, DV)],
-        output_dtypes=[mx.float32],
+        output_dtypes=[dtype],
     )
-    # The merged row is in the values' rotated basis: rotate it back once, in float32.
-    return unrotate(out_rot, value_signs).astype(dtype)
+    return out
