@@ -6,9 +6,9 @@ tests can check it against the portable turboquant_rvq attention:
   * the codes are read the way the kernel reads them: keys in chunks of 32 channels (B words per
     chunk, code j at bit j * B, straddling words at 3 bits), values per lane of 16 channels
     (the lane's words re-aligned with a funnel shift, half a sign word);
-  * scores of compressed tokens in the kernel's form: per stage-1 group
-    scale * (q_rot . codes) + zero * sum(q_rot), plus a (2 q_rot . bits - sum q_rot), plus the
-    bias q . key_mean; the sink's codes skipped;
+  * scores of compressed tokens in the kernel's form: per channel y = scale * code + (zero + a
+    or zero - a by the sign bit), scores q_rot . y plus the bias q . key_mean; the sink's codes
+    skipped;
   * partials (m, l, o) per block of `split` tokens, o summed in the rotated value basis and
     rotated back at the block's end; the exact block (sink, then window) against the
     unrotated query, in the original basis throughout;
@@ -99,21 +99,16 @@ def rotated_values(cache, stores) -> np.ndarray:
 
 
 def compressed_scores(cache, q_rot: np.ndarray, bias: np.ndarray, stores) -> np.ndarray:
-    """(B, H, R, cap) scores in the kernel's per-group form."""
+    """(B, H, R, cap) scores as the kernel forms them: y = scale * code + (zero +- a)."""
     kb1 = cache.key_bits - 1
     d = cache.head_dim
     kc1, ks1, kz1, kc2, km2 = stores[:5]
-    bits = sign_bits(np.array(kc2), d)
-    a2 = _np(km2)[..., 0]  # (B, H, cap)
-    s = a2[:, :, None, :] * (2 * q_rot @ bits.swapaxes(-1, -2) - q_rot.sum(-1)[..., None])
+    a2 = _np(km2)  # (B, H, cap, 1)
+    y = np.where(sign_bits(np.array(kc2), d) > 0, a2, -a2)
     if kb1:
-        group = d if kb1 == 1 else cache._group(d)
         codes, sc, zp = _stage1(kc1, ks1, kz1, kb1, d, cache._group(d), key_codes)
-        for g in range(d // group):
-            cut = slice(g * group, (g + 1) * group)
-            dot = q_rot[..., cut] @ codes[..., cut].swapaxes(-1, -2)  # (B, H, R, cap)
-            s = s + sc[..., g * group][:, :, None, :] * dot + zp[..., g * group][:, :, None, :] * q_rot[..., cut].sum(-1)[..., None]
-    return s + bias
+        y = sc * codes + (zp + y)
+    return q_rot @ y.swapaxes(-1, -2) + bias
 
 
 def _partial(scores: np.ndarray, values: np.ndarray):
