@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.cache import rotated_decode_reference as ref
+from tests.cache import cuda_emulation, rotated_decode_reference as ref
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import fused_decode, fused_decode_rotated as fdr
 from veloxquant_mlx.cache.turboquant_rvq import TurboQuantRVQCache
@@ -126,6 +126,56 @@ def test_codes_are_read_as_the_encoder_wrote_them():
     from veloxquant_mlx.cache.packing import pack_codes
     signs = mx.random.uniform(shape=(3, 128)) > 0.5
     assert np.array_equal(ref.sign_bits(np.array(pack_codes(signs, 1)), 128), np.array(signs, dtype=np.float64))
+
+
+# (bits / key_bits / value_bits, sink, D, rep, batch, history tokens, TARGET_WARPS or None)
+EMULATION_CASES = [
+    (dict(bits=4), True, 128, 4, 1, 300, None),  # the default: 3-bit codes straddle words
+    (dict(bits=2), True, 64, 4, 1, 300, None),  # two sign planes
+    (dict(bits=1), False, 64, 1, 2, 300, None),  # sign plane only, MHA, batch 2
+    (dict(key_bits=4, value_bits=2), True, 128, 8, 1, 300, None),
+    (dict(key_bits=1, value_bits=4), True, 64, 2, 1, 300, None),
+    (dict(bits=3), True, 128, 4, 1, 700, 1),  # many tiles per warp in one block
+]
+
+
+def _emulation_config(case):
+    bits, sink, D, rep, B, n, warps = case
+    cache = _cache(**bits)
+    return (D, D, rep, cache.key_bits - 1, cache.value_bits - 1, 64, 64)
+
+
+@pytest.mark.skipif(cuda_emulation.COMPILER is None, reason="needs g++ (C++20) for the kernel's CPU emulation")
+@pytest.mark.parametrize("case", EMULATION_CASES, ids=lambda c: f"{c[0]}-sink{c[1]}-d{c[2]}-r{c[3]}-b{c[4]}-n{c[5]}")
+def test_the_kernel_source_run_by_a_thread_emulation_is_the_portable_attention(monkeypatch, case):
+    # The CUDA source itself, compiled by g++ with one std::thread per CUDA thread
+    # (tests/cache/cuda_emulation.py), on the arrays decode_step hands it; fused_decode's merge
+    # in numpy. float32 inputs.
+    bits, sink, D, rep, B, n, warps = case
+    if warps:
+        monkeypatch.setattr(fdr, "TARGET_WARPS", warps)
+    lib = cuda_emulation.compiled(tuple(_emulation_config(c) for c in EMULATION_CASES))
+    shape = dict(B=B, rep=rep, D=D, dtype=mx.float32)
+    cache = _filled(_cache(sink=sink, **bits), n, **shape)
+    q_heads = _step(cache, **shape)
+    stores = fdr.store_arrays(cache)
+    sink_kv = fdr.exact_sink(cache)
+    n_sink = 0 if sink_kv is None else sink_kv[0].shape[2]
+    BH = B * cache.n_kv_heads
+    per_block = fdr.tokens_per_block(cache.n_compressed - n_sink, BH)
+    n_hist = -(-(cache.n_compressed - n_sink) // per_block)
+    meta = np.array(fdr.RotatedDecodeMeta().get(cache.n_compressed, per_block, n_hist, D**-0.5, n_sink))
+    arrays = [np.array(a.astype(mx.float32)) if a.dtype != mx.uint32 else np.array(a)
+              for a in (q_heads, *cache._signs, cache.key_mean, *stores, cache.window_keys, cache.window_values,
+                        *(sink_kv or (mx.zeros((1,)), mx.zeros((1,)))))]
+    parts = cuda_emulation.run_partials(
+        lib, _emulation_config(case), arrays, meta, cache.window_keys.shape, stores[3].shape,
+        n_hist + 1, BH, rep, D,
+    )
+    got = cuda_emulation.merge(*parts).reshape(q_heads.shape)
+    expected = np.array(cache.attention(q_heads, scale=D**-0.5))  # flushes nothing: window < 128
+    assert n_hist >= (2 if not warps else 1)
+    assert np.abs(got - expected).max() < 2e-5, np.abs(got - expected).max()
 
 
 def test_supported_shapes():
