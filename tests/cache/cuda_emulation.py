@@ -30,7 +30,23 @@ import numpy as np
 
 from veloxquant_mlx.cache import fused_decode_rotated as fdr
 
-COMPILER = shutil.which("g++")
+
+
+def _cxx20_compiler() -> str | None:
+    """g++ when it builds a C++20 program with std::barrier and threads (else None: the tests
+    skip; a kernel source that fails to compile with a working compiler is a test failure)."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "probe.cpp"
+        probe.write_text("#include <barrier>\n#include <thread>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n")
+        done = subprocess.run([compiler, "-std=c++20", "-pthread", str(probe), "-o", str(Path(tmp) / "probe")],
+                              capture_output=True)
+    return compiler if done.returncode == 0 else None
+
+
+COMPILER = _cxx20_compiler()
 
 _SHIM = r"""
 #include <cstdint>

@@ -145,7 +145,7 @@ def _emulation_config(case):
     return (D, D, rep, cache.key_bits - 1, cache.value_bits - 1, 64, 64)
 
 
-@pytest.mark.skipif(cuda_emulation.COMPILER is None, reason="needs g++ (C++20) for the kernel's CPU emulation")
+@pytest.mark.skipif(cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier for the kernel's CPU emulation")
 @pytest.mark.parametrize("case", EMULATION_CASES, ids=lambda c: f"{c[0]}-sink{c[1]}-d{c[2]}-r{c[3]}-b{c[4]}-n{c[5]}")
 def test_the_kernel_source_run_by_a_thread_emulation_is_the_portable_attention(monkeypatch, case):
     # The CUDA source itself, compiled by g++ with one std::thread per CUDA thread
