@@ -84,6 +84,7 @@ import json
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import fused_decode_rotated
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.hadamard import is_power_of_two, random_signs, rotate, unrotate
 from veloxquant_mlx.cache.packing import pack_codes
@@ -293,6 +294,11 @@ class TurboQuantRVQCache(CompressedKVCache):
         s = dk.shape[2]
         exact = scores[..., :s] + (q.astype(mx.float32) @ dk.swapaxes(-1, -2)).astype(scores.dtype)
         return mx.concatenate([exact, scores[..., s:]], axis=-1)
+
+    def _fused_decode(self, queries: mx.array, scale: float):
+        # On MLX's CUDA backend one decode step through a kernel reading the codes once
+        # (cache/fused_decode_rotated.py); None elsewhere (the portable path above).
+        return fused_decode_rotated.decode_step(self, queries, scale)
 
     def _weighted_values(self, p: mx.array) -> mx.array:
         out_rot = self._products("v", p, self.value_dim, self.value_bits, transpose=False)

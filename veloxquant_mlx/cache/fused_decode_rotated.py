@@ -1,0 +1,600 @@
+"""A CUDA decode-step kernel for TurboQuantRVQCache's store (rotated, two-stage codes per token).
+
+Why: on MLX's CUDA backend a turboquant_rvq decode step ran as ~20 small ops per layer (query
+rotation, one quantized_matmul per stage for the scores and again for the values, sign-plane
+widening, the key-mean bias, the sink correction, concatenations, softmax, unrotation) and
+decoded at 0.29x the fp16 cache's tokens/s on the H200 (issue 5). This kernel reads every
+token's packed codes once and produces flash-decoding partials (m, l, o) per block of tokens,
+each block's o already rotated back to the original basis; fused_decode.py's merge kernel
+(imported, unchanged) combines them into the output row. Per layer and step: 2 kernels instead
+of ~20 ops.
+
+What one compressed token holds (turboquant_rvq.py; per token, along the channel axis, in the
+rotated basis y = H (s * x) / sqrt(d), keys centered by the cache's key mean first):
+  stage 1 (total bits 3, 4): B1 = 2 or 3-bit uniform codes, mx.quantize's little-endian bit
+          stream along channels (3-bit codes straddle uint32 words), fp16 scale and zero per
+          group of min(64, d) channels: y1 = scale * code + zero;
+  stage 1 (total bits 2): a sign plane like stage 2 (1 bit per channel, one fp16 magnitude a1):
+          read as the 1-bit affine code with scale 2 a1, zero -a1 over one group of d channels;
+  stage 2 (always): 1 sign bit per channel, one fp16 magnitude a per token: y2 = a (2 bit - 1).
+Total bits 1 has stage 2 only. Keys and values may have different widths (template KB1, VB1).
+
+The algorithm (tests/cache/rotated_decode_reference.py states it in MLX ops for the CPU tests):
+  * the scaled query is rotated in the kernel (Walsh-Hadamard butterflies in shared memory, the
+    Sylvester order mx.hadamard_transform uses); per compressed token
+      score = q_rot . (y1 + y2) + bias,   bias = q . key_mean (a constant per row);
+    per channel y = scale * code + (zero + a or zero - a by the sign bit): the sign picks one
+    of two zeros, the code becomes a float by a mantissa trick instead of the int-to-float
+    conversion unit (a slow path on Hopper), then one FMA per query row. The first version
+    summed q_rot * code and q_rot * bit per group (two FMAs per row and channel, two
+    conversions): 0.44 ms per layer at 128K tokens, 2.2x the fp16 SDPA;
+  * values accumulate in the rotated basis, o = sum_t p_t (y1_t + y2_t), and each history
+    block rotates its o back at its end, s * (H o) / sqrt(DV) (butterflies over R x DV floats
+    in shared memory): the merge is linear in o, so unrotating every partial before it equals
+    unrotating the merged row, and it saves the 2-3 ops per layer an MLX unrotation would cost;
+  * the exact tokens (the attention sink's exact K/V, then the window) form the last block.
+    They are scored against the UNROTATED query (no bias: they are not centered) and their
+    values accumulate unrotated, so that block needs no rotation at all. Why not rotate the
+    window's K/V per step in MLX instead: 4 more ops per layer and step (two transforms, two
+    sign products), which is what this kernel removes;
+  * the sink: compressed token 0 (its codes stay in the store) is skipped, and the exact sink
+    (decoded token 0 + the cache's float32 deltas, derived once and kept on the cache) is
+    attended as an exact token, which is what the portable path's correction computes;
+  * merge (fused_decode's kernel 2) -> the output row in the queries' dtype.
+
+Work split of the partials kernel: blocks of 4 warps per (batch * kv head, range of tokens),
+the last block per head over the exact tokens. A warp walks tiles of 32 tokens:
+  scoring: lane i owns token base + i and reads that token's key words (a contiguous run of
+    D * B1 / 32 + D / 32 words; the warp's 32 lanes read 32 consecutive tokens, i.e. one
+    contiguous stretch of memory) in chunks of 32 channels (B1 stage-1 words + one sign word
+    per chunk); the rotated query (R rows) is read from shared memory, broadcast to all lanes;
+  online softmax over the tile (warp shuffles), probabilities to shared memory;
+  values: LPT = DV / 16 lanes share one token, each owning 16 channels (its stage-1 bits,
+    re-aligned with a funnel shift when 3-bit codes start mid-word, and half a sign word), so
+    32 / LPT tokens go per round and a round reads one contiguous run of value words; loads of
+    up to 4 rounds are issued before their arithmetic.
+Accumulators per lane: R score sums, R x 16 value sums (R = 8: 128 floats), so R <= 8.
+
+`supports()` lists the shapes taken (others take the portable path): head_dim and value dim
+powers of two in 32..256, stage-1 bits 0..3 (total 1..4), 1 <= R <= 8.
+
+Checked: on the CPU, tests/cache/test_fused_decode_rotated.py runs this source under a
+thread-level emulation (tests/cache/cuda_emulation.py) and the algorithm in numpy against the
+portable attention. On the H200 (MLX 0.32.4 + mlx-cuda-13, 2026-11-30) the first version of
+this kernel (commit 585ca45: per-group sums, int-to-float conversions) passed the file's CUDA
+tests and measured, one layer, 8 kv heads x 4 query rows, d 128, bf16, 4-bit, median ms per
+call with its eval [p10, p90] over 40 calls (the machine shared):
+  32K tokens:  fused 0.22 [0.18, 0.44]  portable path 1.23-1.39  fp16 SDPA 0.11
+  128K tokens: fused 0.44 [0.41, 0.57]  portable path 1.80-2.04  fp16 SDPA 0.20-0.22
+(TARGET_WARPS 1024..8192 within the noise at 32K; 4096 best at 128K). The current kernel (one
+FMA per row and channel, no conversion unit, unrotation inside the partials) is unmeasured
+there.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.errors import QuantizerConfigError
+
+TILE = 32  # tokens per warp tile: one per lane when scoring
+WARPS_PER_BLOCK = 4
+TARGET_WARPS = 4096  # ~31 warps per SM on an H200 (132 SMs), as fused_decode
+MAX_TILES_PER_WARP = 256
+CHANNELS_PER_LANE = 16  # value channels a lane owns
+MAX_ROWS = 8
+STAGE1_BITS = (0, 1, 2, 3)  # 0: no stage 1 (total 1 bit); 1: a second sign plane (total 2)
+
+_HEADER = fused_decode._HEADER + r"""
+// A small unsigned integer (< 2^23) as a float without the int-to-float conversion unit (a
+// quarter-rate or slower path on Hopper): or it into the mantissa of 2^23 and subtract 2^23.
+__device__ __forceinline__ float vq_u2f(unsigned small) {
+  return __uint_as_float(small | 0x4B000000u) - 8388608.f;
+}
+
+// Code j (B bits) of an aligned little-endian bit stream held in registers w[0..N): with j a
+// compile-time constant after unrolling, the word index and the straddle are constants too.
+template <int B, int N>
+__device__ __forceinline__ unsigned vq_code(const uint32_t (&w)[N], int j) {
+  const int bit = j * B;
+  const int wi = bit >> 5;
+  const int sh = bit & 31;
+  unsigned v = w[wi] >> sh;
+  if (sh + B > 32) v |= w[wi + 1] << (32 - sh);
+  return v & ((1u << B) - 1u);
+}
+"""
+
+# Template constants: D, DV (key / value dims), R (query rows per kv head), KB1, VB1 (stage-1
+# bits, 0..3: see the module docstring), KG, VG (stage-1 groups of the uniform codes), QT
+# (query / window dtype).
+# meta = [n_valid, tokens per block, history blocks, scale as float bits, sink tokens].
+# Inputs: q (B, Hq, 1, D); ksg (D,), vsg (DV,) float32 rotation signs; kmean (B, H, 1, D);
+# kc1/ks1/kz1 key stage 1 (codes (B, H, cap, D*KB1/32), scales/zeros (B, H, cap, D/KG); for
+# KB1 = 1 ks1 holds the magnitudes (B, H, cap, 1); for KB1 = 0 all three are unused dummies);
+# kc2 (B, H, cap, D/32) sign words, km2 (B, H, cap, 1) magnitudes; the same for values (vc1,
+# vs1, vz1, vc2, vm2); wk (B, H, W, D), wv (B, H, W, DV) the exact window; sk (B, H, S, D), sv
+# (B, H, S, DV) the exact sink (float32; unused dummies when S = 0).
+_PARTIALS = r"""
+  constexpr int NW = 4;                       // warps per block
+  constexpr int TILE = 32;                    // tokens per warp tile
+  constexpr int CPL = 16;                     // value channels per lane
+  constexpr int LPT = DV / CPL;               // lanes per value token
+  constexpr int TPR = 32 / LPT;               // value tokens per round
+  constexpr int ROUNDS = TILE / TPR;
+  constexpr int BATCH = ROUNDS < 4 ? ROUNDS : 4;  // rounds whose loads are issued together
+  constexpr int KW1 = D * KB1 / 32;           // stage-1 words per key token
+  constexpr int VW1 = DV * VB1 / 32;          // stage-1 words per value token
+  constexpr int KWS = D / 32;                 // sign words per key token
+  constexpr int VWS = DV / 32;
+  constexpr int KG1 = KB1 == 1 ? D : KG;      // stage-1 group (a sign stage: the whole vector)
+  constexpr int VG1 = VB1 == 1 ? DV : VG;
+  constexpr int KGN = D / KG1;                // stage-1 groups per key token
+  static_assert(KG1 % 32 == 0, "a 32-channel key chunk lies in one stage-1 group");
+  constexpr int VGN = VB1 == 1 ? 1 : DV / VG1;  // stage-1 side values per value token
+  constexpr int KGS = KB1 == 1 ? 1 : KGN;     // side values per key token in ks1 / kz1
+  constexpr int KBW = KB1 > 0 ? KB1 : 1;      // register words of one key chunk (32 channels)
+  constexpr int NA = VB1 > 0 ? (CPL * VB1 + 31) / 32 : 1;  // a lane's aligned stage-1 words
+  constexpr int DMAX = D > DV ? D : DV;
+  const float neg_inf = __int_as_float(0xff800000);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int tl = lane / LPT;                  // the lane's token within a value round
+  const int ch0 = (lane % LPT) * CPL;         // the lane's first value channel
+  const int bh = blockIdx.y;
+  const int n_valid = meta[0];
+  const int per_block = meta[1];
+  const int n_hist_blocks = meta[2];
+  const float scale = __int_as_float(meta[3]);
+  const int n_sink = meta[4];
+  const bool exact = blockIdx.x >= n_hist_blocks;  // block-uniform
+  const int n_window = wk_shape[2];
+  const int cap = kc2_shape[2];
+
+  // Shared: the scaled query unrotated (exact tokens) and rotated (codes), [d][r]; the bias;
+  // per warp a tile's probabilities, later the warp's partial o.
+  __shared__ __align__(16) float qx[D * R];
+  __shared__ __align__(16) float qr[D * R];
+  __shared__ float bias[R];
+  __shared__ __align__(16) float ps[NW][(TILE > DV ? TILE : DV) * R];
+  __shared__ float red_m[NW][R];
+  __shared__ float red_l[NW][R];
+
+  for (int i = threadIdx.x; i < R * D; i += 32 * NW) {
+    const int r = i / D, d = i % D;
+    const float x = scale * vq_f32(q[(size_t)bh * R * D + i]);
+    qx[d * R + r] = x;
+    qr[d * R + r] = x * ksg[d];
+  }
+  __syncthreads();
+  // Walsh-Hadamard butterflies (a + b, a - b over pairs h apart): Sylvester order, as
+  // mx.hadamard_transform; scaled by 1 / sqrt(D) below.
+  for (int h = 1; h < D; h <<= 1) {
+    for (int i = threadIdx.x; i < R * D / 2; i += 32 * NW) {
+      const int r = i % R, pair = i / R;
+      const int lo = (pair / h) * 2 * h + pair % h;
+      const float a = qr[lo * R + r], b = qr[(lo + h) * R + r];
+      qr[lo * R + r] = a + b;
+      qr[(lo + h) * R + r] = a - b;
+    }
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < R * D; i += 32 * NW) qr[i] *= rsqrtf((float)D);
+  __syncthreads();
+  // The bias q . key_mean per row (one warp per row, lanes over channels).
+  for (int r = warp; r < R; r += NW) {
+    float b = 0.f;
+    for (int d = lane; d < D; d += 32) b = fmaf(qx[d * R + r], vq_f32(kmean[(size_t)bh * D + d]), b);
+    b = vq_warp_sum(b);
+    if (lane == 0) bias[r] = b;
+  }
+  __syncthreads();
+
+  const size_t tok0 = (size_t)bh * cap;       // this head's first token in the store
+  float* p_tile = ps[warp];
+  float m[R], l[R], acc[R][CPL];
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = neg_inf;
+    l[r] = 0.f;
+    #pragma unroll
+    for (int c = 0; c < CPL; ++c) acc[r][c] = 0.f;
+  }
+
+  // Compressed blocks cover tokens [n_sink, n_valid) (the sink's codes are skipped: it is an
+  // exact token); the exact block covers [0, n_sink + n_window): sink tokens, then the window.
+  const int first = exact ? 0 : n_sink + blockIdx.x * per_block;
+  const int last = exact ? n_sink + n_window : min(first + per_block, n_valid);
+  for (int base = first + warp * TILE; base < last; base += TILE * NW) {
+    // ---- the lane's token's scores; past-the-end lanes score the last valid token ----
+    const int t = min(base + lane, last - 1);
+    const bool live = base + lane < last;
+    float s[R];
+    #pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = 0.f;
+    if (exact) {
+      if (t < n_sink) {
+        const float* krow = sk + ((size_t)bh * n_sink + t) * D;
+        #pragma unroll 16
+        for (int d = 0; d < D; ++d) {
+          const float kv = krow[d];
+          #pragma unroll
+          for (int r = 0; r < R; ++r) s[r] = fmaf(qx[d * R + r], kv, s[r]);
+        }
+      } else {
+        const QT* krow = wk + ((size_t)bh * n_window + (t - n_sink)) * D;
+        #pragma unroll 16  // loads in flight: the exact block is one per head, little else hides latency
+        for (int d = 0; d < D; ++d) {
+          const float kv = vq_f32(krow[d]);
+          #pragma unroll
+          for (int r = 0; r < R; ++r) s[r] = fmaf(qx[d * R + r], kv, s[r]);
+        }
+      }
+    } else {
+      // Per channel the token's rotated key y_d = scale * code_d + zero + a (2 bit_d - 1): the
+      // sign folds into the zero (two candidates per group), the code converts without the
+      // conversion unit (vq_u2f), then one FMA per query row.
+      const uint32_t* c1 = kc1 + (tok0 + t) * KW1;
+      const uint32_t* c2 = kc2 + (tok0 + t) * KWS;
+      const float a2 = vq_f32(km2[tok0 + t]);
+      #pragma unroll 1
+      for (int chunk = 0; chunk < D / 32; ++chunk) {
+        const unsigned sw = __ldg(c2 + chunk);
+        uint32_t w1[KBW];
+        #pragma unroll
+        for (int i = 0; i < KBW; ++i) w1[i] = KB1 > 0 ? __ldg(c1 + chunk * KB1 + i) : 0u;
+        float sc = 0.f, zp = 0.f;  // the chunk's stage-1 group (chunks never straddle groups)
+        if (KB1 == 1) {
+          const float a = vq_f32(ks1[tok0 + t]);
+          sc = 2.f * a;
+          zp = -a;
+        } else if (KB1 > 1) {
+          const int g = chunk * 32 / KG1;
+          sc = vq_f32(ks1[(tok0 + t) * KGS + g]);
+          zp = vq_f32(kz1[(tok0 + t) * KGS + g]);
+        }
+        const float zpos = zp + a2, zneg = zp - a2;
+        #pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          const float z = (sw >> j) & 1u ? zpos : zneg;
+          // vq_code<bits, words>: a 32-channel chunk of B-bit codes is exactly B words.
+          const float y = KB1 > 0 ? fmaf(sc, vq_u2f(vq_code<KBW, KBW>(w1, j)), z) : z;
+          const float* qd = qr + (chunk * 32 + j) * R;
+          #pragma unroll
+          for (int r = 0; r < R; ++r) s[r] = fmaf(qd[r], y, s[r]);
+        }
+      }
+      #pragma unroll
+      for (int r = 0; r < R; ++r) s[r] += bias[r];
+    }
+    // ---- online softmax over the tile; probabilities to shared memory ----
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float m_new = fmaxf(m[r], vq_warp_max(live ? s[r] : neg_inf));  // finite: base is valid
+      const float alpha = expf(m[r] - m_new);
+      const float p = live ? expf(s[r] - m_new) : 0.f;
+      p_tile[lane * R + r] = p;
+      l[r] = l[r] * alpha + vq_warp_sum(p);
+      #pragma unroll
+      for (int c = 0; c < CPL; ++c) acc[r][c] *= alpha;
+      m[r] = m_new;
+    }
+    __syncwarp();
+    // ---- values: past-the-end tokens read the last valid token (p = 0 there) ----
+    if (exact) {
+      for (int round = 0; round < ROUNDS; ++round) {
+        const int j = round * TPR + tl;
+        const int tj = min(base + j, last - 1);
+        float v[CPL];
+        if (tj < n_sink) {
+          const float* vrow = sv + ((size_t)bh * n_sink + tj) * DV + ch0;
+          #pragma unroll
+          for (int c = 0; c < CPL; ++c) v[c] = vrow[c];
+        } else {
+          const QT* vrow = wv + ((size_t)bh * n_window + (tj - n_sink)) * DV + ch0;
+          #pragma unroll
+          for (int c = 0; c < CPL; ++c) v[c] = vq_f32(vrow[c]);
+        }
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float pj = p_tile[j * R + r];
+          #pragma unroll
+          for (int c = 0; c < CPL; ++c) acc[r][c] = fmaf(pj, v[c], acc[r][c]);
+        }
+      }
+    } else {
+      // The lane's stage-1 bits start at bit ch0 * VB1 of the token's stream: whole words for
+      // 1 and 2 bits, mid-word (16) for odd lanes at 3 bits; a funnel shift re-aligns them.
+      const int bit0 = ch0 * VB1;
+      const int w0 = bit0 >> 5;
+      const int sh = bit0 & 31;
+      const int g = VB1 == 1 ? 0 : ch0 / VG1;
+      #pragma unroll
+      for (int b0 = 0; b0 < ROUNDS; b0 += BATCH) {
+        uint32_t words[BATCH][NA + 1];
+        unsigned signs[BATCH];
+        float sc[BATCH], zp[BATCH], a2[BATCH];
+        #pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+          const size_t tj = tok0 + min(base + (b0 + k) * TPR + tl, last - 1);
+          if (VB1 > 0) {
+            const uint32_t* row = vc1 + tj * VW1;
+            #pragma unroll
+            for (int i = 0; i <= NA; ++i) words[k][i] = __ldg(row + min(w0 + i, VW1 - 1));
+            if (VB1 == 1) {
+              const float a = vq_f32(vs1[tj]);
+              sc[k] = 2.f * a;
+              zp[k] = -a;
+            } else {
+              sc[k] = vq_f32(vs1[tj * VGN + g]);
+              zp[k] = vq_f32(vz1[tj * VGN + g]);
+            }
+          }
+          signs[k] = __ldg(vc2 + tj * VWS + (ch0 >> 5)) >> (ch0 & 31);
+          a2[k] = vq_f32(vm2[tj]);
+        }
+        #pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+          const int j = (b0 + k) * TPR + tl;
+          uint32_t aligned[NA];
+          #pragma unroll
+          for (int i = 0; i < NA; ++i) aligned[i] = VB1 > 0 ? __funnelshift_r(words[k][i], words[k][i + 1], sh) : 0u;
+          float pj[R];
+          #pragma unroll
+          for (int r = 0; r < R; ++r) pj[r] = p_tile[j * R + r];
+          const float zpos = (VB1 > 0 ? zp[k] : 0.f) + a2[k], zneg = (VB1 > 0 ? zp[k] : 0.f) - a2[k];
+          #pragma unroll
+          for (int c = 0; c < CPL; ++c) {
+            const float z = (signs[k] >> c) & 1u ? zpos : zneg;
+            const float v = VB1 > 0 ? fmaf(sc[k], vq_u2f(vq_code<(VB1 > 0 ? VB1 : 1), NA>(aligned, c)), z) : z;
+            #pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
+          }
+        }
+      }
+    }
+    __syncwarp();
+  }
+
+  // Lanes holding the same channels for different tokens: sum them (the lane bits above LPT).
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    #pragma unroll
+    for (int c = 0; c < CPL; ++c) {
+      #pragma unroll
+      for (int o = LPT; o < 32; o <<= 1) acc[r][c] += __shfl_xor_sync(0xffffffffu, acc[r][c], o);
+    }
+  }
+  __syncwarp();
+  float* red_o = ps[warp];  // the warp's probabilities are no longer needed: [r][channel]
+  if (tl == 0) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      #pragma unroll
+      for (int c = 0; c < CPL; ++c) red_o[r * DV + ch0 + c] = acc[r][c];
+    }
+  }
+  if (lane == 0) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      red_m[warp][r] = m[r];
+      red_l[warp][r] = l[r];
+    }
+  }
+  __syncthreads();
+  // The block's warps merged into one partial, written in place into ps[0] (each element is
+  // read and written by one thread only).
+  const size_t out_row = ((size_t)bh * gridDim.x + blockIdx.x) * R;
+  for (int i = threadIdx.x; i < R * DV; i += 32 * NW) {
+    const int r = i / DV;
+    float top = neg_inf;
+    #pragma unroll
+    for (int w = 0; w < NW; ++w) top = fmaxf(top, red_m[w][r]);
+    float o = 0.f, den = 0.f;
+    if (top != neg_inf) {
+      #pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float e = red_m[w][r] == neg_inf ? 0.f : expf(red_m[w][r] - top);
+        o = fmaf(e, ps[w][i], o);
+        den = fmaf(e, red_l[w][r], den);
+      }
+    }
+    ps[0][i] = o;
+    if (i % DV == 0) {
+      part_m[out_row + r] = top;
+      part_l[out_row + r] = den;
+    }
+  }
+  if (!exact) {
+    // A history block's o is in the values' rotated basis: rotate it back, s * (H o) / sqrt(DV)
+    // (the merge is linear in o, so every partial can be unrotated before it; the merge then
+    // writes the final row, and the exact block's o is already in the original basis).
+    __syncthreads();
+    for (int h = 1; h < DV; h <<= 1) {
+      for (int i = threadIdx.x; i < R * DV / 2; i += 32 * NW) {
+        const int r = i / (DV / 2), pair = i % (DV / 2);
+        const int lo = r * DV + (pair / h) * 2 * h + pair % h;
+        const float a = ps[0][lo], b = ps[0][lo + h];
+        ps[0][lo] = a + b;
+        ps[0][lo + h] = a - b;
+      }
+      __syncthreads();
+    }
+    for (int i = threadIdx.x; i < R * DV; i += 32 * NW) ps[0][i] *= vsg[i % DV] * rsqrtf((float)DV);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < R * DV; i += 32 * NW) part_o[out_row * DV + i] = ps[0][i];
+"""
+
+_INPUTS = ["q", "ksg", "vsg", "kmean", "kc1", "ks1", "kz1", "kc2", "km2",
+           "vc1", "vs1", "vz1", "vc2", "vm2", "wk", "wv", "sk", "sv", "meta"]
+
+
+@lru_cache(maxsize=None)
+def _partials_kernel():
+    return mx.fast.cuda_kernel(
+        name="vq_rotated_decode_partials",
+        input_names=_INPUTS,
+        output_names=["part_o", "part_m", "part_l"],
+        source=_PARTIALS,
+        header=_HEADER,
+    )
+
+
+def tokens_per_block(n_tokens: int, n_heads: int) -> int:
+    """History tokens per block of 4 warps: 32-token tiles, enough warps to fill the GPU
+    (TARGET_WARPS over all heads), at most MAX_TILES_PER_WARP tiles per warp."""
+    tiles = -(-n_tokens // TILE) * n_heads
+    tiles_per_warp = min(MAX_TILES_PER_WARP, max(1, -(-tiles // TARGET_WARPS)))
+    return TILE * WARPS_PER_BLOCK * tiles_per_warp
+
+
+def _shared_bytes(head_dim: int, value_dim: int, rows: int) -> int:
+    # qx, qr, bias, per warp max(TILE, DV) x R floats, red_m / red_l
+    per_warp = max(TILE, value_dim) * rows
+    floats = 2 * head_dim * rows + rows + WARPS_PER_BLOCK * (per_warp + 2 * rows)
+    return 4 * floats
+
+
+def supports(head_dim: int, value_dim: int, key_stage1_bits: int, value_stage1_bits: int,
+             rows: int) -> bool:
+    """The shapes the kernel takes; others take the portable path. Dims: powers of two in
+    32..256 (Hadamard, 32-channel key chunks, 16-channel value lanes, <= 16 lanes per value
+    token); stage-1 bits 0..3 (turboquant_rvq's totals 1..4); 1..8 query rows per kv head
+    (the lane's R x 16 value accumulators); shared memory under 48 KB."""
+    for d in (head_dim, value_dim):
+        if d < 32 or d > 256 or d & (d - 1):
+            return False
+    if key_stage1_bits not in STAGE1_BITS or value_stage1_bits not in STAGE1_BITS:
+        return False
+    if not 1 <= rows <= MAX_ROWS:
+        return False
+    return _shared_bytes(head_dim, value_dim, rows) <= 48 * 1024
+
+
+class RotatedDecodeMeta:
+    """The small int32 argument array of one cache, rebuilt only when its values change (every
+    block flush), not at every decode step."""
+
+    def __init__(self):
+        self._key = None
+        self._value = None
+
+    def get(self, n_valid: int, per_block: int, n_hist_blocks: int, scale: float, n_sink: int) -> mx.array:
+        key = (n_valid, per_block, n_hist_blocks, scale, n_sink)
+        if key != self._key:
+            scale_bits = int(np.array([scale], dtype=np.float32).view(np.int32)[0])
+            self._key = key
+            self._value = mx.array([n_valid, per_block, n_hist_blocks, scale_bits, n_sink], dtype=mx.int32)
+        return self._value
+
+
+def exact_sink(cache) -> tuple[mx.array, mx.array] | None:
+    """The exact sink K/V (float32, (B, H, S, D) / (B, H, S, DV)): token 0's decoded codes plus
+    the cache's deltas, derived once per sink (not state: rebuilt from the store when the
+    deltas change, e.g. after a state load or a re-encoded first block), or None without one."""
+    deltas = cache.sink_deltas
+    if deltas is None:
+        return None
+    held = cache.__dict__.get("_exact_sink_cache")
+    if held is None or held[0] is not deltas:
+        s = deltas[0].shape[2]
+        k_hat, v_hat = cache._reconstruct(cache.store, s)
+        sink = ((k_hat + deltas[0]).astype(mx.float32), (v_hat + deltas[1]).astype(mx.float32))
+        mx.eval(sink)
+        held = (deltas, sink)
+        cache._exact_sink_cache = held
+    return held[1]
+
+
+def store_arrays(cache) -> list[mx.array]:
+    """(kc1, ks1, kz1, kc2, km2, vc1, vs1, vz1, vc2, vm2) from the cache's store: stage-1 arrays
+    that do not exist (1-bit totals) are 1-element dummies the kernel never reads, a sign
+    stage 1 passes its magnitudes as ks1 / vs1 and a dummy zero."""
+    s = cache.store
+    out = []
+    for p, total in (("k", cache.key_bits), ("v", cache.value_bits)):
+        b1 = total - 1
+        if b1 == 0:
+            out += [_dummy(mx.uint32), _dummy(mx.float16), _dummy(mx.float16)]
+        elif b1 == 1:
+            out += [s[f"{p}_codes1"], s[f"{p}_scale1"], _dummy(mx.float16)]
+        else:
+            out += [s[f"{p}_codes1"], s[f"{p}_scales1"], s[f"{p}_zeros1"]]
+        out += [s[f"{p}_codes2"], s[f"{p}_scale2"]]
+    return out
+
+
+@lru_cache(maxsize=None)
+def _dummy(dtype):
+    return mx.zeros((1,), dtype=dtype)
+
+
+def decode_step(cache, queries, scale: float):
+    """A TurboQuantRVQCache decode step's attention through the kernel, or None where it is not
+    active (off CUDA, switched off, a shape supports() refuses): the cache then takes the
+    portable path."""
+    rows = queries.shape[1] // cache.n_kv_heads
+    kb1, vb1 = cache.key_bits - 1, cache.value_bits - 1
+    if not fused_decode.kernels_enabled() or not supports(cache.head_dim, cache.value_dim, kb1, vb1, rows):
+        return None
+    meta_cache = cache.__dict__.setdefault("_rotated_meta", RotatedDecodeMeta())
+    return rotated_decode_attention(
+        queries, scale, cache._signs[0], cache._signs[1], cache.key_mean, store_arrays(cache),
+        cache.window_keys, cache.window_values, exact_sink(cache),
+        n_valid=cache.n_compressed, key_stage1_bits=kb1, value_stage1_bits=vb1,
+        key_group=cache._group(cache.head_dim), value_group=cache._group(cache.value_dim),
+        n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
+    )
+
+
+def rotated_decode_attention(
+    queries, scale: float, key_signs, value_signs, key_mean, stores, window_keys, window_values,
+    sink, *, n_valid: int, key_stage1_bits: int, value_stage1_bits: int, key_group: int,
+    value_group: int, n_kv_heads: int, meta_cache: RotatedDecodeMeta,
+):
+    """softmax(q K^T * scale) V for one query row per head, queries (B, Hq, 1, D), over the
+    compressed tokens [S, n_valid) (S = sink tokens, attended exactly from `sink`), the sink and
+    the exact window (B, H, W, D), W >= 1 -> (B, Hq, 1, DV) in the queries' dtype. Only call
+    when kernels_enabled() and supports(...): decode_step checks."""
+    B, n_q_heads, _, D = queries.shape
+    R = n_q_heads // n_kv_heads
+    BH = B * n_kv_heads
+    DV = window_values.shape[-1]
+    n_sink = 0 if sink is None else sink[0].shape[2]
+    sk, sv = (_dummy(mx.float32), _dummy(mx.float32)) if sink is None else sink
+    per_block = tokens_per_block(max(n_valid - n_sink, 1), BH)
+    n_hist_blocks = -(-(n_valid - n_sink) // per_block)
+    n_blocks = n_hist_blocks + 1  # + the exact block
+    if n_blocks > fused_decode.MAX_BLOCKS:  # beyond ~67M tokens per head: not reached
+        raise QuantizerConfigError(
+            f"rotated fused decode: {n_valid} history tokens need {n_blocks} blocks, more than the "
+            f"merge kernel's {fused_decode.MAX_BLOCKS}; set {fused_decode.ENV_SWITCH}=0 to use the "
+            "portable path"
+        )
+    meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), n_sink)
+    dtype = queries.dtype
+    part_o, part_m, part_l = _partials_kernel()(
+        inputs=[queries, key_signs, value_signs, key_mean.astype(dtype), *stores,
+                window_keys.astype(dtype), window_values.astype(dtype), sk, sv, meta],
+        template=[("D", D), ("DV", DV), ("R", R), ("KB1", key_stage1_bits),
+                  ("VB1", value_stage1_bits), ("KG", key_group), ("VG", value_group), ("QT", dtype)],
+        grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
+        threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
+        output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    merge = fused_decode._kernels()[1]
+    (out,) = merge(
+        inputs=[part_o, part_m, part_l],
+        template=[("DV", DV), ("MAX_BLOCKS", fused_decode.MAX_BLOCKS), ("QT", dtype)],
+        grid=(DV, BH * R, 1),
+        threadgroup=(DV, 1, 1),
+        output_shapes=[(B, n_q_heads, 1, DV)],
+        output_dtypes=[dtype],
+    )
+    return out
