@@ -48,3 +48,32 @@ def test_targets_compare_ours_with_fp16():
                                     case("kivi", "ours", 131072, 99, 5.0)])
     met = {(r["context"], r["target"].split()[0]): r["met"] for r in rows}
     assert met == {(32768, "decode"): True, (32768, "prefill"): False, (131072, "decode"): False}
+
+
+def test_each_finished_run_is_saved_and_a_cut_file_can_be_recomputed(tmp_path, monkeypatch):
+    out = tmp_path / "g.json"
+    seen = []
+    real_save = gpu_speed.check_targets
+
+    def spy(cases):  # called by every save: record what the file held at that moment
+        seen.append([(c["spec"], c["context"], len(c["runs"])) for c in cases])
+        return real_save(cases)
+
+    monkeypatch.setattr(gpu_speed, "check_targets", spy)
+    assert gpu_speed.main(["--quick", *TINY, "--contexts", "64", "--methods", "fp16,kivi",
+                           "--prefill-step-size", "32", "--out", str(out)]) == 0
+    # fp16's finished run was in the file before kivi's run started (not only at the context's end)
+    assert [("fp16", 64, 1)] in seen
+    monkeypatch.undo()
+    result = json.loads(out.read_text())
+    # A file cut short keeps only runs: the summaries, ratios and targets are re-derived.
+    for case in result["cases"]:
+        for key in ("decode_tps", "prefill_s", "ratio_vs", "bytes_ratio_vs_fp16"):
+            case.pop(key)
+    result["targets"] = None
+    out.write_text(json.dumps(result))
+    assert gpu_speed.main(["--recompute", str(out)]) == 0
+    again = json.loads(out.read_text())
+    kivi = {c["spec"]: c for c in again["cases"]}["kivi"]
+    assert kivi["decode_tps"]["n"] == 1 and kivi["ratio_vs"]["fp16"]["decode_tps"] > 0
+    assert again["targets"] == [] and again["recomputed_by"].endswith(str(out))

@@ -14,7 +14,9 @@ the median per-token interval), with peak memory from `mx.reset_peak_memory()` b
 prompt. Each spec first runs one untimed warm-up case so the JIT compiles its shapes.
 
 Robust: a failing case records its error text and the run continues; the JSON is rewritten
-after every case, so a crash or a time-out keeps what was measured. `--budget-s` stops
+(summaries, ratios, targets) after every timed run, so a crash or a time-out keeps what was
+measured; `--recompute FILE.json` re-derives those from the runs of a file written before that
+(it then held only whole contexts). `--budget-s` stops
 starting new cases once spent (they are recorded as skipped); the default context order puts
 the targets (32K, 128K) first for that reason. Needs only mlx and mlx-lm (no matplotlib: plot
 the JSON elsewhere with `python -m veloxquant_mlx.bench.report FILE.json`).
@@ -91,7 +93,7 @@ def run(args) -> dict:
     from veloxquant_mlx.bench import report
     from veloxquant_mlx.bench.memory import fp16_bytes_for
     from veloxquant_mlx.bench.methods import parse_specs, with_reference
-    from veloxquant_mlx.bench.speed import _add_ratios, _error_text, _summary, measure_case, random_prompt
+    from veloxquant_mlx.bench.speed import _error_text, measure_case, random_prompt
     from veloxquant_mlx.bench.tiny import parameter_bytes, random_llama
 
     t0 = time.perf_counter()
@@ -119,7 +121,12 @@ def run(args) -> dict:
     }
 
     def save():
+        # Every finished run is saved with its summaries, ratios and targets: a time-out keeps
+        # what was measured (a context's cases used to be written only once all its repeats
+        # had run, and a device time-out at 128K lost that context's finished runs).
         result["elapsed_s"] = time.perf_counter() - t0
+        summarize_cases(result["cases"], specs)
+        result["targets"] = check_targets(result["cases"])
         report.write_json(result, args.out)
 
     _log(f"building model {shape} {args.dtype}")
@@ -149,9 +156,12 @@ def run(args) -> dict:
         # the machine (clocks, other tenants) spreads over every spec instead of biasing one.
         for repeat in range(args.repeats):
             for spec in specs:
-                case = cases.setdefault(spec.name, {
-                    "spec": spec.name, "label": spec.label, "kind": spec.kind, "context": context,
-                    "fp16_bytes": fp16_bytes_for(model, context), "runs": []})
+                if spec.name not in cases:
+                    cases[spec.name] = {
+                        "spec": spec.name, "label": spec.label, "kind": spec.kind, "context": context,
+                        "fp16_bytes": fp16_bytes_for(model, context), "runs": []}
+                    result["cases"].append(cases[spec.name])
+                case = cases[spec.name]
                 if case.get("error"):
                     continue  # a failing spec fails again: do not spend the budget on it
                 elapsed = time.perf_counter() - t0
@@ -175,21 +185,45 @@ def run(args) -> dict:
                          f"peak {run['peak_bytes'] / 2**30:.2f} GiB")
                 gc.collect()
                 mx.clear_cache()
-        for case in cases.values():
-            runs = case["runs"]
-            for metric in ("prefill_tps", "decode_tps", "prefill_s", "peak_bytes",
-                           "peak_over_start_bytes", "cache_bytes_after_prompt"):
-                case[metric] = _summary([r[metric] for r in runs])
-            if runs:
-                case["bytes_ratio_vs_fp16"] = runs[0]["cache_bytes_after_prompt"] / case["fp16_bytes"]
-            result["cases"].append(case)
-        save()
+                save()
         del prompt
-    result["cases"].sort(key=lambda c: (c["context"], [s.name for s in specs].index(c["spec"])))
-    _add_ratios(result["cases"], specs)
-    result["targets"] = check_targets(result["cases"])
     save()
     _log(f"done in {time.perf_counter() - t0:.0f} s -> {args.out}")
+    return result
+
+
+def summarize_cases(cases: list[dict], specs) -> None:
+    """Per case: the summaries of its runs so far, the bytes ratio, and ratios against the
+    references at the same context; cases sorted by context, then spec order."""
+    from veloxquant_mlx.bench.speed import _add_ratios, _summary
+
+    for case in cases:
+        runs = case["runs"]
+        for metric in ("prefill_tps", "decode_tps", "prefill_s", "peak_bytes",
+                       "peak_over_start_bytes", "cache_bytes_after_prompt"):
+            case[metric] = _summary([r[metric] for r in runs])
+        if runs:
+            case["bytes_ratio_vs_fp16"] = runs[0]["cache_bytes_after_prompt"] / case["fp16_bytes"]
+    order = [s.name for s in specs]
+    cases.sort(key=lambda c: (c["context"], order.index(c["spec"]) if c["spec"] in order else len(order)))
+    _add_ratios(cases, specs)
+
+
+def recompute(path: str) -> dict:
+    """Re-derive the summaries, ratios and targets of a saved run from its runs (for files
+    written before every run was summarized as it finished), in place."""
+    import json
+
+    from veloxquant_mlx.bench import report
+    from veloxquant_mlx.bench.methods import parse_specs, with_reference
+
+    with open(path) as f:
+        result = json.load(f)
+    specs = with_reference(parse_specs([s["name"] for s in result["specs"]]))
+    summarize_cases(result["cases"], specs)
+    result["targets"] = check_targets(result["cases"])
+    result["recomputed_by"] = f"python -m veloxquant_mlx.bench.gpu_speed --recompute {path}"
+    report.write_json(result, path)
     return result
 
 
@@ -217,6 +251,14 @@ def check_targets(cases: list[dict]) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--recompute"]:
+        if len(argv) != 2:
+            raise SystemExit("usage: python -m veloxquant_mlx.bench.gpu_speed --recompute FILE.json")
+        result = recompute(argv[1])
+        print(f"{len(result['cases'])} cases; rewrote {argv[1]}")
+        return 0
     args = parse_args(argv)
     result = run(args)
     failed = [c for c in result["cases"] if c.get("error")]
