@@ -1,0 +1,253 @@
+"""Where the CUDA decode kernel's time goes, and a prefill's pieces (MLX's CUDA backend only).
+
+    python -m veloxquant_mlx.bench.kernel_probe --parts read,decode,prefill --out X.json
+
+One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (group 32):
+- `read`: a read-only kernel over 2-bit K^T codes of 128K tokens (33.5 MB per layer), in the
+  store's layout (each warp reads 32 bytes of each of the 128 channel rows of a 128-token tile)
+  and in a tile-major layout (the same bytes contiguous): GB/s of each. Tells whether the key
+  layout bounds the decode kernel.
+- `decode`: at each of `--contexts`, ms per call (calls enqueued back to back, one eval; median
+  of 5 batches) of the fp16 `mx.fast` attention, kivi's whole `cache.attention`, and
+  cache/fused_decode.py's partials kernel alone as shipped ("full"), with the value half removed
+  ("noscore" keeps values and the softmax, "novalue" keeps the scores), and with other warp
+  targets (`TARGET_WARPS`).
+- `prefill`: one layer's 32K prompt in 2048-token chunks: the fp16 KVCache with `mx.fast`
+  attention against kivi's update + attention (two runs each, the second warm), then at the
+  last chunk the pieces of kivi's chunk attention: decoding the history, adding the window
+  (`_full_keys_values`), the fused attention over it, and encoding one chunk.
+The kernel variants are derived from the shipped source by cutting marked spans: a change to
+that source that moves the markers fails loudly (`variant_source`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+MODULE = "veloxquant_mlx.bench.kernel_probe"
+PARTS = ("read", "decode", "prefill")
+HQ, HK, D = 32, 8, 128
+
+# Spans of fused_decode._PARTIALS cut out for the variants: (start marker, end marker), the
+# start's "} else {" branch replaced by a closing brace.
+_CUTS = {
+    "noscore": ("    } else {\n      // Past-the-end lanes read", "    // ---- online softmax"),
+    "novalue": ("    } else {\n      #pragma unroll\n      for (int b0 = 0;", "    __syncwarp();\n  }\n\n  // Lanes holding"),
+}
+
+READ_SOURCE = r"""
+  // MODE 0: K^T rows (the store's layout), a warp reads 32 bytes of each of 128 rows per tile.
+  // MODE 1: tile-major, the tile's 8 * 128 words contiguous, 128 bytes per warp instruction.
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int bh = blockIdx.y;
+  const int words = kc_shape[2];
+  const int tiles = words / 8;
+  unsigned acc = 0;
+  for (int t = warp; t < tiles; t += gridDim.x * blockDim.x / 32) {
+    if (MODE == 0) {
+      const uint32_t* col = kc + (size_t)bh * 128 * words + t * 8 + lane / 4;
+      #pragma unroll 16
+      for (int d = 0; d < 128; ++d) acc += __ldg(col + (size_t)d * words);
+    } else {
+      const uint32_t* tile = kc + ((size_t)bh * tiles + t) * 128 * 8;
+      #pragma unroll
+      for (int i = 0; i < 32; ++i) acc += __ldg(tile + i * 32 + lane);
+    }
+  }
+  out[(size_t)bh * gridDim.x * blockDim.x + blockIdx.x * blockDim.x + threadIdx.x] = acc;
+"""
+
+
+def parse_args(argv=None):
+    from veloxquant_mlx.bench.command import parser
+
+    p = parser(MODULE, __doc__)
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    p.add_argument("--contexts", default="32768,131072", help="decode contexts (default 32768,131072)")
+    args = p.parse_args(argv)
+    args.parts = [x for x in args.parts.split(",") if x]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        p.error(f"--parts {','.join(unknown)}: allowed are {', '.join(PARTS)}")
+    args.contexts = [int(x) for x in args.contexts.split(",") if x]
+    return args
+
+
+def variant_source(mode: str) -> str:
+    """fused_decode's partials source, whole ("full") or with one half cut out."""
+    from veloxquant_mlx.cache import fused_decode
+
+    source = fused_decode._PARTIALS
+    if mode == "full":
+        return source
+    if mode not in _CUTS:
+        raise ValueError(f"variant {mode!r}: allowed are full, {', '.join(_CUTS)}")
+    start, end = _CUTS[mode]
+    if source.count(start) != 1 or source.count(end) != 1 or source.index(start) > source.index(end):
+        raise ValueError(f"variant {mode!r}: fused_decode._PARTIALS no longer has its markers; update _CUTS")
+    return source[: source.index(start)] + "    }\n" + source[source.index(end):]
+
+
+def per_call_ms(fn, calls: int = 30, batches: int = 5) -> float:
+    """Median over `batches` of the ms per call of `calls` calls enqueued then evaluated once."""
+    import mlx.core as mx
+
+    mx.eval(fn())
+    times = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        mx.eval([fn() for _ in range(calls)])
+        times.append((time.perf_counter() - start) / calls * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _filled_kivi(n: int):
+    import mlx.core as mx
+
+    from veloxquant_mlx import KVCacheConfig
+    from veloxquant_mlx.cache.kivi import KIVICache
+
+    mx.random.seed(0)
+    k = mx.random.normal((1, HK, n, D)).astype(mx.bfloat16)
+    v = mx.random.normal((1, HK, n, D)).astype(mx.bfloat16)
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
+    cache = KIVICache(KVCacheConfig(method="kivi", bit_width_inlier=2))
+    cache.update_and_fetch(k[:, :, :-1], v[:, :, :-1])
+    cache.attention(q, scale=D**-0.5)
+    cache.update_and_fetch(k[:, :, -1:], v[:, :, -1:])
+    mx.eval(list(cache.store.values()), cache.window_keys)
+    return cache, k, v, q
+
+
+def _partials_call(kernel, cache, q, target_warps: int):
+    import mlx.core as mx
+
+    from veloxquant_mlx.cache import fused_decode as fd
+
+    s, n, R = cache.store, cache.n_compressed, HQ // HK
+    saved = fd.TARGET_WARPS
+    fd.TARGET_WARPS = target_warps
+    try:
+        per_block = fd.tokens_per_block(n, HK)
+    finally:
+        fd.TARGET_WARPS = saved
+    n_hist = -(-n // per_block)
+    meta = fd._meta(n, per_block, n_hist, D**-0.5, 0)
+    rows = q.reshape(1, HK, R, D)
+    inputs = [rows, s["key_codes"], s["key_scales"], s["key_biases"], s["value_codes"],
+              s["value_scales"], s["value_biases"], cache.window_keys, cache.window_values, meta]
+    template = [("D", D), ("DV", D), ("R", R), ("G", cache.group_size), ("KB", 2), ("VB", 2),
+                ("LPT", fd.lanes_per_token(D, 2)), ("QT", mx.bfloat16), ("ST", s["key_scales"].dtype)]
+    blocks = n_hist + 1
+    return lambda: kernel(
+        inputs=inputs, template=template, grid=(32 * fd.WARPS_PER_BLOCK * blocks, HK, 1),
+        threadgroup=(32 * fd.WARPS_PER_BLOCK, 1, 1),
+        output_shapes=[(HK, blocks, R, D), (HK, blocks, R), (HK, blocks, R)],
+        output_dtypes=[mx.float32] * 3)[0]
+
+
+def probe_read(n: int = 131072) -> dict:
+    import mlx.core as mx
+
+    words = n * 2 // 32
+    codes = mx.random.randint(0, 2**31, (HK, 128, words)).astype(mx.uint32)
+    mx.eval(codes)
+    kernel = mx.fast.cuda_kernel(name="vq_probe_read", input_names=["kc"], output_names=["out"],
+                                 source=READ_SOURCE)
+    out = {"tokens": n, "bytes": int(codes.nbytes)}
+    for mode, layout in ((0, "kt_rows"), (1, "tile_major")):
+        for blocks in (264, 1056):
+            call = lambda mode=mode, blocks=blocks: kernel(  # noqa: E731
+                inputs=[codes], template=[("MODE", mode)], grid=(128 * blocks, HK, 1),
+                threadgroup=(128, 1, 1), output_shapes=[(HK * blocks * 128,)], output_dtypes=[mx.uint32])[0]
+            ms = per_call_ms(call)
+            out[f"{layout}_blocks{blocks}"] = {"ms": ms, "GB_per_s": codes.nbytes / ms / 1e6}
+    return out
+
+
+def probe_decode(n: int) -> dict:
+    import mlx.core as mx
+
+    from veloxquant_mlx.cache import fused_decode as fd
+
+    cache, k, v, q = _filled_kivi(n)
+    out = {
+        "fp16_sdpa_ms": per_call_ms(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5)),
+        "kivi_attention_ms": per_call_ms(lambda: cache.attention(q, scale=D**-0.5)),
+        "history_bytes": int(sum(a.nbytes for a in cache.store.values()) * cache.n_compressed / cache.capacity),
+    }
+    for mode in ("full", "noscore", "novalue"):
+        kernel = mx.fast.cuda_kernel(
+            name=f"vq_probe_{mode}", input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "meta"],
+            output_names=["part_o", "part_m", "part_l"], source=variant_source(mode), header=fd._HEADER)
+        targets = (fd.TARGET_WARPS, 1024, 16384) if mode == "full" else (fd.TARGET_WARPS,)
+        for warps in targets:
+            out[f"partials_{mode}_warps{warps}_ms"] = per_call_ms(_partials_call(kernel, cache, q, warps))
+    return out
+
+
+def probe_prefill(n: int = 32768, chunk: int = 2048) -> dict:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from veloxquant_mlx import KVCacheConfig
+    from veloxquant_mlx.cache.kivi import KIVICache
+
+    mx.random.seed(1)
+    k = mx.random.normal((1, HK, n, D)).astype(mx.bfloat16)
+    v = mx.random.normal((1, HK, n, D)).astype(mx.bfloat16)
+    q = mx.random.normal((1, HQ, n, D)).astype(mx.bfloat16)
+    mx.eval(k, v, q)
+    out = {"tokens": n, "chunk": chunk, "runs": []}
+    for name in ("fp16", "kivi", "fp16", "kivi"):
+        cache = KVCache() if name == "fp16" else KIVICache(KVCacheConfig(method="kivi", bit_width_inlier=2))
+        start = time.perf_counter()
+        for s0 in range(0, n, chunk):
+            part = slice(s0, s0 + chunk)
+            if name == "fp16":
+                keys, values = cache.update_and_fetch(k[:, :, part], v[:, :, part])
+                mx.eval(mx.fast.scaled_dot_product_attention(q[:, :, part], keys, values, scale=D**-0.5, mask="causal"))
+            else:
+                cache.update_and_fetch(k[:, :, part], v[:, :, part])
+                mx.eval(cache.attention(q[:, :, part], scale=D**-0.5, mask="causal"), list(cache.store.values()))
+        out["runs"].append({"cache": name, "seconds": time.perf_counter() - start})
+    rows = q[:, :, -chunk:]
+    keys, values = cache._full_keys_values()
+    mx.eval(keys, values)
+    out["kivi_last_chunk_ms"] = {
+        "decode_history": per_call_ms(lambda: cache._decode(), calls=5, batches=3),
+        "history_plus_window": per_call_ms(lambda: cache._full_keys_values(), calls=5, batches=3),
+        "fused_attention": per_call_ms(lambda: mx.fast.scaled_dot_product_attention(
+            rows, keys, values, scale=D**-0.5, mask="causal"), calls=5, batches=3),
+        "encode_one_chunk": per_call_ms(lambda: list(cache._encode(k[:, :, :chunk], v[:, :, :chunk]).values()),
+                                        calls=5, batches=3),
+    }
+    return out
+
+
+def run(args) -> dict:
+    from veloxquant_mlx.cache.fused_decode import _on_cuda
+    from veloxquant_mlx.errors import QuantizerConfigError
+
+    if not _on_cuda():
+        raise QuantizerConfigError(f"{MODULE} needs MLX's CUDA backend as the default device (it times CUDA kernels)")
+    rows = {}
+    if "read" in args.parts:
+        rows["read"] = probe_read()
+    if "decode" in args.parts:
+        rows["decode"] = {str(n): probe_decode(n) for n in args.contexts}
+    if "prefill" in args.parts:
+        rows["prefill"] = probe_prefill()
+    return {"settings": {"parts": args.parts, "contexts": args.contexts}, "results": rows}
+
+
+def main(argv=None) -> int:
+    from veloxquant_mlx.bench.command import run_module
+
+    return run_module(MODULE, parse_args, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
