@@ -487,6 +487,24 @@ class CompressedKVCache(_BaseCache):
         self.window_keys, self.window_values = v[1], v[2]
         self.store = dict(zip(names, v[3:]))
 
+    def _split_state(self, v, extra_counts: tuple[int, ...], layout: str):
+        """A method whose state adds entries after the base's (meta, window_keys, window_values,
+        *store arrays): (the base's part, the added entries). `extra_counts` are the numbers of
+        added entries accepted (older formats had fewer); anything else is refused, naming
+        `layout` (the whole tuple the method writes)."""
+        try:
+            n_arrays = len(json.loads(v[0])["store"])
+        except (TypeError, ValueError, KeyError, IndexError):
+            n_arrays = None
+        extra = None if n_arrays is None else len(v) - 3 - n_arrays
+        if not isinstance(v, (list, tuple)) or extra not in extra_counts:
+            got = f"{len(v)} entries" if isinstance(v, (list, tuple)) else type(v).__name__
+            raise QuantizerConfigError(
+                f"{type(self).__name__} state must be {layout} ({', '.join(map(str, extra_counts))} "
+                f"entries after the store arrays); got {got}"
+            )
+        return v[: 3 + n_arrays], tuple(v[3 + n_arrays :])
+
     @classmethod
     def from_state(cls, state):
         obj = cls.__new__(cls)

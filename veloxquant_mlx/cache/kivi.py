@@ -67,7 +67,6 @@ Deviations from the paper:
 
 from __future__ import annotations
 
-import json
 from fractions import Fraction
 from functools import lru_cache
 
@@ -333,19 +332,11 @@ class KIVICache(CompressedKVCache):
         # (meta, window_keys, window_values, *arrays, sink_keys, sink_values); states written
         # before the sink was kept end at the arrays: they load without a sink, and attend
         # exactly as they did (their column 0 holds token 0's own codes).
-        try:
-            n_arrays = len(json.loads(v[0])["store"])
-        except (TypeError, ValueError, KeyError, IndexError):
-            n_arrays = None
-        extra = None if n_arrays is None else len(v) - 3 - n_arrays
-        if not isinstance(v, (list, tuple)) or extra not in (0, 2):
-            raise QuantizerConfigError(
-                "KIVICache state must be (meta, window_keys, window_values, *arrays, sink_keys, "
-                "sink_values), or without the two sink entries (states written before the exact "
-                f"sink); got {len(v) if isinstance(v, (list, tuple)) else type(v).__name__} entries"
-            )
-        CompressedKVCache.state.fset(self, v[: 3 + n_arrays])
-        sink = tuple(v[3 + n_arrays :]) or (None, None)
+        base, sink = self._split_state(
+            v, (0, 2), "(meta, window_keys, window_values, *arrays, sink_keys, sink_values), or "
+            "without the two sink entries (states written before the exact sink)")
+        CompressedKVCache.state.fset(self, base)
+        sink = sink or (None, None)
         if (sink[0] is None) != (sink[1] is None):
             raise QuantizerConfigError("KIVICache state: sink_keys and sink_values must both be arrays or both None")
         if sink[0] is not None:

@@ -80,7 +80,6 @@ Deviations from the paper:
 
 from __future__ import annotations
 
-import json
 
 import mlx.core as mx
 
@@ -342,17 +341,10 @@ class TurboQuantRVQCache(CompressedKVCache):
     def state(self, v):
         # (meta, window_keys, window_values, *arrays, key_mean, sink_key_delta, sink_value_delta);
         # states written before the sink correction end at key_mean.
-        try:
-            n_arrays = len(json.loads(v[0])["store"])
-        except (TypeError, ValueError, KeyError, IndexError):
-            n_arrays = None
-        extra = None if n_arrays is None else len(v) - 3 - n_arrays
-        if not isinstance(v, (list, tuple)) or extra not in (1, 3):
-            raise QuantizerConfigError(
-                "TurboQuantRVQCache state must be (meta, window_keys, window_values, *arrays, "
-                "key_mean, sink_key_delta, sink_value_delta)"
-            )
-        self.key_mean = v[3 + n_arrays]
-        deltas = tuple(v[4 + n_arrays :])
+        base, extra = self._split_state(
+            v, (1, 3), "(meta, window_keys, window_values, *arrays, key_mean, sink_key_delta, "
+            "sink_value_delta), or ending at key_mean (states written before the sink correction)")
+        self.key_mean = extra[0]
+        deltas = extra[1:]
         self.sink_deltas = deltas if len(deltas) == 2 and deltas[0] is not None else None
-        CompressedKVCache.state.fset(self, v[: 3 + n_arrays])
+        CompressedKVCache.state.fset(self, base)
