@@ -48,6 +48,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,12 @@ import mlx.core as mx
 import numpy as np
 
 RUN_TIMEOUT_S = 120  # a deadlocked barrier (a shuffle not every lane calls) ends here
-_BUILD_FLAGS = ["-std=c++20", "-O1", "-pthread", "-w"]
+# VQ_CUDA_EMULATION_SANITIZE=1: AddressSanitizer and UBSan in the program (slower to build and
+# run): a kernel reading or writing outside an input or output (each is its own allocation,
+# without slack) or shifting by too much fails with the sanitizer's report.
+SANITIZE = os.environ.get("VQ_CUDA_EMULATION_SANITIZE", "0") == "1"
+_BUILD_FLAGS = ["-std=c++20", "-O1", "-pthread", "-w"] + (
+    ["-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"] if SANITIZE else [])
 
 
 def _cxx20_compiler() -> str | None:
@@ -82,6 +88,7 @@ _SHIM = r"""
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <cstdlib>
 #include <cstring>
 #include <cmath>
@@ -192,7 +199,7 @@ static std::vector<char> vq_read(const char* dir, const char* name) {
   std::fseek(f, 0, SEEK_END);
   const long n = std::ftell(f);
   std::fseek(f, 0, SEEK_SET);
-  std::vector<char> data(n + 64);  // slack: a 0-byte input still has an address
+  std::vector<char> data(n > 0 ? n : 1);  // no slack: a sanitized build sees any read past the end
   if (n && std::fread(data.data(), 1, n, f) != (size_t)n) { std::fprintf(stderr, "short read %s\n", path); std::exit(2); }
   std::fclose(f);
   return data;
@@ -238,8 +245,9 @@ int main(int argc, char** argv) {
     for (auto& th : threads) th.join();
   }
   for (int i = 0; i < N_OUT; ++i) {
-    FILE* f = std::fopen((std::string(dir) + "/out" + std::to_string(i) + ".bin").c_str(), "wb");
-    const size_t n = out[i].size() - 64;
+    const std::string path = std::string(dir) + "/out" + std::to_string(i) + ".bin";
+    const size_t n = std::filesystem::file_size(path);  // before fopen truncates it
+    FILE* f = std::fopen(path.c_str(), "wb");
     if (!f || std::fwrite(out[i].data(), 1, n, f) != n) return 3;
     std::fclose(f);
   }
@@ -343,6 +351,10 @@ class EmulatedKernel:
         mx.eval(*arrays)
         sig = _Signature(tuple((k, v) for k, v in (template or [])), tuple(a.dtype for a in arrays),
                          tuple(a.ndim for a in arrays), tuple(output_dtypes))
+        if _CAPTURED is not None:  # signatures_only(): record, run nothing
+            _CAPTURED.append((self, sig))
+            return [_from_bytes(_initial_output(shape, dtype, init_value), shape, dtype)
+                    for shape, dtype in zip(output_shapes, output_dtypes)]
         exe = self.executable(sig)
         if verbose:
             print(self.program(sig))
@@ -364,11 +376,44 @@ class EmulatedKernel:
                                      "a barrier or shuffle not every thread reached?)") from exc
             if done.returncode != 0:
                 raise EmulationError(f"emulated kernel {self.name!r} failed with exit status {done.returncode}: "
-                                     f"{done.stderr.decode(errors='replace')[-2000:]}")
+                                     + _report(done.stderr.decode(errors="replace")))
             outs = [_from_bytes((run_dir / f"out{i}.bin").read_bytes(), shape, dtype)
                     for i, (shape, dtype) in enumerate(zip(output_shapes, output_dtypes))]
         self.calls += 1
         return outs
+
+
+def _report(stderr: str) -> str:
+    """The start of a sanitizer's report (what was read where), else the end of stderr."""
+    for mark in ("ERROR: AddressSanitizer", "runtime error"):
+        at = stderr.find(mark)
+        if at >= 0:
+            return stderr[max(0, at - 200): at + 2500]
+    return stderr[-2500:]
+
+
+_CAPTURED: list | None = None
+
+
+@contextmanager
+def signatures_only():
+    """Within: emulated kernels record (kernel, signature) instead of running and return poisoned
+    outputs; the list is yielded. A test collects what its cases will compile from small caches
+    and builds it at once with prebuild_captured (the signature does not depend on the number of
+    tokens, only on dtypes, ranks and template values)."""
+    global _CAPTURED
+    _CAPTURED = captured = []
+    try:
+        yield captured
+    finally:
+        _CAPTURED = None
+
+
+def prebuild_captured(captured) -> None:
+    """Compile the captured programs, one per core."""
+    programs = {k.program(sig) for k, sig in captured}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(_build, programs))
 
 
 def cuda_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
@@ -428,14 +473,6 @@ def _build(program: str) -> Path:
     return exe
 
 
-def prebuild(jobs) -> None:
-    """Compile several (kernel, template, input_dtypes, input_ndims, output_dtypes) programs at
-    once, one per core (a cold test run pays the compiler once per template set)."""
-    jobs = [(k, _Signature(tuple(t), tuple(i), tuple(n), tuple(o))) for k, t, i, n, o in jobs]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        list(pool.map(lambda job: job[0].executable(job[1]), jobs))
-
-
 # ---- the interface of the rotated kernel's test (test_fused_decode_rotated.py) ----
 
 NAMES = ["q", "ksg", "vsg", "kmean", "kc1", "ks1", "kz1", "kc2", "km2",
@@ -465,9 +502,7 @@ def compiled(configs: tuple[tuple[int, ...], ...]):
     # Ranks as decode_step hands them: q (B, Hq, 1, D) ... the sink's dummies; only the inputs
     # whose *_shape the source reads (wk, kc2) need a rank > 0 to be declared.
     ndims = (4,) * len(NAMES) + (1,)
-    jobs = [(kernel, s.template, s.input_dtypes, s.input_ndims, s.output_dtypes)
-            for s in (_rotated_signature(c, ndims) for c in configs)]
-    prebuild(jobs)
+    prebuild_captured([(kernel, _rotated_signature(c, ndims)) for c in configs])
     return kernel
 
 

@@ -38,7 +38,9 @@ def _filled(cache, n, *, B, H, rep, D, dtype, seed=0):
     mx.random.seed(seed)
     k = mx.random.normal((B, H, n, D)) * mx.where(mx.arange(D) % 16 == 3, 4.0, 1.0) + 0.5
     cache.update_and_fetch(k.astype(dtype), mx.random.normal((B, H, n, D)).astype(dtype))
-    mx.eval(cache.attention(mx.random.normal((B, rep * H, n, D)).astype(dtype), scale=D**-0.5, mask="causal"))
+    # One query row (the last prefill token's) is enough for the attention call that flushes
+    # the window into the compressed history; n rows under a causal mask cost ~1 s on the CPU.
+    mx.eval(cache.attention(mx.random.normal((B, rep * H, 1, D)).astype(dtype), scale=D**-0.5))
     cache.update_and_fetch(mx.random.normal((B, H, 1, D)).astype(dtype), mx.random.normal((B, H, 1, D)).astype(dtype))
     return (2 * mx.random.normal((B, rep * H, 1, D))).astype(dtype)
 
@@ -79,6 +81,39 @@ CASES = [
 ]
 
 
+# A corrupted kernel must fail the comparison: one index changed in each kernel (in memory;
+# fused_decode.py is untouched). The partials one is subtle: the attention sink, handed in
+# exactly with the window, is also attended from its compressed codes (0.0013 off).
+MUTATIONS = [
+    ("partials: skip ignored", "_PARTIALS", "const int lo = window ? 0 : n_skip;", "const int lo = 0;"),
+    ("merge: block stride", "_MERGE", "po[(size_t)b * R * DV]", "po[(size_t)b * DV]"),
+]
+
+
+def _mutated(monkeypatch, attr, old, new):
+    source = getattr(fused_decode, attr)
+    assert old in source, f"fused_decode.{attr} no longer contains {old!r}: pick a new mutation"
+    monkeypatch.setattr(fused_decode, attr, source.replace(old, new, 1))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_built_in_parallel():
+    """Every program the tests below compile, built up front one per core: the signatures are
+    captured from small caches of the same shapes (a cold run pays the compiler ~1 s each)."""
+    captured = []
+    with pytest.MonkeyPatch.context() as mp, cuda_emulation.signatures_only() as captured:
+        for name, make, dtype, D, B, rep, n, warps in CASES:
+            cache = make()
+            q_heads = _filled(cache, 100, B=B, H=2, rep=rep, D=D, dtype=dtype)
+            _emulated_step(mp, cache, q_heads, D**-0.5)
+        for name, attr, old, new in MUTATIONS:
+            with pytest.MonkeyPatch.context() as mutated:
+                _mutated(mutated, attr, old, new)
+                cache = CASES[0][1]()
+                _emulated_step(mp, cache, _filled(cache, 100, B=1, H=2, rep=4, D=128, dtype=mx.float32), 128**-0.5)
+    cuda_emulation.prebuild_captured(captured)
+
+
 @pytest.mark.parametrize("name, make, dtype, D, B, rep, n, warps", CASES, ids=[c[0] for c in CASES])
 def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make, dtype, D, B, rep, n, warps):
     if warps:
@@ -113,3 +148,14 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
     tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
     assert np.allclose(got, expected, atol=tol, rtol=tol), np.abs(got - expected).max()
 
+
+
+@pytest.mark.parametrize("name, attr, old, new", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, attr, old, new):
+    cache = _kivi(bit_width_inlier=2)()
+    q_heads = _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+    expected = np.array(cache.attention(q_heads, scale=128**-0.5))
+    _mutated(monkeypatch, attr, old, new)
+    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    assert [k.calls for k in made] == [1, 1]
+    assert np.abs(np.array(got) - expected).max() > 1e-4  # 5x the tolerance above, at least
