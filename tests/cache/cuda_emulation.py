@@ -24,6 +24,8 @@ crash or a hang is a test failure with the program's message, not a dead test se
     the kernels' own load and store paths;
   * __ldg, __funnelshift_l/r, __int_as_float and friends, rsqrtf, __popc, atomicAdd (a lock)
     as their definitions;
+  * CUDA's launch limits (1024 threads per block, grid sizes) and its 48 KB of static shared
+    memory per block (the kernel's statics, read from the program's symbol table) are checked;
   * outputs start filled with 0xff bytes (NaN for floats), as MLX hands a kernel uninitialized
     memory unless init_value is given: an element the kernel forgets to write shows.
 
@@ -106,6 +108,7 @@ using std::min; using std::max;
 #define __global__
 #define __forceinline__ inline
 #define __noinline__
+#define __launch_bounds__(...)
 #define __restrict__
 #define __grid_constant__
 #define __shared__ static
@@ -355,9 +358,14 @@ class EmulatedKernel:
             _CAPTURED.append((self, sig))
             return [_from_bytes(_initial_output(shape, dtype, init_value), shape, dtype)
                     for shape, dtype in zip(output_shapes, output_dtypes)]
+        _check_launch(self.name, grid, threadgroup)
         exe = self.executable(sig)
         if verbose:
             print(self.program(sig))
+        shared = _static_shared_bytes(exe)
+        if shared is not None and shared > SHARED_LIMIT:
+            raise EmulationError(f"emulated kernel {self.name!r} declares {shared} bytes of __shared__ memory; "
+                                 f"CUDA allows {SHARED_LIMIT} static bytes per block")
         with tempfile.TemporaryDirectory(prefix="vq_cuda_run_") as tmp:
             run_dir = Path(tmp)
             spec = [" ".join(map(str, (*grid, *threadgroup)))]
@@ -381,6 +389,38 @@ class EmulatedKernel:
                     for i, (shape, dtype) in enumerate(zip(output_shapes, output_dtypes))]
         self.calls += 1
         return outs
+
+
+SHARED_LIMIT = 48 * 1024  # static __shared__ bytes per block (more needs opt-in dynamic memory)
+
+
+def _check_launch(name: str, grid, threadgroup) -> None:
+    """The launch limits CUDA enforces (a launch beyond them fails on the GPU)."""
+    threads = int(np.prod(threadgroup))
+    blocks = [-(-g // t) for g, t in zip(grid, threadgroup)]
+    if len(grid) != 3 or len(threadgroup) != 3 or min(*grid, *threadgroup) < 1:
+        raise EmulationError(f"emulated kernel {name!r}: grid {grid} and threadgroup {threadgroup} must be 3 positive ints")
+    if threads > 1024 or threadgroup[2] > 64:
+        raise EmulationError(f"emulated kernel {name!r}: threadgroup {threadgroup} exceeds CUDA's 1024 threads per block (z <= 64)")
+    if blocks[0] >= 2**31 or blocks[1] > 65535 or blocks[2] > 65535:
+        raise EmulationError(f"emulated kernel {name!r}: {blocks} blocks exceed CUDA's grid limits (2^31-1, 65535, 65535)")
+
+
+_SHARED_BYTES: dict[Path, int | None] = {}
+
+
+def _static_shared_bytes(exe: Path) -> int | None:
+    """Bytes of the kernel function's __shared__ arrays (its local statics, from the symbol table),
+    None without nm. Shared arrays declared in helper functions are not counted."""
+    if exe not in _SHARED_BYTES:
+        nm = shutil.which("nm")
+        total = None
+        if nm:
+            listing = subprocess.run([nm, "-S", str(exe)], capture_output=True, text=True).stdout
+            total = sum(int(f[1], 16) for f in (line.split() for line in listing.splitlines())
+                        if len(f) == 4 and f[3].startswith("_ZZ9vq_kernel"))
+        _SHARED_BYTES[exe] = total
+    return _SHARED_BYTES[exe]
 
 
 def _report(stderr: str) -> str:
