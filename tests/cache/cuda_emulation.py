@@ -38,7 +38,8 @@ __syncwarp may go unnoticed), shared memory's initial garbage (statics start at 
 the previous block's values), fast-math differences of CUDA's expf/fmaf (results agree to float
 rounding, not bit for bit).
 
-The older interface of the rotated kernel's test (compiled / run_partials / merge) is kept on
+tests/cache/test_cuda_emulation.py checks the primitives themselves. The older interface of the
+rotated kernel's test (compiled / run_partials / merge) is kept on
 top of this (tests/cache/test_fused_decode_rotated.py).
 """
 
