@@ -6,6 +6,8 @@ decode step goes the way it goes on CUDA: KIVICache._fused_decode / XQuantCache.
 decode_step (the exact sink as skip + exact prefix) -> affine_decode_attention (blocks, meta,
 template constants, grid) -> the two kernel sources, as written. Expected: the same step with the
 kernels off (the CPU default: CompressedKVCache's portable attention over quantized_matmul).
+turboquant_rvq's step (fused_decode_rotated's partials kernel + this merge kernel) goes the same
+way in two cases. Two corrupted sources (in memory) show that the comparison fails.
 What the emulation cannot check is listed in its docstring (nvrtc, speed, lock-step races).
 """
 
@@ -15,8 +17,9 @@ import pytest
 
 from tests.cache import cuda_emulation
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, fused_decode_rotated
 from veloxquant_mlx.cache.kivi import KIVICache
+from veloxquant_mlx.cache.turboquant_rvq import TurboQuantRVQCache
 from veloxquant_mlx.cache.xquant import XQuantCache
 
 pytestmark = pytest.mark.skipif(
@@ -54,14 +57,18 @@ def _emulated_step(monkeypatch, cache, q_heads, scale):
         made.append(cuda_emulation.cuda_kernel(*args, **kwargs))
         return made[-1]
 
-    fused_decode._kernels.cache_clear()  # built anew with the emulation; cleared again after
+    # The kernels are built anew with the emulation, and dropped again after.
+    caches = (fused_decode._kernels, fused_decode_rotated._partials_kernel)
+    for built in caches:
+        built.cache_clear()
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
     try:
         out = cache.attention(q_heads, scale=scale)
         mx.eval(out)
     finally:
-        fused_decode._kernels.cache_clear()
+        for built in caches:
+            built.cache_clear()
     return out, made
 
 
@@ -96,6 +103,19 @@ def _mutated(monkeypatch, attr, old, new):
     monkeypatch.setattr(fused_decode, attr, source.replace(old, new, 1))
 
 
+# turboquant_rvq's decode step: fused_decode_rotated's partials kernel and fused_decode's merge
+# kernel, as fused_decode_rotated.decode_step wires them (its own emulation test assembles the
+# partials' arguments itself and merges in numpy); the 16-bit load paths run here only.
+ROTATED_CASES = [
+    ("turboquant_rvq-4 hd128 gqa4 sink", mx.float32, 128, 1, 4, 300),
+    ("turboquant_rvq-4 bf16 hd64 batch2 mha", mx.bfloat16, 64, 2, 1, 300),
+]
+
+
+def _rotated():
+    return TurboQuantRVQCache(KVCacheConfig(method="turboquant_rvq", bit_width_inlier=4))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _programs_built_in_parallel():
     """Every program the tests below compile, built up front one per core: the signatures are
@@ -106,6 +126,9 @@ def _programs_built_in_parallel():
             cache = make()
             q_heads = _filled(cache, 100, B=B, H=2, rep=rep, D=D, dtype=dtype)
             _emulated_step(mp, cache, q_heads, D**-0.5)
+        for name, dtype, D, B, rep, n in ROTATED_CASES:
+            cache = _rotated()  # 100 tokens would all be in its exact window: no kernel call
+            _emulated_step(mp, cache, _filled(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
         for name, attr, old, new in MUTATIONS:
             with pytest.MonkeyPatch.context() as mutated:
                 _mutated(mutated, attr, old, new)
@@ -148,6 +171,20 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
     tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
     assert np.allclose(got, expected, atol=tol, rtol=tol), np.abs(got - expected).max()
 
+
+
+@pytest.mark.parametrize("name, dtype, D, B, rep, n", ROTATED_CASES, ids=[c[0] for c in ROTATED_CASES])
+def test_the_emulated_rotated_step_is_the_portable_attention(monkeypatch, name, dtype, D, B, rep, n):
+    cache = _rotated()
+    q_heads = _filled(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
+    assert cache.n_compressed > 0 and cache.sink_deltas is not None  # the exact sink is in play
+    expected = np.array(cache.attention(q_heads.astype(mx.float32), scale=D**-0.5))
+    got, made = _emulated_step(monkeypatch, cache, q_heads, D**-0.5)
+    assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_rotated_decode_partials"]
+    assert got.dtype == dtype and got.shape == q_heads.shape
+    tol = {mx.float32: 2e-5, mx.bfloat16: 1e-2}[dtype]
+    got = np.array(got.astype(mx.float32))
+    assert np.allclose(got, expected, atol=tol, rtol=tol), np.abs(got - expected).max()
 
 
 @pytest.mark.parametrize("name, attr, old, new", MUTATIONS, ids=[m[0] for m in MUTATIONS])
