@@ -329,10 +329,13 @@ class EmulatedKernel:
         for key, value in sig.template:
             if isinstance(value, bool):
                 constants.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
-            elif isinstance(value, int):
-                constants.append(f"  constexpr int {key} = {value};")
-            else:
+            elif isinstance(value, (int, np.integer)):
+                constants.append(f"  constexpr int {key} = {int(value)};")
+            elif isinstance(value, mx.Dtype):
                 constants.append(f"  using {key} = {_c_type(value)};")
+            else:
+                raise EmulationError(f"cuda_kernel {self.name!r}: template argument {key}={value!r}; "
+                                     "allowed are int, bool and an MLX dtype")
         kernel = ("void vq_kernel(" + ", ".join(params) + ") {\n" + "\n".join(constants) + "\n"
                   + self.source + "\n}\n")
         main = (_MAIN.replace("N_IN", str(len(self.input_names))).replace("N_OUT", str(len(self.output_names)))
@@ -397,14 +400,14 @@ SHARED_LIMIT = 48 * 1024  # static __shared__ bytes per block (more needs opt-in
 
 def _check_launch(name: str, grid, threadgroup) -> None:
     """The launch limits CUDA enforces (a launch beyond them fails on the GPU)."""
-    threads = int(np.prod(threadgroup))
-    blocks = [-(-g // t) for g, t in zip(grid, threadgroup)]
+    where = f"emulated kernel {name!r}"
     if len(grid) != 3 or len(threadgroup) != 3 or min(*grid, *threadgroup) < 1:
-        raise EmulationError(f"emulated kernel {name!r}: grid {grid} and threadgroup {threadgroup} must be 3 positive ints")
-    if threads > 1024 or threadgroup[2] > 64:
-        raise EmulationError(f"emulated kernel {name!r}: threadgroup {threadgroup} exceeds CUDA's 1024 threads per block (z <= 64)")
+        raise EmulationError(f"{where}: grid {grid} and threadgroup {threadgroup} must be 3 positive ints")
+    if int(np.prod(threadgroup)) > 1024 or threadgroup[2] > 64:
+        raise EmulationError(f"{where}: threadgroup {threadgroup} exceeds CUDA's 1024 threads per block (z <= 64)")
+    blocks = [-(-g // t) for g, t in zip(grid, threadgroup)]
     if blocks[0] >= 2**31 or blocks[1] > 65535 or blocks[2] > 65535:
-        raise EmulationError(f"emulated kernel {name!r}: {blocks} blocks exceed CUDA's grid limits (2^31-1, 65535, 65535)")
+        raise EmulationError(f"{where}: {blocks} blocks exceed CUDA's grid limits (2^31-1, 65535, 65535)")
 
 
 _SHARED_BYTES: dict[Path, int | None] = {}

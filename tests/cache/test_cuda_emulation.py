@@ -105,6 +105,8 @@ def test_launch_limits_and_shared_memory_are_cudas():
         call(64, threads=2048, grid=2048)
     with pytest.raises(emu.EmulationError, match="must be 3 positive ints"):
         call(64, grid=0)
+    with pytest.raises(emu.EmulationError, match="must be 3 positive ints"):
+        call(64, threads=0)
     with pytest.raises(emu.EmulationError, match=r"declares 49156 bytes of __shared__ memory; CUDA allows 49152"):
         call(12289)
     assert np.array(call(12288)[0]).tolist() == [0.0]  # exactly 48 KB runs
