@@ -1,0 +1,198 @@
+"""fused_decode's two CUDA kernels (partials over KIVI-layout codes, and the merge), run on the CPU
+by the thread-level emulation (tests/cache/cuda_emulation.py), against the portable attention.
+
+The emulation stands in for mx.fast.cuda_kernel and the kernels are reported active, so a cache's
+decode step goes the way it goes on CUDA: KIVICache._fused_decode / XQuantCache._fused_decode ->
+decode_step (the exact sink as skip + exact prefix) -> affine_decode_attention (blocks, meta,
+template constants, grid) -> the two kernel sources, as written. Expected: the same step with the
+kernels off (the CPU default: CompressedKVCache's portable attention over quantized_matmul).
+turboquant_rvq's step (fused_decode_rotated's partials kernel + this merge kernel) goes the same
+way in two cases. Two corrupted sources (in memory) show that the comparison fails.
+What the emulation cannot check is listed in its docstring (nvrtc, speed, lock-step races).
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.cache import cuda_emulation
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache import fused_decode, fused_decode_rotated
+from veloxquant_mlx.cache.kivi import KIVICache
+from veloxquant_mlx.cache.turboquant_rvq import TurboQuantRVQCache
+from veloxquant_mlx.cache.xquant import XQuantCache
+
+pytestmark = pytest.mark.skipif(
+    cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier and _Float16 for the kernels' CPU emulation"
+)
+
+
+def _kivi(**fields):
+    return lambda: KIVICache(KVCacheConfig(method="kivi", kivi_residual_length=32, **fields))
+
+
+def _xquant():
+    return XQuantCache(KVCacheConfig(method="xquant", bit_width_inlier=2, xquant_residual_length=32))
+
+
+def _filled(cache, n, *, B, H, rep, D, dtype, seed=0):
+    """A cache after a prefill of n tokens (keys with an offset and outlier channels, as real
+    keys have), then one decode token: returns the decode step's queries."""
+    mx.random.seed(seed)
+    k = mx.random.normal((B, H, n, D)) * mx.where(mx.arange(D) % 16 == 3, 4.0, 1.0) + 0.5
+    cache.update_and_fetch(k.astype(dtype), mx.random.normal((B, H, n, D)).astype(dtype))
+    # One query row (the last prefill token's) is enough for the attention call that flushes
+    # the window into the compressed history; n rows under a causal mask cost ~1 s on the CPU.
+    mx.eval(cache.attention(mx.random.normal((B, rep * H, 1, D)).astype(dtype), scale=D**-0.5))
+    cache.update_and_fetch(mx.random.normal((B, H, 1, D)).astype(dtype), mx.random.normal((B, H, 1, D)).astype(dtype))
+    return (2 * mx.random.normal((B, rep * H, 1, D))).astype(dtype)
+
+
+def _emulated_step(monkeypatch, cache, q_heads, scale):
+    """The decode step with fused_decode's kernels active and run by the emulation; also the
+    emulated kernels (to check that they ran)."""
+    made = []
+
+    def cuda_kernel(*args, **kwargs):
+        made.append(cuda_emulation.cuda_kernel(*args, **kwargs))
+        return made[-1]
+
+    # The kernels are built anew with the emulation, and dropped again after.
+    caches = (fused_decode._kernels, fused_decode_rotated._partials_kernel)
+    for built in caches:
+        built.cache_clear()
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
+    try:
+        out = cache.attention(q_heads, scale=scale)
+        mx.eval(out)
+    finally:
+        for built in caches:
+            built.cache_clear()
+    return out, made
+
+
+# (name, cache factory, dtype, head dim, batch, GQA rows, prefill tokens, TARGET_WARPS or None)
+CASES = [
+    ("kivi-2 hd128 gqa4 sink", _kivi(bit_width_inlier=2), mx.float32, 128, 1, 4, 1100, None),
+    ("kivi-4/2 hd64 batch2 mha", _kivi(key_bits=4, value_bits=2), mx.float32, 64, 2, 1, 700, None),
+    ("kivi-8 hd128 gqa2", _kivi(bit_width_inlier=8), mx.float32, 128, 1, 2, 700, None),
+    ("xquant-2 hd128 gqa4", _xquant, mx.float32, 128, 1, 4, 700, None),
+    # 672 history tokens: blocks of 512 leave a last block of 160, whose second tile holds 32
+    ("kivi-2 ragged last block", _kivi(bit_width_inlier=2), mx.float32, 128, 1, 4, 730, None),
+    # one block per head, each warp walks several 128-token tiles (online softmax across tiles)
+    ("kivi-2 many tiles per warp", _kivi(bit_width_inlier=2), mx.float32, 128, 1, 4, 1100, 1),
+    # the 16-bit load and store paths (QT, ST): the kernel's output in the queries' dtype
+    ("kivi-4/2 fp16 hd64 batch2 mha", _kivi(key_bits=4, value_bits=2), mx.float16, 64, 2, 1, 700, None),
+    ("kivi-2 bf16 hd128 gqa4", _kivi(bit_width_inlier=2), mx.bfloat16, 128, 1, 4, 700, None),
+]
+
+
+# A corrupted kernel must fail the comparison: one index changed in each kernel (in memory;
+# fused_decode.py is untouched). The partials one is subtle: the attention sink, handed in
+# exactly with the window, is also attended from its compressed codes (0.0013 off).
+MUTATIONS = [
+    ("partials: skip ignored", "_PARTIALS", "const int lo = window ? 0 : n_skip;", "const int lo = 0;"),
+    ("merge: block stride", "_MERGE", "po[(size_t)b * R * DV]", "po[(size_t)b * DV]"),
+]
+
+
+def _mutated(monkeypatch, attr, old, new):
+    source = getattr(fused_decode, attr)
+    assert old in source, f"fused_decode.{attr} no longer contains {old!r}: pick a new mutation"
+    monkeypatch.setattr(fused_decode, attr, source.replace(old, new, 1))
+
+
+# turboquant_rvq's decode step: fused_decode_rotated's partials kernel and fused_decode's merge
+# kernel, as fused_decode_rotated.decode_step wires them (its own emulation test assembles the
+# partials' arguments itself and merges in numpy); the 16-bit load paths run here only.
+ROTATED_CASES = [
+    ("turboquant_rvq-4 hd128 gqa4 sink", mx.float32, 128, 1, 4, 300),
+    ("turboquant_rvq-4 bf16 hd64 batch2 mha", mx.bfloat16, 64, 2, 1, 300),
+]
+
+
+def _rotated():
+    return TurboQuantRVQCache(KVCacheConfig(method="turboquant_rvq", bit_width_inlier=4))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_built_in_parallel():
+    """Every program the tests below compile, built up front one per core: the signatures are
+    captured from small caches of the same shapes (a cold run pays the compiler ~1 s each)."""
+    captured = []
+    with pytest.MonkeyPatch.context() as mp, cuda_emulation.signatures_only() as captured:
+        for name, make, dtype, D, B, rep, n, warps in CASES:
+            cache = make()
+            q_heads = _filled(cache, 100, B=B, H=2, rep=rep, D=D, dtype=dtype)
+            _emulated_step(mp, cache, q_heads, D**-0.5)
+        for name, dtype, D, B, rep, n in ROTATED_CASES:
+            cache = _rotated()  # 100 tokens would all be in its exact window: no kernel call
+            _emulated_step(mp, cache, _filled(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
+        for name, attr, old, new in MUTATIONS:
+            with pytest.MonkeyPatch.context() as mutated:
+                _mutated(mutated, attr, old, new)
+                cache = CASES[0][1]()
+                _emulated_step(mp, cache, _filled(cache, 100, B=1, H=2, rep=4, D=128, dtype=mx.float32), 128**-0.5)
+    cuda_emulation.prebuild_captured(captured)
+
+
+@pytest.mark.parametrize("name, make, dtype, D, B, rep, n, warps", CASES, ids=[c[0] for c in CASES])
+def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make, dtype, D, B, rep, n, warps):
+    if warps:
+        monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
+    cache = make()
+    q_heads = _filled(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
+    n_valid, window = cache.n_compressed, cache.window_keys.shape[2]
+    assert fused_decode.supports(D, D, 32, cache.key_bits if cache.method == "kivi" else cache.code_bits,
+                                 cache.value_bits if cache.method == "kivi" else cache.code_bits, rep)
+    # Kernels off (the CPU default), over the same stored codes, side data and window but with
+    # float32 queries: the kernels compute in float32 and round once at the end, while the
+    # portable path in fp16/bf16 rounds its scores and sums (on the CPU 0.023 / 0.089 off its own
+    # float32 result in the 16-bit cases here; the kernels' output is within 9e-4 / 7e-3).
+    expected = cache.attention(q_heads.astype(mx.float32), scale=D**-0.5)
+    mx.eval(expected)
+    assert (cache.n_compressed, cache.window_keys.shape[2]) == (n_valid, window)  # nothing flushed
+
+    got, made = _emulated_step(monkeypatch, cache, q_heads, D**-0.5)
+    assert [k.calls for k in made] == [1, 1], "the decode step did not run both kernels"
+    assert got.dtype == dtype and got.shape == q_heads.shape
+
+    per_block = fused_decode.tokens_per_block(n_valid, B * 2)
+    if "ragged" in name:
+        assert n_valid % per_block and (n_valid % per_block) % fused_decode.TILE
+    if warps:
+        assert n_valid <= per_block and n_valid > 4 * fused_decode.TILE  # one block, >1 tile per warp
+    else:
+        assert n_valid > per_block  # several history blocks to merge
+    if cache.method == "kivi":
+        assert cache._sink_length() == 1  # the sink goes in as skip=1 + an exact prefix
+    got, expected = np.array(got.astype(mx.float32)), np.array(expected)
+    tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
+    assert np.allclose(got, expected, atol=tol, rtol=tol), np.abs(got - expected).max()
+
+
+
+@pytest.mark.parametrize("name, dtype, D, B, rep, n", ROTATED_CASES, ids=[c[0] for c in ROTATED_CASES])
+def test_the_emulated_rotated_step_is_the_portable_attention(monkeypatch, name, dtype, D, B, rep, n):
+    cache = _rotated()
+    q_heads = _filled(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
+    assert cache.n_compressed > 0 and cache.sink_deltas is not None  # the exact sink is in play
+    expected = np.array(cache.attention(q_heads.astype(mx.float32), scale=D**-0.5))
+    got, made = _emulated_step(monkeypatch, cache, q_heads, D**-0.5)
+    assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_rotated_decode_partials"]
+    assert got.dtype == dtype and got.shape == q_heads.shape
+    tol = {mx.float32: 2e-5, mx.bfloat16: 1e-2}[dtype]
+    got = np.array(got.astype(mx.float32))
+    assert np.allclose(got, expected, atol=tol, rtol=tol), np.abs(got - expected).max()
+
+
+@pytest.mark.parametrize("name, attr, old, new", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, attr, old, new):
+    cache = _kivi(bit_width_inlier=2)()
+    q_heads = _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+    expected = np.array(cache.attention(q_heads, scale=128**-0.5))
+    _mutated(monkeypatch, attr, old, new)
+    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    assert [k.calls for k in made] == [1, 1]
+    assert np.abs(np.array(got) - expected).max() > 1e-4  # 5x the tolerance above, at least
