@@ -80,6 +80,10 @@ def test_supported_shapes():
     assert not fused_decode.supports(128, 128, 16, 2, 2)  # a 32-token tile spans two groups
     assert fused_decode.supports(128, 128, 32, 2, 2, rows=16)
     assert not fused_decode.supports(128, 128, 32, 2, 2, rows=32)  # shared memory
+    # 20 rows of (96 + 4 * 128 + 8) floats = 49,280 bytes: over 48 KB once red_m / red_l count
+    # (the emulation reads the kernel's static shared memory: tests/cache/cuda_emulation.py)
+    assert not fused_decode.supports(96, 128, 32, 2, 2, rows=20)
+    assert fused_decode.supports(96, 128, 32, 2, 2, rows=19)
     assert fused_decode.supports(64, 64, 32, 2, 2)  # 4 words per value token: 4 lanes
     assert not fused_decode.supports(96, 96, 32, 2, 2)  # 6 words: 2 lanes of 48 channels > G
     assert [fused_decode.lanes_per_token(dv, b) for dv, b in ((128, 2), (64, 2), (64, 4), (96, 4), (16, 2), (8, 2))] == [8, 4, 8, 4, 1, None]

@@ -417,10 +417,11 @@ def supports(head_dim: int, value_dim: int, group_size: int, key_bits: int, valu
     lanes = lanes_per_token(value_dim, value_bits)
     if lanes is None or group_size % (value_dim // lanes) or value_dim % 32:
         return False  # the merge kernel reduces over whole warps of value channels
-    # Shared memory, 4-byte floats, under 48 KB: the queries, and per warp a tile's
-    # probabilities (later the warp's partial).
+    # Shared memory, 4-byte floats, under 48 KB: the queries, per warp a tile's probabilities
+    # (later the warp's partial), and per warp and row its max and sum (red_m, red_l).
     widest = max(head_dim, value_dim, TILE)
-    return 1 <= head_dim <= 256 and rows * (head_dim + WARPS_PER_BLOCK * widest) * 4 <= 48 * 1024
+    floats = rows * (head_dim + WARPS_PER_BLOCK * widest + 2 * WARPS_PER_BLOCK)
+    return 1 <= head_dim <= 256 and floats * 4 <= 48 * 1024
 
 
 def _meta(n_valid: int, per_block: int, n_hist_blocks: int, scale: float, n_skip: int) -> mx.array:
