@@ -220,12 +220,12 @@ class TurboQuantRVQCache(CompressedKVCache):
                 residual = residual - self._stage_values(p, i, b, y.shape[-1], store=out)
         return out
 
-    def _stage_values(self, p: str, i: int, b: int, dim: int, store=None, n=None) -> mx.array:
-        """One stage read back in float32 (rotated domain), over the first n tokens (None: all).
-        A sign stage is a * (2 bits - 1), read at a supported width (cache/sign_plane.py: MLX's
-        CUDA backend has no 1-bit dequantize)."""
+    def _stage_values(self, p: str, i: int, b: int, dim: int, store=None, n=None, start: int = 0) -> mx.array:
+        """One stage read back in float32 (rotated domain), over tokens [start, n) (n None: to
+        the end). A sign stage is a * (2 bits - 1), read at a supported width
+        (cache/sign_plane.py: MLX's CUDA backend has no 1-bit dequantize)."""
         store = self.store if store is None else store
-        cut = (lambda a: a) if n is None else (lambda a: a[:, :, :n])
+        cut = (lambda a: a) if n is None and start == 0 else (lambda a: a[:, :, start:n])
         codes = cut(store[f"{p}_codes{i}"])
         if b == 1:
             return sign_values(codes, cut(store[f"{p}_scale{i}"]))
@@ -234,27 +234,90 @@ class TurboQuantRVQCache(CompressedKVCache):
         zeros = cut(store[f"{p}_zeros{i}"]).astype(mx.float32)
         return mx.dequantize(codes, scales, zeros, group_size=self._group(dim), bits=b)
 
-    def _decode_part(self, p: str, dim: int, total: int, n: int, store=None) -> mx.array:
+    def _decode_part(self, p: str, dim: int, total: int, n: int, store=None, start: int = 0) -> mx.array:
         y = None
         for i, b in self._stages(total):
-            part = self._stage_values(p, i, b, dim, store=store, n=n)
+            part = self._stage_values(p, i, b, dim, store=store, n=n, start=start)
             y = part if y is None else y + part
         return y
 
-    def _reconstruct(self, store, n: int) -> tuple[mx.array, mx.array]:
-        """The first n tokens of `store` decoded to float32 K, V (no sink correction)."""
-        k = unrotate(self._decode_part("k", self.head_dim, self.key_bits, n, store), self._signs[0])
-        v = unrotate(self._decode_part("v", self.value_dim, self.value_bits, n, store), self._signs[1])
-        return k + self.key_mean.astype(mx.float32), v
+    def _reconstruct(self, store, n: int, start: int = 0) -> tuple[mx.array, mx.array]:
+        """Tokens [start, n) of `store` decoded to float32 K, V (no sink correction)."""
+        k = self._reconstruct_keys(store, n, start)
+        v = unrotate(self._decode_part("v", self.value_dim, self.value_bits, n, store, start), self._signs[1])
+        return k, v
+
+    def _reconstruct_keys(self, store, n: int, start: int = 0) -> mx.array:
+        k = unrotate(self._decode_part("k", self.head_dim, self.key_bits, n, store, start), self._signs[0])
+        return k + self.key_mean.astype(mx.float32)
+
+    def _reconstruct_values(self, store, n: int, start: int = 0) -> mx.array:
+        return unrotate(self._decode_part("v", self.value_dim, self.value_bits, n, store, start), self._signs[1])
+
+    def _with_sink(self, x: mx.array, which: int, start: int) -> mx.array:
+        """Decoded tokens [start, start + len) of keys (which=0) or values (1) with the exact
+        sink's correction added to the sink tokens among them."""
+        if self.sink_deltas is None:
+            return x
+        delta = self.sink_deltas[which]
+        m = min(delta.shape[2], start + x.shape[2]) - start
+        if m <= 0:
+            return x
+        return mx.concatenate([x[:, :, :m] + delta[:, :, start : start + m], x[:, :, m:]], axis=2)
 
     def _decode(self) -> tuple[mx.array, mx.array]:
-        k, v = self._reconstruct(self.store, self.n_compressed)
-        if self.sink_deltas is not None:
-            dk, dv = self.sink_deltas
-            s = dk.shape[2]
-            k = mx.concatenate([k[:, :, :s] + dk, k[:, :, s:]], axis=2)
-            v = mx.concatenate([v[:, :, :s] + dv, v[:, :, s:]], axis=2)
-        return k.astype(self.dtype), v.astype(self.dtype)
+        return self._decode_range(0, self.n_compressed)
+
+    def _decode_range(self, start: int, stop: int, part: str = "kv"):
+        """Compressed tokens [start, stop) decoded to the cache dtype: (K, V), or only K / V for
+        part "k" / "v". Every op acts per token, so any split of the history decodes to the
+        same values as one piece."""
+        out = []
+        if "k" in part:
+            k = self._with_sink(self._reconstruct_keys(self.store, stop, start), 0, start)
+            out.append(k.astype(self.dtype))
+        if "v" in part:
+            v = self._with_sink(self._reconstruct_values(self.store, stop, start), 1, start)
+            out.append(v.astype(self.dtype))
+        return tuple(out) if len(out) > 1 else out[0]
+
+    # Bytes of one float32 (B, H, tokens, d) piece of history a prefill decodes at a time.
+    prefill_decode_bytes = 16 << 20
+
+    def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
+        """The history decoded + the exact window, in the queries' dtype, built so that the
+        only full-history array is the result itself (see "Memory" in the module docstring).
+
+        1. The queries (and so the model up to this layer) are evaluated first. Otherwise each
+           layer's decode, which reads only the already evaluated store, would be computed while
+           the model's graph is still being built: every layer's decoded K/V would be held at
+           once before any layer's attention ran.
+        2. The result is allocated once in the queries' dtype and filled piece by piece
+           (`prefill_decode_bytes` of float32 per piece; keys, then values), each piece
+           evaluated before the next is made, so the float32 intermediates of the decode
+           (stage values, their sum, the unrotation, the key mean, the sink correction) exist
+           for one piece only and no concatenation with the window copies the result again.
+        """
+        if not self.n_compressed:
+            return super()._prefill_keys_values(queries)
+        dtype = queries.dtype
+        window = [a for a in (self.window_keys, self.window_values) if a is not None]
+        mx.eval(queries, *window)
+        n, w = self.n_compressed, self._window_length()
+        B, H = self.batch_size, self.n_kv_heads
+        per_token = B * H * max(self.head_dim, self.value_dim) * 4
+        piece = max(self.block_size, self.prefill_decode_bytes // per_token // self.block_size * self.block_size)
+        out = []
+        for which, (dim, window_part) in enumerate(((self.head_dim, self.window_keys), (self.value_dim, self.window_values))):
+            full = mx.zeros((B, H, n + w, dim), dtype)
+            for start in range(0, n, piece):
+                stop = min(n, start + piece)
+                full[:, :, start:stop] = self._decode_range(start, stop, "kv"[which]).astype(dtype)
+                mx.eval(full)
+            if w:
+                full[:, :, n:] = window_part.astype(dtype)
+            out.append(full)
+        return out[0], out[1]
 
     # ---- attention over the compressed form ---------------------------------------------------
     def _products(self, p: str, x: mx.array, dim: int, total: int, transpose: bool) -> mx.array:
