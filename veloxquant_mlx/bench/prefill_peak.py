@@ -130,6 +130,18 @@ def flash_stand_in():
 
 
 @contextlib.contextmanager
+def turboquant_pieces_only():
+    """turboquant_rvq's piecewise decode without evaluating the queries first."""
+    from veloxquant_mlx.cache.turboquant_rvq import TurboQuantRVQCache
+
+    TurboQuantRVQCache.prefill_eval_queries = False
+    try:
+        yield
+    finally:
+        TurboQuantRVQCache.prefill_eval_queries = True
+
+
+@contextlib.contextmanager
 def turboquant_base_path():
     """turboquant_rvq's prefill K/V through the base path (the code before this fix)."""
     from veloxquant_mlx.cache.base import CompressedKVCache
@@ -151,13 +163,15 @@ def model_rows(contexts, shape: dict, dtype) -> list[dict]:
 
     model = random_llama(dtype=dtype, **shape)
     specs = {s.name: s for s in parse_specs(["fp16", "kivi", "turboquant_rvq"])}
-    cases = [("fp16", None), ("kivi", None), ("turboquant_rvq", "before (base path)"), ("turboquant_rvq", "after")]
+    cases = [("fp16", None), ("kivi", None), ("turboquant_rvq", "before (base path)"),
+             ("turboquant_rvq", "pieces, queries not evaluated first"), ("turboquant_rvq", "after")]
+    switches = {"before (base path)": turboquant_base_path, "pieces, queries not evaluated first": turboquant_pieces_only}
     rows = []
     with flash_stand_in():
         for tokens in contexts:
             prompt = random_prompt(shape["vocab"], tokens)
             for name, path in cases:
-                switch = turboquant_base_path() if path and path.startswith("before") else contextlib.nullcontext()
+                switch = switches[path]() if path in switches else contextlib.nullcontext()
                 t0 = time.perf_counter()
                 with switch, specs[name].open(model) as make_cache:
                     result = measure_memory(model, make_cache, prompt)
