@@ -106,7 +106,8 @@ def layer_rows(contexts, heads: int, head_dim: int, q_heads: int, dtype) -> list
                         mx.array_equal(k, reference[0]).item() and mx.array_equal(v, reference[1]).item())
                 rows.append(row)
                 print(f"[prefill_peak] layer {method} {label} {held}: {row['peak_added_mib']} MiB "
-                      f"({row['peak_over_fp16_kv']}x fp16 K/V), {row['seconds']} s", file=sys.stderr, flush=True)
+                      f"({row['peak_over_fp16_kv']}x fp16 K/V), {row['seconds']} s",
+                      file=sys.stderr, flush=True)
                 del k, v
             del cache, reference
     return rows
@@ -165,7 +166,8 @@ def model_rows(contexts, shape: dict, dtype) -> list[dict]:
     specs = {s.name: s for s in parse_specs(["fp16", "kivi", "turboquant_rvq"])}
     cases = [("fp16", None), ("kivi", None), ("turboquant_rvq", "before (base path)"),
              ("turboquant_rvq", "pieces, queries not evaluated first"), ("turboquant_rvq", "after")]
-    switches = {"before (base path)": turboquant_base_path, "pieces, queries not evaluated first": turboquant_pieces_only}
+    switches = {"before (base path)": turboquant_base_path,
+                "pieces, queries not evaluated first": turboquant_pieces_only}
     rows = []
     with flash_stand_in():
         for tokens in contexts:

@@ -39,6 +39,33 @@ compressed and exact tokens still needs because the exact window is not centered
 the products run in float32 whatever the query dtype (its affine kernels are ~10x slower in
 bf16), elsewhere in the query dtype.
 
+Memory of a prefill chunk. A chunk of >= prefill_rows queries does not read the compressed form
+(CompressedKVCache._attend_prefill): it decodes the layer's history to K/V in the queries' dtype
+and runs mx.fast attention over it. Decoded as one lazy graph (the base path, until this
+section was written), that decode held float32 intermediates of the whole history at once (both
+stages, the widened sign plane, their sum, the unrotation, the key mean, the sink
+concatenation, the cast, the concatenation with the window): one layer's decode added 12.1-12.3x
+the history's fp16 K/V (bf16 model, 8 kv heads, d 128, 4K-32K tokens, CPU) against 6.8-7.0x for
+kivi's, and each layer's decode reads only the already evaluated store, so nothing ordered it
+after the previous layers' attention. On the H200 (8 layers, 32K prompt in 2048-token chunks)
+turboquant_rvq peaked at 11.2-12.5 GiB, fp16's KVCache at 8.39 and kivi at 8.46-8.73
+(results/gpu_speed_h200_s3.json). `_prefill_keys_values` now
+  1. evaluates the queries first, so the model up to this layer (and so the previous layers'
+     attention, which frees their decoded K/V) has run before this layer decodes;
+  2. allocates the result once in the queries' dtype and fills it piece by piece
+     (`prefill_decode_bytes` = 16 MiB of float32 per piece; keys, then values), evaluating each
+     piece before the next is built, so the float32 intermediates exist for one piece only and
+     no concatenation copies the result again.
+The transient is then the result (the history's K/V in the model dtype: what an fp16 cache holds
+for that layer anyway) plus one piece's intermediates (~100 MiB on the CPU, whose 3-bit
+dequantize makes ~4x its output in temporaries; not growing with the context): 1.96x the
+history's fp16 K/V at 32K (251 MiB, kivi 893 MiB), 2.9x at 16K, 8.6x at 4K (137 MiB, kivi 109
+MiB) (python -m veloxquant_mlx.bench.prefill_peak, results/turboquant_rvq_prefill_peak_cpu.json,
+which also has a whole-model prefill). The values are bit-identical to the one-graph decode
+(every op acts per token; tests/cache/test_turboquant_rvq_prefill_peak.py). The cost is one
+mx.eval per piece and one for the queries: on a GPU a sync each, 9 per layer per chunk at 16K
+history tokens (8 kv heads, d 128); its H200 time was not measured (no device this session).
+
 Deviations from the paper:
   * randomized Hadamard instead of a dense random rotation (the paper allows any random
     rotation; this one is O(d log d) and needs no d x d matrix);
@@ -220,7 +247,8 @@ class TurboQuantRVQCache(CompressedKVCache):
                 residual = residual - self._stage_values(p, i, b, y.shape[-1], store=out)
         return out
 
-    def _stage_values(self, p: str, i: int, b: int, dim: int, store=None, n=None, start: int = 0) -> mx.array:
+    def _stage_values(self, p: str, i: int, b: int, dim: int, store=None, n=None,
+                      start: int = 0) -> mx.array:
         """One stage read back in float32 (rotated domain), over tokens [start, n) (n None: to
         the end). A sign stage is a * (2 bits - 1), read at a supported width
         (cache/sign_plane.py: MLX's CUDA backend has no 1-bit dequantize)."""
@@ -243,16 +271,15 @@ class TurboQuantRVQCache(CompressedKVCache):
 
     def _reconstruct(self, store, n: int, start: int = 0) -> tuple[mx.array, mx.array]:
         """Tokens [start, n) of `store` decoded to float32 K, V (no sink correction)."""
-        k = self._reconstruct_keys(store, n, start)
-        v = unrotate(self._decode_part("v", self.value_dim, self.value_bits, n, store, start), self._signs[1])
-        return k, v
+        return self._reconstruct_keys(store, n, start), self._reconstruct_values(store, n, start)
 
     def _reconstruct_keys(self, store, n: int, start: int = 0) -> mx.array:
         k = unrotate(self._decode_part("k", self.head_dim, self.key_bits, n, store, start), self._signs[0])
         return k + self.key_mean.astype(mx.float32)
 
     def _reconstruct_values(self, store, n: int, start: int = 0) -> mx.array:
-        return unrotate(self._decode_part("v", self.value_dim, self.value_bits, n, store, start), self._signs[1])
+        y = self._decode_part("v", self.value_dim, self.value_bits, n, store, start)
+        return unrotate(y, self._signs[1])
 
     def _with_sink(self, x: mx.array, which: int, start: int) -> mx.array:
         """Decoded tokens [start, start + len) of keys (which=0) or values (1) with the exact
@@ -289,7 +316,8 @@ class TurboQuantRVQCache(CompressedKVCache):
 
     def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
         """The history decoded + the exact window, in the queries' dtype, built so that the
-        only full-history array is the result itself (see "Memory" in the module docstring).
+        only full-history array is the result itself (see "Memory of a prefill chunk" in the
+        module docstring).
 
         1. The queries (and so the model up to this layer) are evaluated first. Otherwise each
            layer's decode, which reads only the already evaluated store, would be computed while
@@ -309,9 +337,11 @@ class TurboQuantRVQCache(CompressedKVCache):
         n, w = self.n_compressed, self._window_length()
         B, H = self.batch_size, self.n_kv_heads
         per_token = B * H * max(self.head_dim, self.value_dim) * 4
-        piece = max(self.block_size, self.prefill_decode_bytes // per_token // self.block_size * self.block_size)
+        blocks = self.prefill_decode_bytes // per_token // self.block_size
+        piece = max(1, blocks) * self.block_size
         out = []
-        for which, (dim, window_part) in enumerate(((self.head_dim, self.window_keys), (self.value_dim, self.window_values))):
+        parts = ((self.head_dim, self.window_keys), (self.value_dim, self.window_values))
+        for which, (dim, window_part) in enumerate(parts):
             full = mx.zeros((B, H, n + w, dim), dtype)
             for start in range(0, n, piece):
                 stop = min(n, start + piece)
