@@ -156,7 +156,15 @@ def turboquant_base_path():
         TurboQuantRVQCache._prefill_keys_values = own
 
 
-def model_rows(contexts, shape: dict, dtype) -> list[dict]:
+MODEL_CASES = {  # label -> (cache spec, turboquant_rvq path)
+    "fp16": ("fp16", None), "kivi": ("kivi", None),
+    "before": ("turboquant_rvq", "before (base path)"),
+    "pieces-only": ("turboquant_rvq", "pieces, queries not evaluated first"),
+    "after": ("turboquant_rvq", "after"),
+}
+
+
+def model_rows(contexts, shape: dict, dtype, case_labels=tuple(MODEL_CASES)) -> list[dict]:
     from veloxquant_mlx.bench.memory import measure_memory
     from veloxquant_mlx.bench.methods import parse_specs
     from veloxquant_mlx.bench.speed import random_prompt
@@ -164,8 +172,7 @@ def model_rows(contexts, shape: dict, dtype) -> list[dict]:
 
     model = random_llama(dtype=dtype, **shape)
     specs = {s.name: s for s in parse_specs(["fp16", "kivi", "turboquant_rvq"])}
-    cases = [("fp16", None), ("kivi", None), ("turboquant_rvq", "before (base path)"),
-             ("turboquant_rvq", "pieces, queries not evaluated first"), ("turboquant_rvq", "after")]
+    cases = [MODEL_CASES[label] for label in case_labels]
     switches = {"before (base path)": turboquant_base_path,
                 "pieces, queries not evaluated first": turboquant_pieces_only}
     rows = []
@@ -194,6 +201,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--layer-contexts", default="4096,16384,32768")
     p.add_argument("--model-contexts", default="4096,8192,16384")
+    p.add_argument("--model-cases", default=",".join(MODEL_CASES),
+                   help=f"comma-separated, of: {', '.join(MODEL_CASES)}")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=1024)
@@ -220,7 +229,11 @@ def main(argv=None) -> int:
         shape = dict(hidden=args.hidden, layers=args.layers, heads=q_heads, kv_heads=heads,
                      head_dim=head_dim, intermediate=args.intermediate, vocab=args.vocab)
         result["model_shape"] = {**shape, "attention": "flash stand-in (see module docstring)"}
-        result["model"] = model_rows([int(c) for c in args.model_contexts.split(",")], shape, dtype)
+        labels = [c.strip() for c in args.model_cases.split(",") if c.strip()]
+        unknown = sorted(set(labels) - set(MODEL_CASES))
+        if unknown:
+            raise SystemExit(f"--model-cases: {unknown} unknown; allowed: {', '.join(MODEL_CASES)}")
+        result["model"] = model_rows([int(c) for c in args.model_contexts.split(",")], shape, dtype, labels)
     if args.out:
         report.write_json(result, args.out)
     else:
