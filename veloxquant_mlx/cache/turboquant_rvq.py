@@ -41,8 +41,8 @@ bf16), elsewhere in the query dtype.
 
 Memory of a prefill chunk. A chunk of >= prefill_rows queries does not read the compressed form
 (CompressedKVCache._attend_prefill): it decodes the layer's history to K/V in the queries' dtype
-and runs mx.fast attention over it. Decoded as one lazy graph (the base path, until this
-section was written), that decode held float32 intermediates of the whole history at once (both
+and runs mx.fast attention over it. Decoded as one lazy graph (the base class's path, used up
+to commit 4e10821), that decode held float32 intermediates of the whole history at once (both
 stages, the widened sign plane, their sum, the unrotation, the key mean, the sink
 concatenation, the cast, the concatenation with the window): one layer's decode added 12.1-12.3x
 the history's fp16 K/V (bf16 model, 8 kv heads, d 128, 4K-32K tokens, CPU) against 6.8-7.0x for
@@ -60,9 +60,13 @@ The transient is then the result (the history's K/V in the model dtype: what an 
 for that layer anyway) plus one piece's intermediates (~100 MiB on the CPU, whose 3-bit
 dequantize makes ~4x its output in temporaries; not growing with the context): 1.96x the
 history's fp16 K/V at 32K (251 MiB, kivi 893 MiB), 2.9x at 16K, 8.6x at 4K (137 MiB, kivi 109
-MiB) (python -m veloxquant_mlx.bench.prefill_peak, results/turboquant_rvq_prefill_peak_cpu.json,
-which also has a whole-model prefill). The values are bit-identical to the one-graph decode
-(every op acts per token; tests/cache/test_turboquant_rvq_prefill_peak.py). The cost is one
+MiB). A whole prefill (random llama, 4 layers of 32 query / 8 kv heads, d 128, bf16, 2048-token
+chunks, mx.fast attention replaced by a stand-in for a fused kernel, since the CPU's materialises
+its score matrix) peaked over its start at 16K tokens: before 0.821 GiB, after 0.298, fp16
+KVCache 0.412, kivi 0.480, and with the pieces but without step 1 0.434 (at 8K in the same
+order: 0.354, 0.230, 0.254, 0.256, 0.273) (python -m veloxquant_mlx.bench.prefill_peak,
+results/turboquant_rvq_prefill_peak_cpu.json). The values are bit-identical to the one-graph
+decode (every op acts per token; tests/cache/test_turboquant_rvq_prefill_peak.py). The cost is one
 mx.eval per piece and one for the queries: on a GPU a sync each, 9 per layer per chunk at 16K
 history tokens (8 kv heads, d 128); its H200 time was not measured (no device this session).
 
@@ -322,7 +326,8 @@ class TurboQuantRVQCache(CompressedKVCache):
         1. The queries (and so the model up to this layer) are evaluated first. Otherwise each
            layer's decode, which reads only the already evaluated store, would be computed while
            the model's graph is still being built: every layer's decoded K/V would be held at
-           once before any layer's attention ran.
+           once before any layer's attention ran (measured: a 4-layer 16K prefill peaked at
+           0.434 GiB over its start without this step, 0.298 with it; fp16's cache 0.412).
         2. The result is allocated once in the queries' dtype and filled piece by piece
            (`prefill_decode_bytes` of float32 per piece; keys, then values), each piece
            evaluated before the next is made, so the float32 intermediates of the decode
