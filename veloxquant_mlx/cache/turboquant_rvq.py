@@ -62,10 +62,10 @@ dequantize makes ~4x its output in temporaries; not growing with the context): 1
 history's fp16 K/V at 32K (251 MiB, kivi 893 MiB), 2.9x at 16K, 8.6x at 4K (137 MiB, kivi 109
 MiB). A whole prefill (random llama, 4 layers of 32 query / 8 kv heads, d 128, bf16, 2048-token
 chunks, mx.fast attention replaced by a stand-in for a fused kernel, since the CPU's materialises
-its score matrix) peaked over its start at 16K tokens: before 0.821 GiB, after 0.298, fp16
-KVCache 0.412, kivi 0.480, and with the pieces but without step 1 0.434 (at 8K in the same
-order: 0.354, 0.230, 0.254, 0.256, 0.273) (python -m veloxquant_mlx.bench.prefill_peak,
-results/turboquant_rvq_prefill_peak_cpu.json). The values are bit-identical to the one-graph
+its score matrix) peaked over its start at 32K tokens: before 1.756 GiB, after 0.432, fp16
+KVCache 0.723, kivi 1.065; at 16K: 0.821, 0.298, 0.412, 0.480, and with the pieces but without
+step 1 0.434; at 8K: 0.354, 0.230, 0.254, 0.256, 0.273 (python -m
+veloxquant_mlx.bench.prefill_peak, results/turboquant_rvq_prefill_peak_cpu.json and _32k.json). The values are bit-identical to the one-graph
 decode (every op acts per token; tests/cache/test_turboquant_rvq_prefill_peak.py). The cost is one
 mx.eval per piece and one for the queries: on a GPU a sync each, 9 per layer per chunk at 16K
 history tokens (8 kv heads, d 128); its H200 time was not measured (no device this session).
