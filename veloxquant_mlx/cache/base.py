@@ -231,7 +231,6 @@ class CompressedKVCache(_BaseCache):
     prefill_rows: ClassVar[int | None] = 16
 
     def _attend_prefill(self, queries: mx.array, scale: float, mask) -> mx.array:
-        keys, values = self._full_keys_values()
         if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
             raise QuantizerConfigError(
                 f"{type(self).__name__}: additive float masks are not supported; "
@@ -241,13 +240,15 @@ class CompressedKVCache(_BaseCache):
             # Like _keep_mask: no mask means causal over the whole history (the queries are
             # the last L cached positions), which is also what the batch cache relies on.
             mask = "causal"
-        return mx.fast.scaled_dot_product_attention(
-            queries,
-            keys.astype(queries.dtype),
-            values.astype(queries.dtype),
-            scale=scale,
-            mask=mask,
-        )
+        keys, values = self._prefill_keys_values(queries)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
+        """Everything cached (history decoded + exact window) in the queries' dtype, for a
+        prefill chunk's fused attention: lazy here. A method whose decode makes large
+        intermediates may override it to build them in bounded pieces (turboquant_rvq)."""
+        keys, values = self._full_keys_values()
+        return keys.astype(queries.dtype), values.astype(queries.dtype)
 
     def _gqa_repeats(self, n_q_heads: int) -> int:
         """Query heads per kv head, refusing a count that does not divide (or no K/V yet)."""

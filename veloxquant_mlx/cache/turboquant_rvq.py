@@ -39,6 +39,37 @@ compressed and exact tokens still needs because the exact window is not centered
 the products run in float32 whatever the query dtype (its affine kernels are ~10x slower in
 bf16), elsewhere in the query dtype.
 
+Memory of a prefill chunk. A chunk of >= prefill_rows queries does not read the compressed form
+(CompressedKVCache._attend_prefill): it decodes the layer's history to K/V in the queries' dtype
+and runs mx.fast attention over it. Decoded as one lazy graph (the base class's path, used up
+to commit 4e10821), that decode held float32 intermediates of the whole history at once (both
+stages, the widened sign plane, their sum, the unrotation, the key mean, the sink
+concatenation, the cast, the concatenation with the window): one layer's decode added 12.1-12.3x
+the history's fp16 K/V (bf16 model, 8 kv heads, d 128, 4K-32K tokens, CPU) against 6.8-7.0x for
+kivi's, and each layer's decode reads only the already evaluated store, so nothing ordered it
+after the previous layers' attention. On the H200 (8 layers, 32K prompt in 2048-token chunks)
+turboquant_rvq peaked at 11.2-12.5 GiB, fp16's KVCache at 8.39 and kivi at 8.46-8.73
+(results/gpu_speed_h200_s3.json). `_prefill_keys_values` now
+  1. evaluates the queries first, so the model up to this layer (and so the previous layers'
+     attention, which frees their decoded K/V) has run before this layer decodes;
+  2. allocates the result once in the queries' dtype and fills it piece by piece
+     (`prefill_decode_bytes` = 16 MiB of float32 per piece; keys, then values), evaluating each
+     piece before the next is built, so the float32 intermediates exist for one piece only and
+     no concatenation copies the result again.
+The transient is then the result (the history's K/V in the model dtype: what an fp16 cache holds
+for that layer anyway) plus one piece's intermediates (~100 MiB on the CPU, whose 3-bit
+dequantize makes ~4x its output in temporaries; not growing with the context): 1.96x the
+history's fp16 K/V at 32K (251 MiB, kivi 893 MiB), 2.9x at 16K, 8.6x at 4K (137 MiB, kivi 109
+MiB). A whole prefill (random llama, 4 layers of 32 query / 8 kv heads, d 128, bf16, 2048-token
+chunks, mx.fast attention replaced by a stand-in for a fused kernel, since the CPU's materialises
+its score matrix) peaked over its start at 32K tokens: before 1.756 GiB, after 0.432, fp16
+KVCache 0.723, kivi 1.065; at 16K: 0.821, 0.298, 0.412, 0.480, and with the pieces but without
+step 1 0.434; at 8K: 0.354, 0.230, 0.254, 0.256, 0.273 (python -m
+veloxquant_mlx.bench.prefill_peak, results/turboquant_rvq_prefill_peak_cpu.json and _32k.json). The values are bit-identical to the one-graph
+decode (every op acts per token; tests/cache/test_turboquant_rvq_prefill_peak.py). The cost is one
+mx.eval per piece and one for the queries: on a GPU a sync each, 9 per layer per chunk at 16K
+history tokens (8 kv heads, d 128); its H200 time was not measured (no device this session).
+
 Deviations from the paper:
   * randomized Hadamard instead of a dense random rotation (the paper allows any random
     rotation; this one is O(d log d) and needs no d x d matrix);
@@ -220,12 +251,13 @@ class TurboQuantRVQCache(CompressedKVCache):
                 residual = residual - self._stage_values(p, i, b, y.shape[-1], store=out)
         return out
 
-    def _stage_values(self, p: str, i: int, b: int, dim: int, store=None, n=None) -> mx.array:
-        """One stage read back in float32 (rotated domain), over the first n tokens (None: all).
-        A sign stage is a * (2 bits - 1), read at a supported width (cache/sign_plane.py: MLX's
-        CUDA backend has no 1-bit dequantize)."""
+    def _stage_values(self, p: str, i: int, b: int, dim: int, store=None, n=None,
+                      start: int = 0) -> mx.array:
+        """One stage read back in float32 (rotated domain), over tokens [start, n) (n None: to
+        the end). A sign stage is a * (2 bits - 1), read at a supported width
+        (cache/sign_plane.py: MLX's CUDA backend has no 1-bit dequantize)."""
         store = self.store if store is None else store
-        cut = (lambda a: a) if n is None else (lambda a: a[:, :, :n])
+        cut = (lambda a: a) if n is None and start == 0 else (lambda a: a[:, :, start:n])
         codes = cut(store[f"{p}_codes{i}"])
         if b == 1:
             return sign_values(codes, cut(store[f"{p}_scale{i}"]))
@@ -234,27 +266,96 @@ class TurboQuantRVQCache(CompressedKVCache):
         zeros = cut(store[f"{p}_zeros{i}"]).astype(mx.float32)
         return mx.dequantize(codes, scales, zeros, group_size=self._group(dim), bits=b)
 
-    def _decode_part(self, p: str, dim: int, total: int, n: int, store=None) -> mx.array:
+    def _decode_part(self, p: str, dim: int, total: int, n: int, store=None, start: int = 0) -> mx.array:
         y = None
         for i, b in self._stages(total):
-            part = self._stage_values(p, i, b, dim, store=store, n=n)
+            part = self._stage_values(p, i, b, dim, store=store, n=n, start=start)
             y = part if y is None else y + part
         return y
 
-    def _reconstruct(self, store, n: int) -> tuple[mx.array, mx.array]:
-        """The first n tokens of `store` decoded to float32 K, V (no sink correction)."""
-        k = unrotate(self._decode_part("k", self.head_dim, self.key_bits, n, store), self._signs[0])
-        v = unrotate(self._decode_part("v", self.value_dim, self.value_bits, n, store), self._signs[1])
-        return k + self.key_mean.astype(mx.float32), v
+    def _reconstruct(self, store, n: int, start: int = 0) -> tuple[mx.array, mx.array]:
+        """Tokens [start, n) of `store` decoded to float32 K, V (no sink correction)."""
+        return self._reconstruct_keys(store, n, start), self._reconstruct_values(store, n, start)
+
+    def _reconstruct_keys(self, store, n: int, start: int = 0) -> mx.array:
+        k = unrotate(self._decode_part("k", self.head_dim, self.key_bits, n, store, start), self._signs[0])
+        return k + self.key_mean.astype(mx.float32)
+
+    def _reconstruct_values(self, store, n: int, start: int = 0) -> mx.array:
+        y = self._decode_part("v", self.value_dim, self.value_bits, n, store, start)
+        return unrotate(y, self._signs[1])
+
+    def _with_sink(self, x: mx.array, which: int, start: int) -> mx.array:
+        """Decoded tokens [start, start + len) of keys (which=0) or values (1) with the exact
+        sink's correction added to the sink tokens among them."""
+        if self.sink_deltas is None:
+            return x
+        delta = self.sink_deltas[which]
+        m = min(delta.shape[2], start + x.shape[2]) - start
+        if m <= 0:
+            return x
+        return mx.concatenate([x[:, :, :m] + delta[:, :, start : start + m], x[:, :, m:]], axis=2)
 
     def _decode(self) -> tuple[mx.array, mx.array]:
-        k, v = self._reconstruct(self.store, self.n_compressed)
-        if self.sink_deltas is not None:
-            dk, dv = self.sink_deltas
-            s = dk.shape[2]
-            k = mx.concatenate([k[:, :, :s] + dk, k[:, :, s:]], axis=2)
-            v = mx.concatenate([v[:, :, :s] + dv, v[:, :, s:]], axis=2)
-        return k.astype(self.dtype), v.astype(self.dtype)
+        return self._decode_range(0, self.n_compressed)
+
+    def _decode_range(self, start: int, stop: int, part: str = "kv"):
+        """Compressed tokens [start, stop) decoded to the cache dtype: (K, V), or only K / V for
+        part "k" / "v". Every op acts per token, so any split of the history decodes to the
+        same values as one piece."""
+        out = []
+        if "k" in part:
+            k = self._with_sink(self._reconstruct_keys(self.store, stop, start), 0, start)
+            out.append(k.astype(self.dtype))
+        if "v" in part:
+            v = self._with_sink(self._reconstruct_values(self.store, stop, start), 1, start)
+            out.append(v.astype(self.dtype))
+        return tuple(out) if len(out) > 1 else out[0]
+
+    # Bytes of one float32 (B, H, tokens, d) piece of history a prefill decodes at a time.
+    prefill_decode_bytes = 16 << 20
+    # Evaluate the queries (the model up to this layer) before decoding; False only to measure
+    # what that step saves (bench/prefill_peak.py).
+    prefill_eval_queries = True
+
+    def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
+        """The history decoded + the exact window, in the queries' dtype, built so that the
+        only full-history array is the result itself (see "Memory of a prefill chunk" in the
+        module docstring).
+
+        1. The queries (and so the model up to this layer) are evaluated first. Otherwise each
+           layer's decode, which reads only the already evaluated store, would be computed while
+           the model's graph is still being built: every layer's decoded K/V would be held at
+           once before any layer's attention ran (measured: a 4-layer 16K prefill peaked at
+           0.434 GiB over its start without this step, 0.298 with it; fp16's cache 0.412).
+        2. The result is allocated once in the queries' dtype and filled piece by piece
+           (`prefill_decode_bytes` of float32 per piece; keys, then values), each piece
+           evaluated before the next is made, so the float32 intermediates of the decode
+           (stage values, their sum, the unrotation, the key mean, the sink correction) exist
+           for one piece only and no concatenation with the window copies the result again.
+        """
+        if not self.n_compressed:
+            return super()._prefill_keys_values(queries)
+        dtype = queries.dtype
+        if self.prefill_eval_queries:
+            mx.eval(queries, *[a for a in (self.window_keys, self.window_values) if a is not None])
+        n, w = self.n_compressed, self._window_length()
+        B, H = self.batch_size, self.n_kv_heads
+        per_token = B * H * max(self.head_dim, self.value_dim) * 4
+        blocks = self.prefill_decode_bytes // per_token // self.block_size
+        piece = max(1, blocks) * self.block_size
+        out = []
+        parts = ((self.head_dim, self.window_keys), (self.value_dim, self.window_values))
+        for which, (dim, window_part) in enumerate(parts):
+            full = mx.zeros((B, H, n + w, dim), dtype)
+            for start in range(0, n, piece):
+                stop = min(n, start + piece)
+                full[:, :, start:stop] = self._decode_range(start, stop, "kv"[which]).astype(dtype)
+                mx.eval(full)
+            if w:
+                full[:, :, n:] = window_part.astype(dtype)
+            out.append(full)
+        return out[0], out[1]
 
     # ---- attention over the compressed form ---------------------------------------------------
     def _products(self, p: str, x: mx.array, dim: int, total: int, transpose: bool) -> mx.array:
