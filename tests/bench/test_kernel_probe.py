@@ -3,6 +3,7 @@ exist, and off CUDA it refuses with a usage error instead of timing nothing."""
 
 import pytest
 
+from tests.cache import cuda_emulation
 from veloxquant_mlx.bench import kernel_probe
 from veloxquant_mlx.cache import fused_decode
 
@@ -28,3 +29,29 @@ def test_off_cuda_it_is_a_usage_error(capsys):
 def test_parts_are_checked():
     with pytest.raises(SystemExit):
         kernel_probe.parse_args(["--parts", "read,everything"])
+
+
+@pytest.mark.skipif(cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier for the CUDA emulation")
+def test_the_probes_launch_runs_every_variant_and_the_full_one_is_the_attention(monkeypatch):
+    # The probe times variants through fused_decode.affine_partials (the shipped launch); run by
+    # the CPU emulation of mx.fast.cuda_kernel, the full variant merged is the cache's portable
+    # attention over everything but the sink's placeholder (the probe attends that column).
+    import mlx.core as mx
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_emulation.cuda_kernel)
+    fused_decode._kernels.cache_clear()
+    try:
+        cache, _, _, _, q = kernel_probe._filled_kivi(600)
+        cache.sink_keys = cache.sink_values = None  # column 0 read from its codes, as the probe does
+        # float32 queries: the CPU's portable path in bf16 rounds its scores (see
+        # tests/cache/test_fused_decode_emulated.py); the kernels accumulate in float32.
+        expected = cache.attention(q.astype(mx.float32), scale=kernel_probe.D**-0.5)
+        for mode in ("full", "noscore", "novalue"):
+            parts = kernel_probe._partials_call(kernel_probe.variant_kernel(mode), cache, q, 4096)()
+            mx.eval(parts)
+            assert parts[0].shape[:3] == (8, parts[1].shape[1], 4) and mx.isfinite(parts[1]).all().item()
+            if mode == "full":
+                got = fused_decode.merge_partials(*parts, q).astype(mx.float32)
+                assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
+    finally:
+        fused_decode._kernels.cache_clear()

@@ -164,7 +164,7 @@ def test_the_kernel_source_run_by_a_thread_emulation_is_the_portable_attention(m
     BH = B * cache.n_kv_heads
     per_block = fdr.tokens_per_block(cache.n_compressed - n_sink, BH)
     n_hist = -(-(cache.n_compressed - n_sink) // per_block)
-    meta = np.array(fdr.RotatedDecodeMeta().get(cache.n_compressed, per_block, n_hist, D**-0.5, n_sink))
+    meta = np.array(fused_decode.FusedDecodeMeta().get(cache.n_compressed, per_block, n_hist, D**-0.5, n_sink))
     arrays = [np.array(a.astype(mx.float32)) if a.dtype != mx.uint32 else np.array(a)
               for a in (q_heads, *cache._signs, cache.key_mean, *stores, cache.window_keys, cache.window_values,
                         *(sink_kv or (mx.zeros((1,)), mx.zeros((1,)))))]
@@ -245,7 +245,7 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, bits, sink)
 
 
 def test_meta_is_rebuilt_only_when_its_values_change():
-    meta = fdr.RotatedDecodeMeta()
+    meta = fused_decode.FusedDecodeMeta()
     first = meta.get(640, 128, 5, 0.125, 1)
     assert meta.get(640, 128, 5, 0.125, 1) is first
     assert meta.get(704, 128, 6, 0.125, 1).tolist() == [704, 128, 6, 1040187392, 1]

@@ -90,6 +90,17 @@ def variant_source(mode: str) -> str:
     return source[: source.index(start)] + "    }\n" + source[source.index(end):]
 
 
+def variant_kernel(mode: str):
+    """The partials kernel built from variant_source(mode), under its own name."""
+    import mlx.core as mx
+
+    from veloxquant_mlx.cache import fused_decode as fd
+
+    return mx.fast.cuda_kernel(
+        name=f"vq_probe_{mode}", input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "meta"],
+        output_names=["part_o", "part_m", "part_l"], source=variant_source(mode), header=fd._HEADER)
+
+
 def per_call_ms(fn, calls: int = 30, batches: int = 5) -> float:
     """Median over `batches` of the ms per call of `calls` calls enqueued then evaluated once."""
     import mlx.core as mx
@@ -104,48 +115,44 @@ def per_call_ms(fn, calls: int = 30, batches: int = 5) -> float:
 
 
 def _filled_kivi(n: int):
+    """A kivi-2 cache holding n random bf16 tokens as a prefill leaves it plus one decode
+    token (bench.attention's preparation), its K/V and a query row per head."""
     import mlx.core as mx
 
-    from veloxquant_mlx import KVCacheConfig
-    from veloxquant_mlx.cache.kivi import KIVICache
+    from veloxquant_mlx.bench.attention import prepared_call
+    from veloxquant_mlx.bench.layer_specs import parse_layer_spec
 
     mx.random.seed(0)
     k = mx.random.normal((1, HK, n, D)).astype(mx.bfloat16)
     v = mx.random.normal((1, HK, n, D)).astype(mx.bfloat16)
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
-    cache = KIVICache(KVCacheConfig(method="kivi", bit_width_inlier=2))
-    cache.update_and_fetch(k[:, :, :-1], v[:, :, :-1])
-    cache.attention(q, scale=D**-0.5)
-    cache.update_and_fetch(k[:, :, -1:], v[:, :, -1:])
-    mx.eval(list(cache.store.values()), cache.window_keys)
-    return cache, k, v, q
+    cache, attend = prepared_call(parse_layer_spec("kivi"), q, k, v, D**-0.5)
+    return cache, attend, k, v, q
 
 
 def _partials_call(kernel, cache, q, target_warps: int):
-    import mlx.core as mx
-
+    """The partials kernel `kernel` alone -> (part_o, part_m, part_l), launched as the shipped
+    decode step launches it (fused_decode.affine_partials) with TARGET_WARPS set to
+    `target_warps`; the sink is attended from its placeholder codes (skip 0, window alone)."""
     from veloxquant_mlx.cache import fused_decode as fd
 
-    s, n, R = cache.store, cache.n_compressed, HQ // HK
-    saved = fd.TARGET_WARPS
-    fd.TARGET_WARPS = target_warps
-    try:
-        per_block = fd.tokens_per_block(n, HK)
-    finally:
-        fd.TARGET_WARPS = saved
-    n_hist = -(-n // per_block)
-    meta = fd._meta(n, per_block, n_hist, D**-0.5, 0)
-    rows = q.reshape(1, HK, R, D)
-    inputs = [rows, s["key_codes"], s["key_scales"], s["key_biases"], s["value_codes"],
-              s["value_scales"], s["value_biases"], cache.window_keys, cache.window_values, meta]
-    template = [("D", D), ("DV", D), ("R", R), ("G", cache.group_size), ("KB", 2), ("VB", 2),
-                ("LPT", fd.lanes_per_token(D, 2)), ("QT", mx.bfloat16), ("ST", s["key_scales"].dtype)]
-    blocks = n_hist + 1
-    return lambda: kernel(
-        inputs=inputs, template=template, grid=(32 * fd.WARPS_PER_BLOCK * blocks, HK, 1),
-        threadgroup=(32 * fd.WARPS_PER_BLOCK, 1, 1),
-        output_shapes=[(HK, blocks, R, D), (HK, blocks, R), (HK, blocks, R)],
-        output_dtypes=[mx.float32] * 3)[0]
+    s = cache.store
+    arrays = [s[name] for name in ("key_codes", "key_scales", "key_biases", "value_codes",
+                                   "value_scales", "value_biases")]
+    meta = fd.FusedDecodeMeta()
+
+    def call():
+        saved = fd.TARGET_WARPS
+        fd.TARGET_WARPS = target_warps
+        try:
+            return fd.affine_partials(
+                q, D**-0.5, *arrays, cache.window_keys, cache.window_values,
+                n_valid=cache.n_compressed, group_size=cache.group_size, key_bits=cache.key_bits,
+                value_bits=cache.value_bits, n_kv_heads=HK, meta_cache=meta, kernel=kernel)
+        finally:
+            fd.TARGET_WARPS = saved
+
+    return call
 
 
 def probe_read(n: int = 131072) -> dict:
@@ -172,16 +179,14 @@ def probe_decode(n: int) -> dict:
 
     from veloxquant_mlx.cache import fused_decode as fd
 
-    cache, k, v, q = _filled_kivi(n)
+    cache, attend, k, v, q = _filled_kivi(n)
     out = {
         "fp16_sdpa_ms": per_call_ms(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5)),
-        "kivi_attention_ms": per_call_ms(lambda: cache.attention(q, scale=D**-0.5)),
+        "kivi_attention_ms": per_call_ms(attend),
         "history_bytes": int(sum(a.nbytes for a in cache.store.values()) * cache.n_compressed / cache.capacity),
     }
     for mode in ("full", "noscore", "novalue"):
-        kernel = mx.fast.cuda_kernel(
-            name=f"vq_probe_{mode}", input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "meta"],
-            output_names=["part_o", "part_m", "part_l"], source=variant_source(mode), header=fd._HEADER)
+        kernel = variant_kernel(mode)
         targets = (fd.TARGET_WARPS, 1024, 16384) if mode == "full" else (fd.TARGET_WARPS,)
         for warps in targets:
             out[f"partials_{mode}_warps{warps}_ms"] = per_call_ms(_partials_call(kernel, cache, q, warps))

@@ -479,6 +479,23 @@ def affine_decode_attention(
     """softmax(q K^T * scale) V for one query row per head, queries (B, Hq, 1, D), over the
     compressed tokens [skip, n_valid) and the exact window (B, H, W, D), W >= 1 -> (B, Hq, 1, DV)
     in the queries' dtype. Only call when kernels_enabled() and supports(...): decode_step checks."""
+    partials = affine_partials(
+        queries, scale, key_codes, key_scales, key_zeros, value_codes,
+        value_scales, value_zeros, window_keys, window_values, n_valid=n_valid,
+        group_size=group_size, key_bits=key_bits, value_bits=value_bits, n_kv_heads=n_kv_heads,
+        meta_cache=meta_cache, skip=skip,
+    )
+    return merge_partials(*partials, queries)
+
+
+def affine_partials(
+    queries, scale: float, key_codes, key_scales, key_zeros, value_codes, value_scales,
+    value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
+    value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0, kernel=None,
+):
+    """Kernel 1's launch (the checks, block split, meta and template) -> (part_o, part_m,
+    part_l); `kernel`: the shipped partials kernel when None, else a variant of its source
+    (bench.kernel_probe times some), taken after the checks."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -503,10 +520,10 @@ def affine_decode_attention(
             f"fused decode: {n_valid} history tokens need {n_blocks} blocks, more than the merge "
             f"kernel's {MAX_BLOCKS}; set {ENV_SWITCH}=0 to use the portable path"
         )
-    partials, merge = _kernels()
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip)
     dtype = queries.dtype
-    part_o, part_m, part_l = partials(
+    partials = _kernels()[0] if kernel is None else kernel
+    return partials(
         inputs=[queries, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
                 window_keys.astype(dtype), window_values.astype(dtype), meta],
         template=[("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
@@ -517,7 +534,16 @@ def affine_decode_attention(
         output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    (out,) = merge(
+
+
+def merge_partials(part_o, part_m, part_l, queries):
+    """Kernel 2: the blocks' partials (BH, n_blocks, R, DV) -> the output row per query head,
+    (B, Hq, 1, DV) in the queries' dtype. Serves every partials kernel of this shape (also
+    fused_decode_rotated's)."""
+    B, n_q_heads = queries.shape[:2]
+    BH, _, R, DV = part_o.shape
+    dtype = queries.dtype
+    (out,) = _kernels()[1](
         inputs=[part_o, part_m, part_l],
         template=[("DV", DV), ("MAX_BLOCKS", MAX_BLOCKS), ("QT", dtype)],
         grid=(DV, BH * R, 1),

@@ -79,7 +79,6 @@ from __future__ import annotations
 from functools import lru_cache
 
 import mlx.core as mx
-import numpy as np
 
 from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.errors import QuantizerConfigError
@@ -479,23 +478,6 @@ def supports(head_dim: int, value_dim: int, key_stage1_bits: int, value_stage1_b
     return _shared_bytes(head_dim, value_dim, rows) <= 48 * 1024
 
 
-class RotatedDecodeMeta:
-    """The small int32 argument array of one cache, rebuilt only when its values change (every
-    block flush), not at every decode step."""
-
-    def __init__(self):
-        self._key = None
-        self._value = None
-
-    def get(self, n_valid: int, per_block: int, n_hist_blocks: int, scale: float, n_sink: int) -> mx.array:
-        key = (n_valid, per_block, n_hist_blocks, scale, n_sink)
-        if key != self._key:
-            scale_bits = int(np.array([scale], dtype=np.float32).view(np.int32)[0])
-            self._key = key
-            self._value = mx.array([n_valid, per_block, n_hist_blocks, scale_bits, n_sink], dtype=mx.int32)
-        return self._value
-
-
 def exact_sink(cache) -> tuple[mx.array, mx.array] | None:
     """The exact sink K/V (float32, (B, H, S, D) / (B, H, S, DV)): token 0's decoded codes plus
     the cache's deltas, derived once per sink (not state: rebuilt from the store when the
@@ -545,7 +527,7 @@ def decode_step(cache, queries, scale: float):
     kb1, vb1 = cache.key_bits - 1, cache.value_bits - 1
     if not fused_decode.kernels_enabled() or not supports(cache.head_dim, cache.value_dim, kb1, vb1, rows):
         return None
-    meta_cache = cache.__dict__.setdefault("_rotated_meta", RotatedDecodeMeta())
+    meta_cache = cache.__dict__.setdefault("_rotated_meta", fused_decode.FusedDecodeMeta())
     return rotated_decode_attention(
         queries, scale, cache._signs[0], cache._signs[1], cache.key_mean, store_arrays(cache),
         cache.window_keys, cache.window_values, exact_sink(cache),
@@ -558,7 +540,7 @@ def decode_step(cache, queries, scale: float):
 def rotated_decode_attention(
     queries, scale: float, key_signs, value_signs, key_mean, stores, window_keys, window_values,
     sink, *, n_valid: int, key_stage1_bits: int, value_stage1_bits: int, key_group: int,
-    value_group: int, n_kv_heads: int, meta_cache: RotatedDecodeMeta,
+    value_group: int, n_kv_heads: int, meta_cache: fused_decode.FusedDecodeMeta,
 ):
     """softmax(q K^T * scale) V for one query row per head, queries (B, Hq, 1, D), over the
     compressed tokens [S, n_valid) (S = sink tokens, attended exactly from `sink`), the sink and
@@ -591,13 +573,4 @@ def rotated_decode_attention(
         output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    merge = fused_decode._kernels()[1]
-    (out,) = merge(
-        inputs=[part_o, part_m, part_l],
-        template=[("DV", DV), ("MAX_BLOCKS", fused_decode.MAX_BLOCKS), ("QT", dtype)],
-        grid=(DV, BH * R, 1),
-        threadgroup=(DV, 1, 1),
-        output_shapes=[(B, n_q_heads, 1, DV)],
-        output_dtypes=[dtype],
-    )
-    return out
+    return fused_decode.merge_partials(part_o, part_m, part_l, queries)
