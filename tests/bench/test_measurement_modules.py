@@ -10,7 +10,8 @@ import pytest
 
 from veloxquant_mlx.bench import timing
 
-MODULES = ["attention", "encode", "synthetic", "lowrank", "quality_split", "rvq_attribution", "ops"]
+MODULES = ["attention", "encode", "synthetic", "lowrank", "quality_split", "rvq_attribution", "ops",
+           "kernel_probe", "prefill_peak"]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -145,6 +146,8 @@ def test_bad_spec_exits_2(name, argv, capsys, tmp_path):
     ("encode", ["--context", "0"]),
     ("ops", ["--q-heads", "4", "--kv-heads", "3"]),
     ("ops", ["--baseline", "no-such-ref-xyz"]),
+    ("prefill_peak", ["--parts", "layer,everything"]),
+    ("prefill_peak", ["--model-cases", "fp16,middle"]),
 ])
 def test_bad_arguments_are_usage_errors(name, argv):
     module = importlib.import_module(f"veloxquant_mlx.bench.{name}")

@@ -37,6 +37,7 @@ import time
 
 import mlx.core as mx
 
+MODULE = "veloxquant_mlx.bench.prefill_peak"
 MiB = 1 << 20
 
 
@@ -109,7 +110,7 @@ def layer_rows(contexts, heads: int, head_dim: int, q_heads: int, dtype) -> list
                       f"({row['peak_over_fp16_kv']}x fp16 K/V), {row['seconds']} s",
                       file=sys.stderr, flush=True)
                 del k, v
-            del cache, reference
+            cache = reference = None  # freed before the next history is built
     return rows
 
 
@@ -194,10 +195,14 @@ def model_rows(contexts, shape: dict, dtype, case_labels=tuple(MODEL_CASES)) -> 
     return rows
 
 
+PARTS = ("layer", "model")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", help="JSON output path (default: stdout)")
-    p.add_argument("--parts", default="layer,model", help="comma-separated: layer, model")
+    from veloxquant_mlx.bench.command import parser
+
+    p = parser(MODULE, __doc__)
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--layer-contexts", default="4096,16384,32768")
     p.add_argument("--model-contexts", default="4096,8192,16384")
@@ -207,18 +212,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=1024)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Checked before anything runs: an unknown name is an error, never silently skipped.
+    args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    args.model_cases = [x.strip() for x in args.model_cases.split(",") if x.strip()]
+    for option, names, allowed in (("--parts", args.parts, PARTS), ("--model-cases", args.model_cases, MODEL_CASES)):
+        unknown = sorted(set(names) - set(allowed))
+        if unknown:
+            p.error(f"{option} {','.join(unknown)}: allowed are {', '.join(allowed)}")
+    return args
 
 
 def main(argv=None) -> int:
     from veloxquant_mlx.bench import report
 
+    from veloxquant_mlx.bench.command import start
+
     args = parse_args(argv)
     dtype = getattr(mx, args.dtype)
-    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    parts = set(args.parts)
     heads, q_heads, head_dim = 8, 32, 128
     result = {
-        **report.header(),
+        **start(args),
         "settings": {"dtype": args.dtype, "kv_heads": heads, "q_heads": q_heads, "head_dim": head_dim,
                      "prefill_step_size": 2048},
     }
@@ -229,11 +244,8 @@ def main(argv=None) -> int:
         shape = dict(hidden=args.hidden, layers=args.layers, heads=q_heads, kv_heads=heads,
                      head_dim=head_dim, intermediate=args.intermediate, vocab=args.vocab)
         result["model_shape"] = {**shape, "attention": "flash stand-in (see module docstring)"}
-        labels = [c.strip() for c in args.model_cases.split(",") if c.strip()]
-        unknown = sorted(set(labels) - set(MODEL_CASES))
-        if unknown:
-            raise SystemExit(f"--model-cases: {unknown} unknown; allowed: {', '.join(MODEL_CASES)}")
-        result["model"] = model_rows([int(c) for c in args.model_contexts.split(",")], shape, dtype, labels)
+        result["model"] = model_rows([int(c) for c in args.model_contexts.split(",")], shape, dtype,
+                                     args.model_cases)
     if args.out:
         report.write_json(result, args.out)
     else:
