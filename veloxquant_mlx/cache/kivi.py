@@ -75,6 +75,7 @@ import numpy as np
 
 from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
+from veloxquant_mlx.cache.sink import with_sink_placeholder
 from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -257,11 +258,7 @@ class KIVICache(CompressedKVCache):
             return keys, values
         self.sink_keys = mx.contiguous(keys[:, :, :S])
         self.sink_values = mx.contiguous(values[:, :, :S])
-
-        def fill(x):
-            return mx.concatenate([mx.repeat(x[:, :, S : S + 1], S, axis=2), x[:, :, S:]], axis=2)
-
-        return fill(keys), fill(values)
+        return with_sink_placeholder(keys, S), with_sink_placeholder(values, S)
 
     def _scores(self, q: mx.array) -> mx.array:
         s = self.store

@@ -51,6 +51,7 @@ from veloxquant_mlx.cache.kvquant_attention import (
 )
 from veloxquant_mlx.cache.nonuniform_codebook import fit_codebook, lookup_table, nearest_level
 from veloxquant_mlx.cache.packing import pack_codes, packed_length
+from veloxquant_mlx.cache.sink import with_sink_placeholder
 from veloxquant_mlx.cache.sparse_outliers import (
     gather_entries,
     outlier_count,
@@ -143,8 +144,6 @@ class KVQuantCache(CompressedKVCache):
         B, H, n, _ = keys.shape
         G, nb = self.group_size, keys.shape[2] // self.group_size
         first = self.n_compressed == 0
-        kb = keys.reshape(B, H, nb, G, self.head_dim)
-        vb = values.reshape(B, H, nb, G, self.value_dim)
         if first:
             # The attention sink: kept exactly, and kept out of its block's statistics (its
             # entries are often far larger than the rest) by copying token 1 over it.
@@ -153,8 +152,9 @@ class KVQuantCache(CompressedKVCache):
             # 2047-token chunk of SmolLM2's shape, 6x the layer's compressed bytes).
             self.store["sink_keys"] = mx.contiguous(keys[:, :, :1])
             self.store["sink_values"] = mx.contiguous(values[:, :, :1])
-            kb = _copy_row(kb)
-            vb = _copy_row(vb)
+            keys, values = with_sink_placeholder(keys, 1), with_sink_placeholder(values, 1)
+        kb = keys.reshape(B, H, nb, G, self.head_dim)
+        vb = values.reshape(B, H, nb, G, self.value_dim)
         out = {}
         for prefix, blocks, axis in (("key", kb, -2), ("value", vb, -1)):
             count = self._outliers(blocks.shape[-1])
@@ -226,9 +226,3 @@ class KVQuantCache(CompressedKVCache):
             x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
             out.append(x.astype(self.dtype))
         return out[0], out[1]
-
-
-def _copy_row(blocks: mx.array) -> mx.array:
-    """blocks (B, H, nb, G, D) with token 0 of block 0 replaced by token 1."""
-    first = mx.concatenate([blocks[:, :, :1, 1:2], blocks[:, :, :1, 1:]], axis=3)
-    return mx.concatenate([first, blocks[:, :, 1:]], axis=2)
