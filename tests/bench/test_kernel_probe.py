@@ -55,3 +55,29 @@ def test_the_probes_launch_runs_every_variant_and_the_full_one_is_the_attention(
                 assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
     finally:
         fused_decode._kernels.cache_clear()
+
+
+@pytest.mark.skipif(cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier for the CUDA emulation")
+def test_the_step_probe_times_whole_steps_and_kivis_pieces(monkeypatch):
+    # Under the CPU emulation (kernels "on"): every spec gets a step time, kivi its sink
+    # concatenation, partials and merge; each timed call really ran (finite, positive ms).
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench.layer_specs import parse_layer_spec
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_emulation.cuda_kernel)
+    monkeypatch.setattr(fused_decode, "_on_cuda", lambda: True)
+    real = kernel_probe.per_call_ms
+    monkeypatch.setattr(kernel_probe, "per_call_ms", lambda fn, calls=30, batches=5: real(fn, 2, 1))
+    fused_decode._kernels.cache_clear()
+    try:
+        got = kernel_probe.probe_step(300, [parse_layer_spec("fp16"), parse_layer_spec("kivi")])
+    finally:
+        fused_decode._kernels.cache_clear()
+    assert set(got) == {"fp16_step_ms", "kivi_step_ms", "kivi_sink_concat_ms", "kivi_partials_ms", "kivi_merge_ms"}
+    assert all(0 < ms < 60_000 for ms in got.values()), got
+
+
+def test_step_methods_are_checked():
+    with pytest.raises(SystemExit):
+        kernel_probe.parse_args(["--parts", "step", "--methods", "fp16,nonesuch"])

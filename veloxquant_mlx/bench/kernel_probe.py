@@ -16,6 +16,11 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   attention against kivi's update + attention (two runs each, the second warm), then at the
   last chunk the pieces of kivi's chunk attention: decoding the history, adding the window
   (`_full_keys_values`), the fused attention over it, and encoding one chunk.
+- `step`: at each of `--contexts`, one layer's whole decode step for each of `--methods` (the
+  new token's update plus the attention; the fp16 KVCache with mlx-lm's attention), 30 steps
+  enqueued per eval so block flushes are amortised as in generation; and for kivi the pieces
+  outside its partials kernel (the exact sink's two concatenations, the merge kernel). Tells
+  the fixed per-step cost apart from the kernel's per-token cost (short contexts show it).
 The kernel variants are derived from the shipped source by cutting marked spans: a change to
 that source that moves the markers fails loudly (`variant_source`).
 """
@@ -26,7 +31,7 @@ import sys
 import time
 
 MODULE = "veloxquant_mlx.bench.kernel_probe"
-PARTS = ("read", "decode", "prefill")
+PARTS = ("read", "decode", "prefill", "step")
 HQ, HK, D = 32, 8, 128
 
 # Spans of fused_decode._PARTIALS cut out for the variants: (start marker, end marker), the
@@ -66,12 +71,20 @@ def parse_args(argv=None):
     p = parser(MODULE, __doc__)
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--contexts", default="32768,131072", help="decode contexts (default 32768,131072)")
+    p.add_argument("--methods", default="fp16,kivi,xquant,turboquant_rvq",
+                   help="cache specs of the `step` part, as for `veloxquant bench` (default fp16,kivi,xquant,turboquant_rvq)")
     args = p.parse_args(argv)
     args.parts = [x for x in args.parts.split(",") if x]
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
         p.error(f"--parts {','.join(unknown)}: allowed are {', '.join(PARTS)}")
     args.contexts = [int(x) for x in args.contexts.split(",") if x]
+    from veloxquant_mlx.bench.layer_specs import parse_layer_spec
+
+    try:
+        args.specs = [parse_layer_spec(x) for x in args.methods.split(",") if x]
+    except ValueError as exc:
+        p.error(f"--methods: {exc}")
     return args
 
 
@@ -232,6 +245,51 @@ def probe_prefill(n: int = 32768, chunk: int = 2048) -> dict:
     return out
 
 
+def probe_step(n: int, specs) -> dict:
+    """ms per decode step of one layer (update + attention) per spec, and kivi's side pieces."""
+    import mlx.core as mx
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    from veloxquant_mlx.bench.drive import cache_arrays
+    from veloxquant_mlx.cache import fused_decode as fd
+    from veloxquant_mlx.cache.base import CompressedKVCache
+
+    mx.random.seed(2)
+    k = mx.random.normal((1, HK, n, D)).astype(mx.bfloat16)
+    v = mx.random.normal((1, HK, n, D)).astype(mx.bfloat16)
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
+    new = mx.random.normal((1, HK, 1, D)).astype(mx.bfloat16)
+    mx.eval(k, v, q, new)
+    out = {}
+    for spec in specs:
+        cache = spec.make()
+        ours = isinstance(cache, CompressedKVCache)
+        if ours:
+            cache.update_and_fetch(k, v)
+            cache.attention(q, scale=D**-0.5)  # flushes as a prefill leaves it
+        else:
+            cache.update_and_fetch(k, v)
+        mx.eval(cache_arrays([cache]))
+
+        def step(cache=cache, ours=ours):
+            keys, values = cache.update_and_fetch(new, new)
+            if ours:
+                return cache.attention(q, scale=D**-0.5)
+            return scaled_dot_product_attention(q, keys, values, cache=cache, scale=D**-0.5, mask=None)
+
+        # Few batches: every step grows the cache by one token.
+        out[f"{spec.name}_step_ms"] = per_call_ms(step, calls=30, batches=3)
+        if spec.name == "kivi" and cache.sink_keys is not None:
+            wk, wv = cache.window_keys, cache.window_values
+            out["kivi_sink_concat_ms"] = per_call_ms(lambda: [
+                mx.concatenate([cache.sink_keys, wk], axis=2), mx.concatenate([cache.sink_values, wv], axis=2)])
+            parts = _partials_call(None, cache, q, fd.TARGET_WARPS)()
+            mx.eval(parts)
+            out["kivi_partials_ms"] = per_call_ms(_partials_call(None, cache, q, fd.TARGET_WARPS))
+            out["kivi_merge_ms"] = per_call_ms(lambda: fd.merge_partials(*parts, q))
+    return out
+
+
 def run(args) -> dict:
     from veloxquant_mlx.cache.fused_decode import _on_cuda
     from veloxquant_mlx.errors import QuantizerConfigError
@@ -245,7 +303,10 @@ def run(args) -> dict:
         rows["decode"] = {str(n): probe_decode(n) for n in args.contexts}
     if "prefill" in args.parts:
         rows["prefill"] = probe_prefill()
-    return {"settings": {"parts": args.parts, "contexts": args.contexts}, "results": rows}
+    if "step" in args.parts:
+        rows["step"] = {str(n): probe_step(n, args.specs) for n in args.contexts}
+    return {"settings": {"parts": args.parts, "contexts": args.contexts,
+                         "methods": [s.name for s in args.specs]}, "results": rows}
 
 
 def main(argv=None) -> int:
