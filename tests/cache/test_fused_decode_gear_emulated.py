@@ -177,3 +177,27 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, 
     diff = np.abs(np.array(got) - expected).max()
     print(f"{name}: max |corrupted kernel - portable| = {diff:.2e}")
     assert diff > 1e-4  # 5x the float32 tolerance above, at least
+
+
+def test_supports_counts_the_kernels_shared_memory():
+    # The static __shared__ bytes of the compiled programs (from their symbol tables) are what
+    # shared_bytes() counts for the 48 KB limit supports() applies (the programs are built
+    # already: the module's fixture).
+    with pytest.MonkeyPatch.context() as mp, cuda_emulation.signatures_only() as captured:
+        for name, make, dtype, D, B, rep, n, warps in CASES:
+            cache = make()
+            _emulated_step(mp, cache, _filled(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
+    checked = 0
+    for kernel, sig in captured:
+        if kernel.name != "vq_gear_decode_partials":
+            continue
+        t = dict(sig.template)
+        counted = cuda_emulation._static_shared_bytes(kernel.executable(sig))
+        if counted is None:
+            pytest.skip("no nm to read the programs' symbol tables")
+        # Without value outliers the 1-float-per-warp placeholder is unused: g++ drops it
+        # (16 bytes), the count keeps it.
+        slack = 0 if t["VCNT"] else 16
+        assert counted + slack == fused_decode_gear.shared_bytes(t["D"], t["DV"], t["R"], t["VCNT"] > 0), t
+        checked += 1
+    assert checked == len(CASES)
