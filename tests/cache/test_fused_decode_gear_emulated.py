@@ -94,7 +94,7 @@ CASES = [
 # several tiles: one block per head there.
 MUTATIONS = [
     ("key outliers dropped", "atomicAdd(&p_tile[t * R + r], qs[c * R + r] * val);", ";", None),
-    ("key low rank dropped", "extra = fmaf(qb[r][j], ak[i][j], extra);", ";", None),
+    ("key low rank dropped", "s[i][r] = fmaf(qb[r][j], a, s[i][r]);", ";", None),
     ("value low rank dropped", "acc[r][c] = fmaf(uj[r], b, acc[r][c]);", ";", None),
     ("value outliers dropped", "atomicAdd(&vsp_w[r * DV + c], p_tile[t * R + r] * val);", ";", None),
     ("value outliers not rescaled", "vsp_w[r * DV + c] *= al[r];", ";", 1),

@@ -152,6 +152,7 @@ _PARTIALS_TEMPLATE = r"""
       #pragma unroll
       for (int r = 0; r < R; ++r) s[i][r] = 0.f;
     }
+    //@score_init
     if (window) {
       #pragma unroll
       for (int i = 0; i < TPL; ++i) {
@@ -184,7 +185,6 @@ _PARTIALS_TEMPLATE = r"""
         }
       }
     }
-    //@scored
     // ---- online softmax over the tile; probabilities to shared memory ----
     #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -204,7 +204,6 @@ _PARTIALS_TEMPLATE = r"""
         const float p = t0 + i < last && t0 + i >= lo ? expf(s[i][r] - m_new) : 0.f;
         p_tile[(lane * TPL + i) * R + r] = p;
         sum += p;
-        //@prob
       }
       l[r] = l[r] * alpha + vq_warp_sum(sum);
       #pragma unroll
@@ -313,14 +312,14 @@ _PARTIALS_TEMPLATE = r"""
 # store is this layout plus a low-rank and a sparse term) adds its code; partials_source()
 # fills them, and removes them for the kernel above, whose text is then the plain kernel.
 _HOOK_LINE = re.compile(r"^[ ]*//@(\w+)\n", re.M)
-HOOKS = ("declare", "tile", "scored", "prob", "rescaled", "probs", "partial")
+HOOKS = ("declare", "tile", "score_init", "rescaled", "probs", "partial")
 
 
 def partials_source(hooks: dict[str, str] | None = None) -> str:
     """The partials kernel's source with code at its hook lines: `hooks` maps a hook name
-    (HOOKS: after the per-block setup, at the start of a tile, after its scores, per
-    probability, after a row's rescale, once the tile's probabilities are in shared memory,
-    before the warps' partials are merged) to source text; hooks not given are dropped."""
+    (HOOKS: after the per-block setup, at the start of a tile, after its scores are zeroed,
+    after a row's rescale in the online softmax, once the tile's probabilities are in shared
+    memory, before the warps' partials are merged) to source text; hooks not given are dropped."""
     hooks = dict(hooks or {})
     unknown = sorted(set(hooks) - set(HOOKS))
     if unknown:

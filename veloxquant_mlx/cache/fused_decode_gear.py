@@ -14,23 +14,25 @@ So this kernel is fused_decode's partials kernel (partials_source: its text, wit
 the hook lines) followed by its merge kernel, both unchanged for KIVI / XQuant; per layer and
 step: 2 launches instead of ~15 ops.
 
-Where each term goes (per warp tile of 128 tokens, which lies inside one 256-token block):
-  * q B_k: at the tile's start, lane i multiplies the scaled queries (shared memory) with rows
-    i, i + 32, ... of the block's B_k (r contiguous values each: the warp reads B_k in one
-    coalesced sweep) and a butterfly over the warp sums the R x r products; each lane then adds
-    sum_j (q B_k)[r][j] A_k[t][j] to the scores of its 4 tokens (their A_k rows: 4 r contiguous
-    values). Recomputed by both tiles of a block: 64 FMAs and 80 shuffles per lane per tile at
-    R = r = 4, against ~4,000 FMAs of the tile's key and value codes. Why not one MLX product
-    outside: a third launch per layer and step, which is what this kernel removes.
+Where each term goes (per warp tile of 128 tokens, which lies inside one 256-token block; all
+of it before or after the loops over the codes, so those stay as they are):
+  * q B_k: once the tile's scores are zeroed, lane i multiplies the scaled queries (shared
+    memory) with rows i, i + 32, ... of the block's B_k (r contiguous values each: the warp
+    reads B_k in one coalesced sweep), a butterfly over the warp sums the R x r products, and
+    each lane starts the scores of its 4 tokens at sum_j (q B_k)[r][j] A_k[t][j] (their A_k
+    rows: 4 r contiguous values). Recomputed by both tiles of a block: 64 FMAs and 80 shuffles
+    per lane per tile at R = r = 4, against ~4,000 FMAs over the tile's key and value codes.
+    Why not one MLX product outside: a third launch per layer and step, which is what this
+    kernel removes.
   * sparse keys: the tile's score slots in shared memory (its probability buffer, not yet
     used) are zeroed, the warp's lanes scan the block's `count` pairs (328 at d = 128, 1%) and
     add q[c] * value into the slot of each pair inside the tile (shared-memory atomics: two
     pairs may hit one token), and each lane adds its tokens' slots to their scores.
-  * A_v: with the probabilities of its 4 tokens in registers (the online softmax), each lane
-    sums p_t A_v[t] (R x r), the warp sums that by a butterfly, and the value lanes add
+  * A_v: once the tile's probabilities are in shared memory, each lane sums p_t A_v[t] (R x r)
+    over its 4 scoring tokens, the warp sums that by a butterfly, and the value lanes add
     u B_v^T to their channel accumulators (lane group tl takes ranks tl, tl + TPR, ...: the
-    groups are summed at the end like the code part). Per tile, so the tile's probabilities
-    and the accumulators share the running max.
+    groups are summed at the end like the codes' part). Per tile, so the tile's
+    probabilities and the accumulators share the running max.
   * sparse values: a per-warp (R x DV) float buffer in shared memory, rescaled with the
     accumulators at every tile (alpha per row), gains p_t * value at (r, c) by atomics; added
     to the warp's partial before the block's four warps merge.
@@ -92,15 +94,22 @@ _TILE = r"""
     // GEAR: the tile's block (BLK % TILE == 0: a tile lies in one) and its offset in it.
     const int gb = base / BLK;
     const int toff = base - gb * BLK;
-    float ak[TPL][RK], av[TPL][RK], qb[R][RK], u[R][RK], al[R];
+    float al[R];  // the rows' rescale factors of this tile (the online softmax's alpha)
+"""
+
+# Right after the tile's scores are zeroed: GEAR's key terms go in first, so that none of their
+# registers stay live through the loop over the key codes.
+_SCORE_INIT = r"""
     if (!window) {
       if (RANK > 0) {
-        const ST* bk = kbc_bh + (size_t)gb * D * RANK;
+        // q B_k of the block: lane takes channels lane, lane + 32, ...; summed over the warp.
+        float qb[R][RK];
         #pragma unroll
         for (int r = 0; r < R; ++r) {
           #pragma unroll
-          for (int j = 0; j < RK; ++j) { qb[r][j] = 0.f; u[r][j] = 0.f; }
+          for (int j = 0; j < RK; ++j) qb[r][j] = 0.f;
         }
+        const ST* bk = kbc_bh + (size_t)gb * D * RANK;
         #pragma unroll
         for (int k = 0; k < D / 32; ++k) {
           const int d = k * 32 + lane;
@@ -116,20 +125,21 @@ _TILE = r"""
           #pragma unroll
           for (int j = 0; j < RK; ++j) qb[r][j] = vq_warp_sum(qb[r][j]);
         }
-        // The lane's tokens' A rows (past-the-end lanes: the last valid slice, as the codes).
+        // (q B_k) A_k^T for the lane's tokens (past-the-end lanes: the last valid slice).
         const int ta = min(base + lane * TPL, (last - 1) / TPL * TPL);
         #pragma unroll
         for (int i = 0; i < TPL; ++i) {
           #pragma unroll
           for (int j = 0; j < RK; ++j) {
-            ak[i][j] = vq_f32(kat_bh[(size_t)(ta + i) * RANK + j]);
-            av[i][j] = vq_f32(vat_bh[(size_t)(ta + i) * RANK + j]);
+            const float a = vq_f32(kat_bh[(size_t)(ta + i) * RANK + j]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) s[i][r] = fmaf(qb[r][j], a, s[i][r]);
           }
         }
       }
       if (KCNT > 0) {
         // Sparse key terms q[c] * value into the tile's score slots (the probability buffer,
-        // free until the softmax below writes it; each lane zeroes its own tokens' slots).
+        // free until the softmax writes it; each lane zeroes its own tokens' slots).
         #pragma unroll
         for (int i = 0; i < TPL * R; ++i) p_tile[lane * TPL * R + i] = 0.f;
         __syncwarp();
@@ -146,32 +156,13 @@ _TILE = r"""
           }
         }
         __syncwarp();
-      }
-    }
-"""
-
-_SCORED = r"""
-    if (!window && (RANK > 0 || KCNT > 0)) {
-      #pragma unroll
-      for (int i = 0; i < TPL; ++i) {
         #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          float extra = KCNT > 0 ? p_tile[(lane * TPL + i) * R + r] : 0.f;
-          if (RANK > 0) {
-            #pragma unroll
-            for (int j = 0; j < RK; ++j) extra = fmaf(qb[r][j], ak[i][j], extra);
-          }
-          s[i][r] += extra;
+        for (int i = 0; i < TPL; ++i) {
+          #pragma unroll
+          for (int r = 0; r < R; ++r) s[i][r] += p_tile[(lane * TPL + i) * R + r];
         }
       }
     }
-"""
-
-_PROB = r"""
-        if (RANK > 0 && !window) {
-          #pragma unroll
-          for (int j = 0; j < RK; ++j) u[r][j] = fmaf(p, av[i][j], u[r][j]);
-        }
 """
 
 _RESCALED = r"""
@@ -181,8 +172,26 @@ _RESCALED = r"""
 _PROBS = r"""
     if (!window) {
       if (RANK > 0) {
-        // u = sum over the tile of p_t A_v[t]; the value lanes add u B_v^T to their channels,
-        // lane group tl taking ranks tl, tl + TPR, ... (summed over the groups at the end).
+        // u = sum over the tile of p_t A_v[t] (each lane over its scoring tokens, whose
+        // probabilities it wrote, then over the warp); the value lanes add u B_v^T to their
+        // channels, lane group tl taking ranks tl, tl + TPR, ... (the groups are summed at the
+        // end, like the codes' part). Here, not in the softmax: s is dead by now.
+        float u[R][RK];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+          #pragma unroll
+          for (int j = 0; j < RK; ++j) u[r][j] = 0.f;
+        }
+        const int ta = min(base + lane * TPL, (last - 1) / TPL * TPL);
+        #pragma unroll
+        for (int i = 0; i < TPL; ++i) {
+          #pragma unroll
+          for (int j = 0; j < RK; ++j) {
+            const float a = vq_f32(vat_bh[(size_t)(ta + i) * RANK + j]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) u[r][j] = fmaf(p_tile[(lane * TPL + i) * R + r], a, u[r][j]);
+          }
+        }
         #pragma unroll
         for (int r = 0; r < R; ++r) {
           #pragma unroll
@@ -242,8 +251,8 @@ _PARTIAL = r"""
 """
 
 PARTIALS_SOURCE = fused_decode.partials_source({
-    "declare": _DECLARE, "tile": _TILE, "scored": _SCORED, "prob": _PROB,
-    "rescaled": _RESCALED, "probs": _PROBS, "partial": _PARTIAL,
+    "declare": _DECLARE, "tile": _TILE, "score_init": _SCORE_INIT, "rescaled": _RESCALED,
+    "probs": _PROBS, "partial": _PARTIAL,
 })
 
 
