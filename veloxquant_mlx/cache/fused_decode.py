@@ -15,7 +15,9 @@ Layout read (the one KIVICache and XQuantCache store, MLX's mx.quantize stream):
   values per token: codes (B, H, capacity, DV * VB / 32), stream along channels;
          scales/zeros (B, H, capacity, DV / G).
 Blocks of 4 warps per (batch*kv-head, range of tokens); GQA query rows share the codes they read;
-the work split is described above _PARTIALS.
+the work split is described above _PARTIALS. GEARCache's store is this layout plus a low-rank
+and a sparse term: fused_decode_gear.py builds its kernel from this one's source with code at
+its hook lines (partials_source), and launches it through affine_partials and merge_partials.
 
 The portable path (base CompressedKVCache._attend over mx.quantized_matmul) stays the fallback:
 it runs on the CPU and Metal, and wherever this kernel is not active. tests/cache/test_fused_decode.py

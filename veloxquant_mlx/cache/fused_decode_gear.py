@@ -222,9 +222,16 @@ _PROBS = r"""
         }
       }
       if (VCNT > 0) {
+        // The rows' alphas are the same in every lane (warp maxima), and 1 once the running
+        // max settles: the rescale is skipped by the whole warp then.
+        bool moved = false;
         #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          for (int c = lane; c < DV; c += 32) vsp_w[r * DV + c] *= al[r];
+        for (int r = 0; r < R; ++r) moved |= al[r] != 1.f;
+        if (moved) {
+          #pragma unroll
+          for (int r = 0; r < R; ++r) {
+            for (int c = lane; c < DV; c += 32) vsp_w[r * DV + c] *= al[r];
+          }
         }
         __syncwarp();
         const VIT* oi = voi_bh + (size_t)gb * VCNT;
