@@ -51,7 +51,10 @@ The portable path (gear_attention.py) stays the fallback and the reference:
 tests/cache/test_fused_decode_gear_emulated.py runs this kernel's source under the thread-level
 CUDA emulation (tests/cache/cuda_emulation.py) through GEARCache.attention against it;
 tests/cache/test_fused_decode_gear.py holds the wiring test and the CUDA tests. Not yet run on a
-GPU (nvrtc's acceptance, register use and speed unchecked).
+GPU (nvrtc's acceptance, register use and speed unchecked). On the H200:
+    python -m pytest -q -s tests/cache/test_fused_decode_gear.py
+    python -m veloxquant_mlx.bench.attention --context 32768 --q-heads 32 --kv-heads 8 \
+        --head-dim 128 --dtype bfloat16 --methods fp16,gear --kernels both --out X.json
 """
 
 from __future__ import annotations
