@@ -63,6 +63,7 @@ CASES = [
     ("gear-2 hd128 gqa4", _gear(), mx.float32, 128, 1, 4, 1100, None),
     ("gear-2 bf16 hd128 gqa4", _gear(), mx.bfloat16, 128, 1, 4, 1100, None),
     ("gear-2 fp16 hd64 batch2 mha", _gear(), mx.float16, 64, 2, 1, 800, None),
+    ("gear-2 hd64 gqa3 (SmolLM2's heads)", _gear(), mx.float32, 64, 1, 3, 800, None),
     # variants: 4 bits, rank 2, 5% outliers; rank 0 without outliers (fused_decode's kernel
     # over GEAR's arrays); 8 bits with rank 8 (4 rows x 8 ranks: the per-lane limit of 32)
     ("gear-4 r2 5% hd128 gqa2", _gear(gear_bits=4, gear_rank=2, gear_outlier_fraction=0.05), mx.float32, 128, 1, 2, 800, None),
