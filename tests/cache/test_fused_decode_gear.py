@@ -112,8 +112,10 @@ KERNEL_CASES = [
     ("gear-2 bf16 8B-shaped", _gear(), mx.bfloat16, 128, 1, 8, 4, 4100),
     ("gear-4 r2 5% fp16 hd64 batch2 mha", _gear(gear_bits=4, gear_rank=2, gear_outlier_fraction=0.05),
      mx.float16, 64, 2, 2, 1, 1000),
-    ("gear-2 r0 no outliers fp32 hd128 gqa8", _gear(gear_rank=0, gear_outlier_fraction=0.0),
-     mx.float32, 128, 1, 2, 8, 1000),
+    # 16-bit only: a float32 cache keeps fp16 side data, and the portable path would hand
+    # quantized_matmul float32 queries with fp16 scales (the emulated test covers QT float32)
+    ("gear-2 r0 no outliers bf16 hd128 gqa8", _gear(gear_rank=0, gear_outlier_fraction=0.0),
+     mx.bfloat16, 128, 1, 2, 8, 1000),
 ]
 
 

@@ -191,3 +191,19 @@ def test_supports_counts_the_kernels_shared_memory():
         assert fused_decode_gear.shared_bytes(t["D"], t["DV"], t["R"], t["VCNT"] > 0) - counted in allowed, t
         checked += 1
     assert checked == len(CASES)
+
+
+def test_after_a_trim_the_kernel_ignores_the_stale_blocks(monkeypatch):
+    # Trimming into the history re-opens its last blocks: capacity stays 1024 while 768 tokens
+    # stay compressed, and the slack blocks still hold the old codes, factors and outliers.
+    cache = CASES[0][1]()
+    _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+    cache.trim(300)
+    mx.random.seed(7)
+    cache.update_and_fetch(mx.random.normal((1, 2, 1, 128)), mx.random.normal((1, 2, 1, 128)))
+    q_heads = 2 * mx.random.normal((1, 8, 1, 128))
+    assert (cache.n_compressed, cache.capacity, cache.window_keys.shape[2]) == (768, 1024, 34)
+    expected = _portable(cache, q_heads, 128)
+    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    assert "vq_gear_decode_partials" in [k.name for k in made if k.calls == 1]
+    assert np.allclose(np.array(got), expected, atol=2e-5, rtol=2e-5), np.abs(np.array(got) - expected).max()
