@@ -261,8 +261,10 @@ _PARTIAL = r"""
 """
 
 PARTIALS_SOURCE = fused_decode.partials_source({
-    "declare": _DECLARE, "tile": _TILE, "score_init": _SCORE_INIT, "rescaled": _RESCALED,
-    "probs": _PROBS, "partial": _PARTIAL,
+    hook: text.lstrip("\n") for hook, text in (
+        ("declare", _DECLARE), ("tile", _TILE), ("score_init", _SCORE_INIT),
+        ("rescaled", _RESCALED), ("probs", _PROBS), ("partial", _PARTIAL),
+    )
 })
 
 
