@@ -15,7 +15,9 @@ Layout read (the one KIVICache and XQuantCache store, MLX's mx.quantize stream):
   values per token: codes (B, H, capacity, DV * VB / 32), stream along channels;
          scales/zeros (B, H, capacity, DV / G).
 Blocks of 4 warps per (batch*kv-head, range of tokens); GQA query rows share the codes they read;
-the work split is described above _PARTIALS.
+the work split is described above _PARTIALS. GEARCache's store is this layout plus a low-rank
+and a sparse term: fused_decode_gear.py builds its kernel from this one's source with code at
+its hook lines (partials_source), and launches it through affine_partials and merge_partials.
 
 The portable path (base CompressedKVCache._attend over mx.quantized_matmul) stays the fallback:
 it runs on the CPU and Metal, and wherever this kernel is not active. tests/cache/test_fused_decode.py
@@ -29,6 +31,7 @@ against it on the CPU.
 from __future__ import annotations
 
 import os
+import re
 from functools import lru_cache
 
 import mlx.core as mx
@@ -77,7 +80,7 @@ __device__ __forceinline__ float vq_warp_sum(float x) {
 TILE = 128
 WARPS_PER_BLOCK = 4
 TARGET_WARPS = 4096  # ~31 warps per SM on an H200 (132 SMs)
-_PARTIALS = r"""
+_PARTIALS_TEMPLATE = r"""
   constexpr int NW = 4;               // warps per block
   constexpr int TILE = 128;           // tokens per warp tile
   constexpr int TPL = TILE / 32;      // tokens per lane when scoring
@@ -127,6 +130,7 @@ _PARTIALS = r"""
   const QT* wk_bh = wk + (size_t)bh * n_window * D;
   const QT* wv_bh = wv + (size_t)bh * n_window * DV;
   float* p_tile = ps[warp];
+  //@declare
 
   float m[R], l[R], acc[R][CPL];
   #pragma unroll
@@ -141,6 +145,7 @@ _PARTIALS = r"""
   const int lo = window ? 0 : n_skip;  // tokens before lo are not attended
   const int last = window ? n_window : min(first + per_block, n_valid);
   for (int base = first + warp * TILE; base < last; base += TILE * NW) {
+    //@tile
     // ---- scores of the lane's TPL tokens t0 .. t0 + TPL - 1 ----
     const int t0 = base + lane * TPL;
     float s[TPL][R];
@@ -149,6 +154,7 @@ _PARTIALS = r"""
       #pragma unroll
       for (int r = 0; r < R; ++r) s[i][r] = 0.f;
     }
+    //@score_init
     if (window) {
       #pragma unroll
       for (int i = 0; i < TPL; ++i) {
@@ -205,8 +211,10 @@ _PARTIALS = r"""
       #pragma unroll
       for (int c = 0; c < CPL; ++c) acc[r][c] *= alpha;
       m[r] = m_new;
+      //@rescaled
     }
     __syncwarp();
+    //@probs
     // ---- values: past-the-end tokens read the last valid token (p = 0 there) ----
     if (window) {
       for (int round = 0; round < ROUNDS; ++round) {
@@ -276,6 +284,7 @@ _PARTIALS = r"""
       red_l[warp][r] = l[r];
     }
   }
+  //@partial
   __syncthreads();
   // The block's four warps merged into one partial.
   const size_t out_row = ((size_t)bh * gridDim.x + blockIdx.x) * R;
@@ -300,6 +309,27 @@ _PARTIALS = r"""
     }
   }
 """
+
+# Hook lines (`//@name`) mark where a kernel built on this one (fused_decode_gear.py: GEAR's
+# store is this layout plus a low-rank and a sparse term) adds its code; partials_source()
+# fills them, and removes them for the kernel above, whose text is then the plain kernel.
+_HOOK_LINE = re.compile(r"^[ ]*//@(\w+)\n", re.M)
+HOOKS = ("declare", "tile", "score_init", "rescaled", "probs", "partial")
+
+
+def partials_source(hooks: dict[str, str] | None = None) -> str:
+    """The partials kernel's source with code at its hook lines: `hooks` maps a hook name
+    (HOOKS: after the per-block setup, at the start of a tile, after its scores are zeroed,
+    after a row's rescale in the online softmax, once the tile's probabilities are in shared
+    memory, before the warps' partials are merged) to source text; hooks not given are dropped."""
+    hooks = dict(hooks or {})
+    unknown = sorted(set(hooks) - set(HOOKS))
+    if unknown:
+        raise ValueError(f"partials_source: unknown hooks {unknown}; allowed are {', '.join(HOOKS)}")
+    return _HOOK_LINE.sub(lambda m: hooks.get(m.group(1), ""), _PARTIALS_TEMPLATE)
+
+
+_PARTIALS = partials_source()
 
 # Kernel 2: merge the blocks' partials of one (batch*kv-head, row) into the output row. One
 # block of DV threads per row: the block weights exp(m_b - M) are computed once, spread over the
@@ -368,11 +398,15 @@ def _on_cuda() -> bool:
     )
 
 
+# Kernel 1's inputs, in launch order (a kernel built on it by partials_source appends its own).
+PARTIALS_INPUTS = ("q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "meta")
+
+
 @lru_cache(maxsize=None)
 def _kernels():
     partials = mx.fast.cuda_kernel(
         name="vq_affine_decode_partials",
-        input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "meta"],
+        input_names=list(PARTIALS_INPUTS),
         output_names=["part_o", "part_m", "part_l"],
         source=_PARTIALS,
         header=_HEADER,
@@ -492,10 +526,13 @@ def affine_partials(
     queries, scale: float, key_codes, key_scales, key_zeros, value_codes, value_scales,
     value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
     value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0, kernel=None,
+    extra_inputs=(), extra_template=(),
 ):
     """Kernel 1's launch (the checks, block split, meta and template) -> (part_o, part_m,
     part_l); `kernel`: the shipped partials kernel when None, else a variant of its source
-    (bench.kernel_probe times some), taken after the checks."""
+    (bench.kernel_probe times some) or a kernel built on it by partials_source (GEAR's), taken
+    after the checks; `extra_inputs` / `extra_template`: what such a kernel takes beyond this
+    one's inputs (after `meta`) and template constants."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -525,10 +562,10 @@ def affine_partials(
     partials = _kernels()[0] if kernel is None else kernel
     return partials(
         inputs=[queries, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
-                window_keys.astype(dtype), window_values.astype(dtype), meta],
+                window_keys.astype(dtype), window_values.astype(dtype), meta, *extra_inputs],
         template=[("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                   ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits)), ("QT", dtype),
-                  ("ST", side)],
+                  ("ST", side), *extra_template],
         grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
         threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
         output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],

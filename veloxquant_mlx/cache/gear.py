@@ -12,7 +12,8 @@ Inference of LLM", arXiv 2403.05527. Each K and V matrix X of a head is stored a
     head, by power iteration as in the paper (gear_lowrank.py); A (tokens x r), B (d x r) fp16.
 
 Attention never dequantizes the history: scores = quantized_matmul(q, K codes) +
-(q B_k) A_k^T + sparse; output = quantized_matmul(p, V codes) + (p A_v) B_v^T + sparse.
+(q B_k) A_k^T + sparse; output = quantized_matmul(p, V codes) + (p A_v) B_v^T + sparse. On MLX's
+CUDA backend a decode step computes the same in two kernels (fused_decode_gear.py).
 
 Rank setting: `gear_rank` (default 4) is the rank per block of BLOCK_TOKENS = 256 tokens per
 head, for keys and values alike. With head_dim 64, 2 bits, group 32, rank 4 and 1% outliers the
@@ -47,6 +48,7 @@ from typing import ClassVar
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import fused_decode_gear
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.gear_attention import scores_function, values_function
 from veloxquant_mlx.cache.gear_lowrank import low_rank_factors
@@ -248,6 +250,11 @@ class GEARCache(CompressedKVCache):
             self.code_bits, self.code_group, self.rank, outliers, self.block_tokens, self.head_dim, _on_cpu()
         )
         return fn(q, *self._side("k"))
+
+    def _fused_decode(self, queries: mx.array, scale: float):
+        # On CUDA (fused_decode.kernels_enabled) a decode step runs as two kernels over the
+        # store (fused_decode_gear.py); None elsewhere: the portable path below.
+        return fused_decode_gear.decode_step(self, queries, scale)
 
     def _weighted_values(self, p: mx.array) -> mx.array:
         outliers = "v_out_values" in self.store

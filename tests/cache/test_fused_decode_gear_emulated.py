@@ -1,0 +1,209 @@
+"""fused_decode_gear's partials kernel (fused_decode's plus GEAR's low-rank and sparse terms) and
+fused_decode's merge kernel, run on the CPU by the thread-level emulation
+(tests/cache/cuda_emulation.py), against GEARCache's portable attention.
+
+The emulation stands in for mx.fast.cuda_kernel and the kernels are reported active, so the
+decode step goes the way it goes on CUDA: GEARCache.attention -> _fused_decode ->
+fused_decode_gear.decode_step (store arrays, dummies, template) -> fused_decode.affine_partials
+(blocks, meta, grid) -> the two kernel sources, as written. Expected: the same step with the
+kernels off (the CPU default: gear_attention's quantized_matmul + low-rank + sparse, in float32).
+Corrupted sources (in memory), one per GEAR term, show that each term is checked.
+What the emulation cannot check is listed in its docstring (nvrtc, speed, lock-step races).
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.cache import cuda_emulation
+from tests.cache.test_fused_decode_emulated import _emulated_step as affine_emulated_step
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache import fused_decode, fused_decode_gear
+from veloxquant_mlx.cache.gear import GEARCache
+
+pytestmark = pytest.mark.skipif(
+    cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier and _Float16 for the kernels' CPU emulation"
+)
+
+
+def _gear(**fields):
+    return lambda: GEARCache(KVCacheConfig(method="gear", **fields))
+
+
+def _filled(cache, n, *, B, H, rep, D, dtype, seed=0):
+    """A cache after a prefill of n tokens (keys with an offset channel, a wide channel and
+    value spikes, so the outliers and the low-rank residual carry weight), then one decode
+    token: returns the decode step's queries."""
+    mx.random.seed(seed)
+    k = mx.random.normal((B, H, n, D)) * mx.where(mx.arange(D) % 16 == 3, 4.0, 1.0) + 0.5
+    k = k + mx.where(mx.arange(D) == 5, 10.0, 0.0)
+    v = mx.random.normal((B, H, n, D))
+    v = mx.where(mx.random.uniform(shape=v.shape) < 0.003, 12.0, v)
+    cache.update_and_fetch(k.astype(dtype), v.astype(dtype))
+    # One query row flushes the window into the compressed history (n rows would cost seconds).
+    mx.eval(cache.attention(mx.random.normal((B, rep * H, 1, D)).astype(dtype), scale=D**-0.5))
+    cache.update_and_fetch(mx.random.normal((B, H, 1, D)).astype(dtype), mx.random.normal((B, H, 1, D)).astype(dtype))
+    return (2 * mx.random.normal((B, rep * H, 1, D))).astype(dtype)
+
+
+def _emulated_step(monkeypatch, cache, q_heads, scale):
+    """The decode step with the kernels active and run by the emulation (fused_decode's test
+    helper, which builds fused_decode's kernels anew and drops them after; the same here for
+    GEAR's partials kernel); also the emulated kernels (to check which ran)."""
+    fused_decode_gear._partials_kernel.cache_clear()
+    try:
+        return affine_emulated_step(monkeypatch, cache, q_heads, scale)
+    finally:
+        fused_decode_gear._partials_kernel.cache_clear()
+
+
+# (name, cache factory, dtype, head dim, batch, GQA rows, prefill tokens, TARGET_WARPS or None)
+CASES = [
+    # the default (2 bits, group 32, rank 4, 1% outliers: 328 pairs per 256 x 128 block)
+    ("gear-2 hd128 gqa4", _gear(), mx.float32, 128, 1, 4, 1100, None),
+    ("gear-2 bf16 hd128 gqa4", _gear(), mx.bfloat16, 128, 1, 4, 1100, None),
+    ("gear-2 fp16 hd64 batch2 mha", _gear(), mx.float16, 64, 2, 1, 800, None),
+    ("gear-2 hd64 gqa3 (SmolLM2's heads)", _gear(), mx.float32, 64, 1, 3, 800, None),
+    # variants: 4 bits, rank 2, 5% outliers; rank 0 without outliers (fused_decode's kernel
+    # over GEAR's arrays); 8 bits with rank 8 (4 rows x 8 ranks: the per-lane limit of 32)
+    ("gear-4 r2 5% hd128 gqa2", _gear(gear_bits=4, gear_rank=2, gear_outlier_fraction=0.05), mx.float32, 128, 1, 2, 800, None),
+    ("gear-2 r0 no outliers hd128 gqa4", _gear(gear_rank=0, gear_outlier_fraction=0.0), mx.float32, 128, 1, 4, 800, None),
+    ("gear-8 r8 1% hd64 gqa4", _gear(gear_bits=8, gear_rank=8), mx.float32, 64, 1, 4, 800, None),
+    # 8 rows x rank 4: the per-lane limit too, in fp16
+    ("gear-2 fp16 hd128 gqa8", _gear(), mx.float16, 128, 1, 8, 800, None),
+    # 768 history tokens: blocks of 512 tokens leave a last block of 256 (two tiles, two idle warps)
+    ("gear-2 ragged last block", _gear(), mx.float32, 128, 1, 4, 800, None),
+    # one block per head, each warp walks three 128-token tiles (online softmax across tiles,
+    # the sparse value sums rescaled between them)
+    ("gear-2 many tiles per warp", _gear(), mx.float32, 128, 1, 4, 1600, 1),
+]
+
+# A corrupted kernel must fail the comparison: one change per GEAR term (in memory; the module
+# is untouched), each replacing the first occurrence in the composed source; (name, old, new,
+# TARGET_WARPS or None). The rescale of the sparse value sums matters only when a warp walks
+# several tiles: one block per head there.
+MUTATIONS = [
+    ("key outliers dropped", "atomicAdd(&p_tile[t * R + r], qs[c * R + r] * val);", ";", None),
+    ("key low rank dropped", "s[i][r] = fmaf(qb[r][j], a, s[i][r]);", ";", None),
+    ("value low rank dropped", "acc[r][c] = fmaf(uj[r], b, acc[r][c]);", ";", None),
+    ("value outliers dropped", "atomicAdd(&vsp_w[r * DV + c], p_tile[t * R + r] * val);", ";", None),
+    ("value outliers not rescaled", "vsp_w[r * DV + c] *= al[r];", ";", 1),
+]
+
+
+def _mutated(monkeypatch, old, new):
+    source = fused_decode_gear.PARTIALS_SOURCE
+    assert old in source, f"fused_decode_gear.PARTIALS_SOURCE no longer contains {old!r}: pick a new mutation"
+    monkeypatch.setattr(fused_decode_gear, "PARTIALS_SOURCE", source.replace(old, new, 1))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_built_in_parallel():
+    """Every program the tests below compile, built up front one per core: the signatures are
+    captured from small caches of the same shapes (a cold build costs ~1 s each)."""
+    with pytest.MonkeyPatch.context() as mp, cuda_emulation.signatures_only() as captured:
+        for name, make, dtype, D, B, rep, n, warps in CASES:
+            cache = make()
+            _emulated_step(mp, cache, _filled(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
+        for name, old, new, warps in MUTATIONS:
+            with pytest.MonkeyPatch.context() as mutated:
+                _mutated(mutated, old, new)
+                cache = CASES[0][1]()
+                _emulated_step(mp, cache, _filled(cache, 300, B=1, H=2, rep=4, D=128, dtype=mx.float32), 128**-0.5)
+    cuda_emulation.prebuild_captured(captured)
+
+
+def _portable(cache, q_heads, D):
+    """The same step with the kernels off, over the same store and window but with float32
+    queries: the kernel computes in float32 and rounds once at the end, while the portable path
+    in fp16/bf16 would round its scores and sums."""
+    n_valid, window = cache.n_compressed, cache.window_keys.shape[2]
+    expected = cache.attention(q_heads.astype(mx.float32), scale=D**-0.5)
+    mx.eval(expected)
+    assert (cache.n_compressed, cache.window_keys.shape[2]) == (n_valid, window)  # nothing flushed
+    return np.array(expected)
+
+
+@pytest.mark.parametrize("name, make, dtype, D, B, rep, n, warps", CASES, ids=[c[0] for c in CASES])
+def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make, dtype, D, B, rep, n, warps):
+    if warps:
+        monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
+    cache = make()
+    q_heads = _filled(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
+    n_valid = cache.n_compressed
+    outliers = "v_out_values" in cache.store
+    assert fused_decode_gear.supports(D, D, 32, cache.code_bits, cache.rank, 256, rep, outliers)
+    expected = _portable(cache, q_heads, D)
+
+    got, made = _emulated_step(monkeypatch, cache, q_heads, D**-0.5)
+    # fused_decode builds its own partials kernel with the merge one; it must not run
+    assert sorted((k.name, k.calls) for k in made if k.calls) == [("vq_affine_decode_merge", 1), ("vq_gear_decode_partials", 1)]
+    assert got.dtype == dtype and got.shape == q_heads.shape
+
+    per_block = fused_decode.tokens_per_block(n_valid, B * 2)
+    if "ragged" in name:
+        assert n_valid % per_block == 256
+    if warps:
+        assert n_valid <= per_block and n_valid >= 3 * 4 * fused_decode.TILE  # one block, 3 tiles per warp
+    else:
+        assert n_valid > per_block  # several history blocks to merge
+    got = np.array(got.astype(mx.float32))
+    diff = np.abs(got - expected).max()
+    print(f"{name}: max |kernel - portable| = {diff:.2e} (history {n_valid}, window {cache.window_keys.shape[2]})")
+    tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
+    assert np.allclose(got, expected, atol=tol, rtol=tol), diff
+
+
+@pytest.mark.parametrize("name, old, new, warps", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, new, warps):
+    if warps:
+        monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
+    cache = CASES[0][1]()
+    q_heads = _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+    expected = _portable(cache, q_heads, 128)
+    _mutated(monkeypatch, old, new)
+    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    assert sorted(k.name for k in made if k.calls == 1) == ["vq_affine_decode_merge", "vq_gear_decode_partials"]
+    diff = np.abs(np.array(got) - expected).max()
+    print(f"{name}: max |corrupted kernel - portable| = {diff:.2e}")
+    assert diff > 1e-4  # 5x the float32 tolerance above, at least
+
+
+def test_supports_counts_the_kernels_shared_memory():
+    # The static __shared__ bytes of the compiled programs (from their symbol tables) are what
+    # shared_bytes() counts for the 48 KB limit supports() applies (the programs are built
+    # already: the module's fixture).
+    with pytest.MonkeyPatch.context() as mp, cuda_emulation.signatures_only() as captured:
+        for name, make, dtype, D, B, rep, n, warps in CASES:
+            cache = make()
+            _emulated_step(mp, cache, _filled(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
+    checked = 0
+    for kernel, sig in captured:
+        if kernel.name != "vq_gear_decode_partials":
+            continue
+        t = dict(sig.template)
+        counted = cuda_emulation._static_shared_bytes(kernel.executable(sig))
+        if counted is None:
+            pytest.skip("no nm to read the programs' symbol tables")
+        # Without value outliers the 1-float-per-warp placeholder is unused: an optimizing
+        # build drops it (16 bytes), the count keeps it.
+        allowed = (0,) if t["VCNT"] else (0, 16)
+        assert fused_decode_gear.shared_bytes(t["D"], t["DV"], t["R"], t["VCNT"] > 0) - counted in allowed, t
+        checked += 1
+    assert checked == len(CASES)
+
+
+def test_after_a_trim_the_kernel_ignores_the_stale_blocks(monkeypatch):
+    # Trimming into the history re-opens its last blocks: capacity stays 1024 while 768 tokens
+    # stay compressed, and the slack blocks still hold the old codes, factors and outliers.
+    cache = CASES[0][1]()
+    _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+    cache.trim(300)
+    mx.random.seed(7)
+    cache.update_and_fetch(mx.random.normal((1, 2, 1, 128)), mx.random.normal((1, 2, 1, 128)))
+    q_heads = 2 * mx.random.normal((1, 8, 1, 128))
+    assert (cache.n_compressed, cache.capacity, cache.window_keys.shape[2]) == (768, 1024, 34)
+    expected = _portable(cache, q_heads, 128)
+    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    assert "vq_gear_decode_partials" in [k.name for k in made if k.calls == 1]
+    assert np.allclose(np.array(got), expected, atol=2e-5, rtol=2e-5), np.abs(np.array(got) - expected).max()

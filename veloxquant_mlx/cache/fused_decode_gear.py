@@ -1,0 +1,356 @@
+"""A CUDA decode-step kernel for GEARCache: fused_decode's partials kernel plus GEAR's two terms.
+
+Why: on MLX's CUDA backend a GEAR decode step ran as ~15 ops per layer (quantized_matmul for the
+scores, the low-rank products per 256-token block, the sparse gather / scatter, softmax, a split
+quantized_matmul for the values, the same two terms again, the window) and decoded at ~0.1x the
+fp16 cache's tokens/s at 32K tokens on the H200 (issue 5). Its store is KIVI's layout (the codes
+fused_decode's kernel reads) plus, per block of BLK = 256 tokens per head (gear.py):
+  low rank  A (tokens x r, `*_lr_tokens`, per token) and B (d x r, `*_lr_channels`, per block):
+            keys' scores gain (q B_k) A_k^T, values' output gains (p A_v) B_v^T;
+  sparse    `count` (value, index) pairs per block, index = token_in_block * d + channel,
+            values that ADD (gear.py, deviation 3): scores gain q[c] * value at (t, c), the
+            output gains p_t * value at channel c.
+So this kernel is fused_decode's partials kernel (partials_source: its text, with GEAR's code at
+the hook lines) followed by its merge kernel, both unchanged for KIVI / XQuant; per layer and
+step: 2 launches instead of ~15 ops.
+
+Where each term goes (per warp tile of 128 tokens, which lies inside one 256-token block; all
+of it before or after the loops over the codes, so those stay as they are):
+  * q B_k: once the tile's scores are zeroed, lane i multiplies the scaled queries (shared
+    memory) with rows i, i + 32, ... of the block's B_k (r contiguous values each: the warp
+    reads B_k in one coalesced sweep), a butterfly over the warp sums the R x r products, and
+    each lane starts the scores of its 4 tokens at sum_j (q B_k)[r][j] A_k[t][j] (their A_k
+    rows: 4 r contiguous values). Recomputed by both tiles of a block: 64 FMAs and 80 shuffles
+    per lane per tile at R = r = 4, against ~4,000 FMAs over the tile's key and value codes.
+    Why not one MLX product outside: a third launch per layer and step, which is what this
+    kernel removes.
+  * sparse keys: the tile's score slots in shared memory (its probability buffer, not yet
+    used) are zeroed, the warp's lanes scan the block's `count` pairs (328 at d = 128, 1%) and
+    add q[c] * value into the slot of each pair inside the tile (shared-memory atomics: two
+    pairs may hit one token), and each lane adds its tokens' slots to their scores.
+  * A_v: once the tile's probabilities are in shared memory, each lane sums p_t A_v[t] (R x r)
+    over its 4 scoring tokens, the warp sums that by a butterfly, and the value lanes add
+    u B_v^T to their channel accumulators (lane group tl takes ranks tl, tl + TPR, ...: the
+    groups are summed at the end like the codes' part). Per tile, so the tile's
+    probabilities and the accumulators share the running max.
+  * sparse values: a per-warp (R x DV) float buffer in shared memory, rescaled with the
+    accumulators at every tile (alpha per row), gains p_t * value at (r, c) by atomics; added
+    to the warp's partial before the block's four warps merge.
+The exact window block has none of these terms. Shared memory beyond fused_decode's kernel:
+R x DV floats per warp (8 KB at R = 4, DV = 128); supports() counts it.
+
+Taken (supports()): fused_decode's shapes (bits 2, 4, 8; groups of whole 32-token tiles; value
+dims whose lanes stay inside one group), head_dim a multiple of 32 (the q B_k sweep), rank
+0..8 with rows x max(rank, 1) <= 32 (the R x r sums per lane), 1..8 query rows per kv head,
+blocks of whole 128-token tiles, shared memory under 48 KB. Rank 0 and outlier fraction 0 drop
+their code at compile time (template constants RANK, KCNT, VCNT = 0; dummies in place of the
+missing arrays): the kernel is then fused_decode's over GEAR's arrays. GEAR's 3-bit codes
+straddle words: the portable path.
+
+The portable path (gear_attention.py) stays the fallback and the reference:
+tests/cache/test_fused_decode_gear_emulated.py runs this kernel's source under the thread-level
+CUDA emulation (tests/cache/cuda_emulation.py) through GEARCache.attention against it;
+tests/cache/test_fused_decode_gear.py holds the wiring test and the CUDA tests. Not yet run on a
+GPU (nvrtc's acceptance, register use and speed unchecked). On the H200:
+    python -m pytest -q -s tests/cache/test_fused_decode_gear.py
+    python -m veloxquant_mlx.bench.attention --context 32768 --q-heads 32 --kv-heads 8 \
+        --head-dim 128 --dtype bfloat16 --methods fp16,gear --kernels both --out X.json
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from veloxquant_mlx.cache import fused_decode
+
+MAX_RANK = 8
+MAX_ROWS = 8
+MAX_ROW_RANKS = 32  # rows x max(rank, 1): the per-lane (q B_k) and (p A_v) sums, in registers
+GEAR_INPUTS = ("kat", "kbc", "koi", "kov", "vat", "vbc", "voi", "vov")
+
+# Template constants beyond fused_decode's: RANK, BLK (tokens per low-rank / outlier block),
+# KCNT, VCNT (outlier pairs per block of keys / values; 0: none), KIT, VIT (their index dtypes).
+# Inputs beyond fused_decode's: kat (B, H, cap, RANK) A_k, kbc (B, H, cap / BLK, D, RANK) B_k,
+# koi / kov (B, H, cap / BLK, KCNT) outlier indices / values; vat, vbc, voi, vov for values.
+_DECLARE = r"""
+  // GEAR: the warp's sparse value sums [r][channel], kept at the running max like acc.
+  constexpr int RK = RANK > 0 ? RANK : 1;
+  __shared__ __align__(16) float vsp[NW][VCNT > 0 ? R * DV : 1];
+  float* vsp_w = vsp[warp];
+  if (VCNT > 0) {
+    for (int i = lane; i < R * DV; i += 32) vsp_w[i] = 0.f;
+  }
+  const int n_gblk = cap / BLK;
+  const ST* kat_bh = kat + (size_t)bh * cap * RANK;
+  const ST* kbc_bh = kbc + (size_t)bh * n_gblk * D * RANK;
+  const KIT* koi_bh = koi + (size_t)bh * n_gblk * KCNT;
+  const ST* kov_bh = kov + (size_t)bh * n_gblk * KCNT;
+  const ST* vat_bh = vat + (size_t)bh * cap * RANK;
+  const ST* vbc_bh = vbc + (size_t)bh * n_gblk * DV * RANK;
+  const VIT* voi_bh = voi + (size_t)bh * n_gblk * VCNT;
+  const ST* vov_bh = vov + (size_t)bh * n_gblk * VCNT;
+"""
+
+_TILE = r"""
+    // GEAR: the tile's block (BLK % TILE == 0: a tile lies in one) and its offset in it.
+    const int gb = base / BLK;
+    const int toff = base - gb * BLK;
+    float al[R];  // the rows' rescale factors of this tile (the online softmax's alpha)
+"""
+
+# Right after the tile's scores are zeroed: GEAR's key terms go in first, so that none of their
+# registers stay live through the loop over the key codes.
+_SCORE_INIT = r"""
+    if (!window) {
+      if (RANK > 0) {
+        // q B_k of the block: lane takes channels lane, lane + 32, ...; summed over the warp.
+        float qb[R][RK];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+          #pragma unroll
+          for (int j = 0; j < RK; ++j) qb[r][j] = 0.f;
+        }
+        const ST* bk = kbc_bh + (size_t)gb * D * RANK;
+        #pragma unroll
+        for (int k = 0; k < D / 32; ++k) {
+          const int d = k * 32 + lane;
+          #pragma unroll
+          for (int j = 0; j < RK; ++j) {
+            const float b = vq_f32(bk[d * RANK + j]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) qb[r][j] = fmaf(qs[d * R + r], b, qb[r][j]);
+          }
+        }
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+          #pragma unroll
+          for (int j = 0; j < RK; ++j) qb[r][j] = vq_warp_sum(qb[r][j]);
+        }
+        // (q B_k) A_k^T for the lane's tokens (past-the-end lanes: the last valid slice).
+        const int ta = min(base + lane * TPL, (last - 1) / TPL * TPL);
+        #pragma unroll
+        for (int i = 0; i < TPL; ++i) {
+          #pragma unroll
+          for (int j = 0; j < RK; ++j) {
+            const float a = vq_f32(kat_bh[(size_t)(ta + i) * RANK + j]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) s[i][r] = fmaf(qb[r][j], a, s[i][r]);
+          }
+        }
+      }
+      if (KCNT > 0) {
+        // Sparse key terms q[c] * value into the tile's score slots (the probability buffer,
+        // free until the softmax writes it; each lane zeroes its own tokens' slots).
+        #pragma unroll
+        for (int i = 0; i < TPL * R; ++i) p_tile[lane * TPL * R + i] = 0.f;
+        __syncwarp();
+        const KIT* oi = koi_bh + (size_t)gb * KCNT;
+        const ST* ov = kov_bh + (size_t)gb * KCNT;
+        for (int e = lane; e < KCNT; e += 32) {
+          const int idx = (int)oi[e];
+          const int t = idx / D - toff;
+          if (t >= 0 && t < TILE) {
+            const int c = idx - (idx / D) * D;
+            const float val = vq_f32(ov[e]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) atomicAdd(&p_tile[t * R + r], qs[c * R + r] * val);
+          }
+        }
+        __syncwarp();
+        #pragma unroll
+        for (int i = 0; i < TPL; ++i) {
+          #pragma unroll
+          for (int r = 0; r < R; ++r) s[i][r] += p_tile[(lane * TPL + i) * R + r];
+        }
+      }
+    }
+"""
+
+_RESCALED = r"""
+      al[r] = alpha;
+"""
+
+_PROBS = r"""
+    if (!window) {
+      if (RANK > 0) {
+        // u = sum over the tile of p_t A_v[t] (each lane over its scoring tokens, whose
+        // probabilities it wrote, then over the warp); the value lanes add u B_v^T to their
+        // channels, lane group tl taking ranks tl, tl + TPR, ... (the groups are summed at the
+        // end, like the codes' part). Here, not in the softmax: s is dead by now.
+        float u[R][RK];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+          #pragma unroll
+          for (int j = 0; j < RK; ++j) u[r][j] = 0.f;
+        }
+        const int ta = min(base + lane * TPL, (last - 1) / TPL * TPL);
+        #pragma unroll
+        for (int i = 0; i < TPL; ++i) {
+          #pragma unroll
+          for (int j = 0; j < RK; ++j) {
+            const float a = vq_f32(vat_bh[(size_t)(ta + i) * RANK + j]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) u[r][j] = fmaf(p_tile[(lane * TPL + i) * R + r], a, u[r][j]);
+          }
+        }
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+          #pragma unroll
+          for (int j = 0; j < RK; ++j) u[r][j] = vq_warp_sum(u[r][j]);
+        }
+        const ST* bv = vbc_bh + (size_t)gb * DV * RANK;
+        #pragma unroll
+        for (int j0 = 0; j0 < RK; j0 += TPR) {
+          float uj[R];
+          #pragma unroll
+          for (int r = 0; r < R; ++r) uj[r] = 0.f;
+          #pragma unroll
+          for (int jj = j0; jj < (j0 + TPR < RK ? j0 + TPR : RK); ++jj) {
+            if (jj - j0 == tl) {  // a predicated copy: no register array indexed at run time
+              #pragma unroll
+              for (int r = 0; r < R; ++r) uj[r] = u[r][jj];
+            }
+          }
+          const int j = j0 + tl;
+          if (j < RANK) {
+            #pragma unroll
+            for (int c = 0; c < CPL; ++c) {
+              const float b = vq_f32(bv[(ch0 + c) * RANK + j]);
+              #pragma unroll
+              for (int r = 0; r < R; ++r) acc[r][c] = fmaf(uj[r], b, acc[r][c]);
+            }
+          }
+        }
+      }
+      if (VCNT > 0) {
+        // The rows' alphas are the same in every lane (warp maxima), and 1 once the running
+        // max settles: the rescale is skipped by the whole warp then.
+        bool moved = false;
+        #pragma unroll
+        for (int r = 0; r < R; ++r) moved |= al[r] != 1.f;
+        if (moved) {
+          #pragma unroll
+          for (int r = 0; r < R; ++r) {
+            for (int c = lane; c < DV; c += 32) vsp_w[r * DV + c] *= al[r];
+          }
+        }
+        __syncwarp();
+        const VIT* oi = voi_bh + (size_t)gb * VCNT;
+        const ST* ov = vov_bh + (size_t)gb * VCNT;
+        for (int e = lane; e < VCNT; e += 32) {
+          const int idx = (int)oi[e];
+          const int t = idx / DV - toff;
+          if (t >= 0 && t < TILE) {
+            const int c = idx - (idx / DV) * DV;
+            const float val = vq_f32(ov[e]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) atomicAdd(&vsp_w[r * DV + c], p_tile[t * R + r] * val);
+          }
+        }
+      }
+    }
+"""
+
+_PARTIAL = r"""
+  if (VCNT > 0 && !window) {
+    __syncwarp();
+    for (int i = lane; i < R * DV; i += 32) red_o[i] += vsp_w[i];
+  }
+"""
+
+PARTIALS_SOURCE = fused_decode.partials_source({
+    hook: text.lstrip("\n") for hook, text in (
+        ("declare", _DECLARE), ("tile", _TILE), ("score_init", _SCORE_INIT),
+        ("rescaled", _RESCALED), ("probs", _PROBS), ("partial", _PARTIAL),
+    )
+})
+
+
+@lru_cache(maxsize=None)
+def _partials_kernel():
+    return mx.fast.cuda_kernel(
+        name="vq_gear_decode_partials",
+        input_names=[*fused_decode.PARTIALS_INPUTS, *GEAR_INPUTS],
+        output_names=["part_o", "part_m", "part_l"],
+        source=PARTIALS_SOURCE,
+        header=fused_decode._HEADER,
+    )
+
+
+def shared_bytes(head_dim: int, value_dim: int, rows: int, value_outliers: bool) -> int:
+    """Static shared memory of the kernel: fused_decode's (queries, per warp a tile's
+    probabilities or partial, per warp and row max and sum) plus the sparse value sums."""
+    widest = max(head_dim, value_dim, fused_decode.TILE)
+    warps = fused_decode.WARPS_PER_BLOCK
+    floats = rows * (head_dim + warps * widest + 2 * warps)
+    floats += warps * (rows * value_dim if value_outliers else 1)
+    return 4 * floats
+
+
+def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rank: int,
+             block_tokens: int, rows: int, value_outliers: bool = True) -> bool:
+    """The shapes the kernel takes (see the module docstring); others take the portable path."""
+    if not fused_decode.supports(head_dim, value_dim, group_size, bits, bits, rows):
+        return False
+    if not 1 <= rows <= MAX_ROWS or not 0 <= rank <= MAX_RANK or rows * max(rank, 1) > MAX_ROW_RANKS:
+        return False
+    if head_dim % 32 or block_tokens % fused_decode.TILE:
+        return False
+    return shared_bytes(head_dim, value_dim, rows, value_outliers) <= 48 * 1024
+
+
+@lru_cache(maxsize=None)
+def _dummy(dtype):
+    return mx.zeros((1,), dtype=dtype)
+
+
+def store_arrays(cache) -> tuple[list[mx.array], list[mx.array], list[tuple]]:
+    """(fused_decode's six arrays, GEAR's eight in GEAR_INPUTS order, GEAR's template constants)
+    from the cache's store: key codes as one bit stream per channel (B, H, D, words); absent
+    terms (rank 0, no outliers) as 1-element dummies the kernel never reads."""
+    st, B, H, D = cache.store, cache.batch_size, cache.n_kv_heads, cache.head_dim
+    side = cache.side_dtype
+    words = cache.capacity * cache.code_bits // 32
+    base = [st["k_codes"].reshape(B, H, D, words), st["k_scales"], st["k_zeros"],
+            st["v_codes"], st["v_scales"], st["v_zeros"]]
+    extra, counts, index_dtypes = [], [], []
+    for s in ("k", "v"):
+        if cache.rank:
+            extra += [st[f"{s}_lr_tokens"], st[f"{s}_lr_channels"]]
+        else:
+            extra += [_dummy(side), _dummy(side)]
+        if f"{s}_out_values" in st:
+            index, values = st[f"{s}_out_index"], st[f"{s}_out_values"]
+            extra += [index, values]
+            counts.append(values.shape[-1])
+            index_dtypes.append(index.dtype)
+        else:
+            extra += [_dummy(mx.uint16), _dummy(side)]
+            counts.append(0)
+            index_dtypes.append(mx.uint16)
+    template = [("RANK", cache.rank), ("BLK", cache.block_tokens), ("KCNT", counts[0]),
+                ("VCNT", counts[1]), ("KIT", index_dtypes[0]), ("VIT", index_dtypes[1])]
+    return base, extra, template
+
+
+def decode_step(cache, queries, scale: float):
+    """A GEARCache decode step's attention (queries (B, Hq, 1, D), a compressed history and a
+    non-empty window) through the two kernels, or None where they are not active (off CUDA,
+    switched off, a shape supports() refuses): the cache then takes the portable path."""
+    rows = queries.shape[1] // cache.n_kv_heads
+    if not fused_decode.kernels_enabled() or not supports(
+        cache.head_dim, cache.value_dim, cache.code_group, cache.code_bits, cache.rank,
+        cache.block_tokens, rows, "v_out_values" in cache.store,
+    ):
+        return None
+    base, extra, template = store_arrays(cache)
+    meta_cache = cache.__dict__.setdefault("_fused_meta", fused_decode.FusedDecodeMeta())
+    partials = fused_decode.affine_partials(
+        queries, scale, *base, cache.window_keys, cache.window_values,
+        n_valid=cache.n_compressed, group_size=cache.code_group, key_bits=cache.code_bits,
+        value_bits=cache.code_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
+        kernel=_partials_kernel(), extra_inputs=extra, extra_template=template,
+    )
+    return fused_decode.merge_partials(*partials, queries)
