@@ -308,8 +308,8 @@ class EmulatedKernel:
         self.ensure_row_contiguous = ensure_row_contiguous
         self.calls = 0  # how often the kernel ran (a test checks that its path was taken)
 
-    def program(self, sig: _Signature) -> str:
-        """The C++ program for one signature: the kernel as MLX generates it, and a main()."""
+    def _parameters(self, sig: _Signature) -> tuple[list[str], list[str]]:
+        """The kernel's parameters as MLX generates them, and main()'s arguments for them."""
         params, args = [], []
         for i, (n, dtype, ndim) in enumerate(zip(self.input_names, sig.input_dtypes, sig.input_ndims)):
             params.append(f"const {_c_type(dtype)}* {n}")
@@ -326,6 +326,10 @@ class EmulatedKernel:
         for i, (n, dtype) in enumerate(zip(self.output_names, sig.output_dtypes)):
             params.append(f"{_c_type(dtype)}* {n}")
             args.append(f"({_c_type(dtype)}*)out[{i}].data()")
+        return params, args
+
+    def _body(self, sig: _Signature) -> str:
+        """The template constants, then the source: the kernel function's body."""
         constants = []
         for key, value in sig.template:
             if isinstance(value, bool):
@@ -337,11 +341,23 @@ class EmulatedKernel:
             else:
                 raise EmulationError(f"cuda_kernel {self.name!r}: template argument {key}={value!r}; "
                                      "allowed are int, bool and an MLX dtype")
-        kernel = ("void vq_kernel(" + ", ".join(params) + ") {\n" + "\n".join(constants) + "\n"
-                  + self.source + "\n}\n")
+        return "\n".join(constants) + "\n" + self.source + "\n"
+
+    def program(self, sig: _Signature) -> str:
+        """The C++ program for one signature: the kernel as MLX generates it, and a main()."""
+        params, args = self._parameters(sig)
+        kernel = "void vq_kernel(" + ", ".join(params) + ") {\n" + self._body(sig) + "}\n"
         main = (_MAIN.replace("N_IN", str(len(self.input_names))).replace("N_OUT", str(len(self.output_names)))
                 .replace("CALL_ARGS", ", ".join(args)))
         return _SHIM + _strip_cuda_includes(self.header) + "\n" + kernel + main
+
+    def cuda_source(self, sig: _Signature) -> str:
+        """The same kernel as a CUDA translation unit (real CUDA headers, `__global__`), for
+        nvcc: tests/cache/test_kernels_nvcc.py compiles it for the H200 as a proxy for nvrtc."""
+        params, _ = self._parameters(sig)
+        return ("#include <cstdint>\n#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + self.header
+                + f'\nextern "C" __global__ void {self.name}(' + ", ".join(params) + ") {\n"
+                + self._body(sig) + "}\n")
 
     def executable(self, sig: _Signature) -> Path:
         return _build(self.program(sig))

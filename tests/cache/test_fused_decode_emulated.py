@@ -85,6 +85,9 @@ CASES = [
     # the 16-bit load and store paths (QT, ST): the kernel's output in the queries' dtype
     ("kivi-4/2 fp16 hd64 batch2 mha", _kivi(key_bits=4, value_bits=2), mx.float16, 64, 2, 1, 700, None),
     ("kivi-2 bf16 hd128 gqa4", _kivi(bit_width_inlier=2), mx.bfloat16, 128, 1, 4, 700, None),
+    # 8 rows: 16 lanes per value token, each a half word of codes (lanes_per_token)
+    ("kivi-2 fp16 hd128 gqa8 half-word lanes", _kivi(bit_width_inlier=2), mx.float16, 128, 1, 8, 700, None),
+    ("kivi-4 hd128 gqa8 half-word lanes", _kivi(bit_width_inlier=4), mx.float32, 128, 1, 8, 700, None),
 ]
 
 

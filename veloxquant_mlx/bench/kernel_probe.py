@@ -10,8 +10,9 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
 - `decode`: at each of `--contexts`, ms per call (calls enqueued back to back, one eval; median
   of 5 batches) of the fp16 `mx.fast` attention, kivi's whole `cache.attention`, and
   cache/fused_decode.py's partials kernel alone as shipped ("full"), with the value half removed
-  ("noscore" keeps values and the softmax, "novalue" keeps the scores), and with other warp
-  targets (`TARGET_WARPS`).
+  ("noscore" keeps values and the softmax, "novalue" keeps the scores), with other warp
+  targets (`TARGET_WARPS`) and with fewer value accumulators per lane (`MAX_LANE_ACCUMULATORS`
+  32 / 16: 16 / 32 lanes per value token, fewer registers, more warps per SM).
 - `prefill`: one layer's 32K prompt in 2048-token chunks: the fp16 KVCache with `mx.fast`
   attention against kivi's update + attention (two runs each, the second warm), then at the
   last chunk the pieces of kivi's chunk attention: decoding the history, adding the window
@@ -143,10 +144,12 @@ def _filled_kivi(n: int):
     return cache, attend, k, v, q
 
 
-def _partials_call(kernel, cache, q, target_warps: int):
+def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int | None = None):
     """The partials kernel `kernel` alone -> (part_o, part_m, part_l), launched as the shipped
     decode step launches it (fused_decode.affine_partials) with TARGET_WARPS set to
-    `target_warps`; the sink is attended from its placeholder codes (skip 0, window alone)."""
+    `target_warps` (and MAX_LANE_ACCUMULATORS to `lane_accumulators` if given: more lanes per
+    value token, fewer registers); the sink is attended from its placeholder codes (skip 0,
+    window alone)."""
     from veloxquant_mlx.cache import fused_decode as fd
 
     s = cache.store
@@ -155,15 +158,17 @@ def _partials_call(kernel, cache, q, target_warps: int):
     meta = fd.FusedDecodeMeta()
 
     def call():
-        saved = fd.TARGET_WARPS
+        saved = fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS
         fd.TARGET_WARPS = target_warps
+        if lane_accumulators is not None:
+            fd.MAX_LANE_ACCUMULATORS = lane_accumulators
         try:
             return fd.affine_partials(
                 q, D**-0.5, *arrays, cache.window_keys, cache.window_values,
                 n_valid=cache.n_compressed, group_size=cache.group_size, key_bits=cache.key_bits,
                 value_bits=cache.value_bits, n_kv_heads=HK, meta_cache=meta, kernel=kernel)
         finally:
-            fd.TARGET_WARPS = saved
+            fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS = saved
 
     return call
 
@@ -203,6 +208,9 @@ def probe_decode(n: int) -> dict:
         targets = (fd.TARGET_WARPS, 1024, 16384) if mode == "full" else (fd.TARGET_WARPS,)
         for warps in targets:
             out[f"partials_{mode}_warps{warps}_ms"] = per_call_ms(_partials_call(kernel, cache, q, warps))
+    for lanes_acc in (32, 16):
+        out[f"partials_full_lane_accumulators{lanes_acc}_ms"] = per_call_ms(
+            _partials_call(None, cache, q, fd.TARGET_WARPS, lanes_acc))
     return out
 
 

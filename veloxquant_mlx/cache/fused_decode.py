@@ -75,8 +75,8 @@ __device__ __forceinline__ float vq_warp_sum(float x) {
 # Blocks [0, n_hist_blocks) read the compressed history, the last block the exact window.
 # A warp takes tiles of 128 tokens: scoring, lane i holds tokens 4i..4i+3 (one code word slice
 # per channel: the warp's 32 lanes read one contiguous run of each channel's codes); weighing
-# values, LPT lanes share a token (whole code words each) and TPR tokens go per round, reading
-# the tile's probabilities from shared memory.
+# values, LPT lanes share a token (whole code words each, or a half / quarter word at many
+# rows) and TPR tokens go per round, reading the tile's probabilities from shared memory.
 TILE = 128
 WARPS_PER_BLOCK = 4
 TARGET_WARPS = 4096  # ~31 warps per SM on an H200 (132 SMs)
@@ -88,7 +88,8 @@ _PARTIALS_TEMPLATE = r"""
   constexpr int TPR = 32 / LPT;       // tokens per round when weighing values
   constexpr int ROUNDS = TILE / TPR;
   constexpr int BATCH = ROUNDS < 8 ? ROUNDS : 8;  // rounds whose loads are issued together
-  constexpr int WPL = CPL * VB / 32;  // code words per lane and token
+  constexpr int LANE_BITS = CPL * VB;  // code bits per lane and token: 32k, or 8 / 16 (part of a word)
+  constexpr int WPL = LANE_BITS >= 32 ? LANE_BITS / 32 : 1;  // code words per lane and token
   constexpr int WV = DV * VB / 32;    // code words per value token
   constexpr int GV = DV / G;          // value groups per token
   constexpr int DMAX = D > DV ? D : DV;
@@ -97,6 +98,8 @@ _PARTIALS_TEMPLATE = r"""
   const int lane = threadIdx.x % 32;
   const int tl = lane / LPT;
   const int ch0 = (lane % LPT) * CPL;
+  // Where the lane's value bits start in its first word: 0 unless lanes share a word.
+  const int sub = LANE_BITS >= 32 ? 0 : (ch0 * VB) & 31;
   const int bh = blockIdx.y;
   const int n_valid = meta[0];
   const int per_block = meta[1];
@@ -249,7 +252,7 @@ _PARTIALS_TEMPLATE = r"""
           for (int r = 0; r < R; ++r) pj[r] = p_tile[j * R + r];
           #pragma unroll
           for (int c = 0; c < CPL; ++c) {
-            const unsigned code = (words[k][(c * VB) >> 5] >> ((c * VB) & 31)) & ((1u << VB) - 1u);
+            const unsigned code = (words[k][(c * VB) >> 5] >> (((c * VB) & 31) + sub)) & ((1u << VB) - 1u);
             const float v = fmaf(sc[k], (float)code, zp[k]);
             #pragma unroll
             for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
@@ -429,16 +432,28 @@ def tokens_per_block(n_valid: int, n_heads: int) -> int:
     return TILE * WARPS_PER_BLOCK * tiles_per_warp
 
 
-def lanes_per_token(value_dim: int, value_bits: int) -> int | None:
-    """Lanes that share one value token: each lane reads whole code words (the largest power of
-    two up to 8 dividing the token's words), or None when a token is not whole words."""
+# Value accumulators per lane (rows x channels) above which a token is split over more lanes:
+# at 8 query rows per KV head, 16 channels per lane made 128 accumulators and the kernel spilled
+# (ptxas for sm_90: 255 registers + stack; tests/cache/test_kernels_nvcc.py).
+MAX_LANE_ACCUMULATORS = 64
+
+
+def lanes_per_token(value_dim: int, value_bits: int, rows: int = 4) -> int | None:
+    """Lanes that share one value token, or None when a token is not whole words. Each lane
+    reads whole code words (the largest power of two up to 8 dividing the token's words); with
+    many query rows the lanes double (up to 32) while rows x channels per lane exceeds
+    MAX_LANE_ACCUMULATORS, down to a half or a quarter word per lane (a lane's bits never
+    straddle a word)."""
     if (value_dim * value_bits) % 32:
         return None
     words = value_dim * value_bits // 32
-    for lanes in (8, 4, 2, 1):
-        if words % lanes == 0:
-            return lanes
-    return None
+    lanes = next(n for n in (8, 4, 2, 1) if words % n == 0)
+    while rows * value_dim // lanes > MAX_LANE_ACCUMULATORS and lanes < 32:
+        bits = value_dim // (2 * lanes) * value_bits
+        if value_dim % (2 * lanes) or not (bits % 32 == 0 or 32 % bits == 0):
+            break
+        lanes *= 2
+    return lanes
 
 
 def supports(head_dim: int, value_dim: int, group_size: int, key_bits: int, value_bits: int,
@@ -448,7 +463,7 @@ def supports(head_dim: int, value_dim: int, group_size: int, key_bits: int, valu
     group."""
     if key_bits not in SUPPORTED_BITS or value_bits not in SUPPORTED_BITS or group_size % 32:
         return False
-    lanes = lanes_per_token(value_dim, value_bits)
+    lanes = lanes_per_token(value_dim, value_bits, rows)
     if lanes is None or group_size % (value_dim // lanes) or value_dim % 32:
         return False  # the merge kernel reduces over whole warps of value channels
     # Shared memory, 4-byte floats, under 48 KB: the queries, per warp a tile's probabilities
@@ -564,7 +579,7 @@ def affine_partials(
         inputs=[queries, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
                 window_keys.astype(dtype), window_values.astype(dtype), meta, *extra_inputs],
         template=[("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
-                  ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits)), ("QT", dtype),
+                  ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits, R)), ("QT", dtype),
                   ("ST", side), *extra_template],
         grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
         threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),

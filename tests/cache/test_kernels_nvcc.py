@@ -1,0 +1,100 @@
+"""Every CUDA kernel our caches launch, compiled by nvcc for the H200 (sm_90) where the CUDA
+toolkit is installed: a proxy for nvrtc's acceptance of the source (MLX compiles with nvrtc at
+run time, on the GPU; only the CUDA tests there check that), and ptxas's report must show no
+register spills. Each cache's real decode step runs with the kernels "on" and the CUDA
+emulation recording the launches instead of running them (cuda_emulation.signatures_only), so
+the sources compiled are those the caches build, with their template values and dtypes.
+
+Slow (an nvcc run per kernel signature, ~10-30 s each on a loaded machine): not in the CI
+subset, whose machines have no CUDA toolkit anyway."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import pytest
+
+from tests.cache import cuda_emulation
+from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.factory import KVCacheFactory
+from veloxquant_mlx.config import KVCacheConfig
+
+NVCC = shutil.which("nvcc")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")]
+
+# The 8B model's heads (GQA 4, head_dim 128) in bf16, the methods' defaults; fp16 and float32
+# and 8 rows once each (other template values, other register budgets).
+# turboquant_rvq's kernel keeps 16 value channels per lane whatever the rows: at 8 rows its
+# 128 accumulators spill (255 registers + 48 bytes of stack); it still runs (slower), so the case
+# is an expected failure that reports when a change fixes it.
+SPILLS = {("turboquant_rvq", 8): "fused_decode_rotated keeps R x 16 value sums per lane: spills at R = 8"}
+CASES = [
+    pytest.param(method, dtype, rep, marks=[pytest.mark.xfail(strict=True, reason=SPILLS[method, rep])]
+                 if (method, rep) in SPILLS else [], id=f"{method}-{str(dtype).split('.')[-1]}-r{rep}")
+    for method in ("kivi", "xquant", "turboquant_rvq", "gear")
+    for dtype, rep in ((mx.bfloat16, 4), (mx.float16, 8), (mx.float32, 1))
+]
+
+
+def _captured(method: str, dtype, rep: int) -> list:
+    """(kernel, signature) of every launch of one decode step of `method`'s cache."""
+    cache = KVCacheFactory.create(KVCacheConfig(method=method), layer_index=0, n_layers=1)
+    D, H = 128, 2
+    mx.random.seed(0)
+    k = mx.random.normal((1, H, 700, D)).astype(dtype)
+    cache.update_and_fetch(k, k)
+    cache.attention(mx.random.normal((1, H * rep, 700, D)).astype(dtype), scale=D**-0.5)  # flush
+    cache.update_and_fetch(k[:, :, :1], k[:, :, :1])
+    with pytest.MonkeyPatch.context() as mp, cuda_emulation.signatures_only() as captured:
+        mp.setattr(mx.fast, "cuda_kernel", cuda_emulation.cuda_kernel)
+        mp.setattr(fused_decode, "_on_cuda", lambda: True)
+        builders = _kernel_builders()
+        for built in builders:
+            built.cache_clear()
+        try:
+            cache.attention(mx.random.normal((1, H * rep, 1, D)).astype(dtype), scale=D**-0.5)
+        finally:
+            for built in builders:
+                built.cache_clear()
+    return list(captured)
+
+
+def _kernel_builders():
+    """The lru-cached kernel factories of every fused_decode* module (built anew under the patch)."""
+    import importlib
+    import pkgutil
+
+    import veloxquant_mlx.cache as package
+
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name.startswith("fused_decode"):
+            module = importlib.import_module(f"veloxquant_mlx.cache.{info.name}")
+            found += [f for f in vars(module).values() if callable(f) and hasattr(f, "cache_clear")]
+    return found
+
+
+def _compile(source: str, tmp_path, index: int) -> str:
+    path = tmp_path / f"kernel{index}.cu"
+    path.write_text(source)
+    done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-o", str(path.with_suffix(".cubin")),
+                           "-Xptxas", "-v", str(path)], capture_output=True, text=True, timeout=600)
+    report = done.stdout + done.stderr
+    assert done.returncode == 0, f"nvcc failed:\n{report[-3000:]}"
+    return report
+
+
+@pytest.mark.parametrize("method, dtype, rep", CASES)
+def test_every_kernel_compiles_for_sm90_without_spills(tmp_path, method, dtype, rep):
+    captured = _captured(method, dtype, rep)
+    assert len(captured) >= 2, f"{method}: the decode step launched {len(captured)} kernels (kernels not taken?)"
+    sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        reports = list(pool.map(lambda a: _compile(a[1], tmp_path, a[0]), enumerate(sources)))
+    for report in reports:
+        print(re.findall(r"Used \d+ registers.*", report))
+        assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
