@@ -119,6 +119,7 @@ KERNEL_CASES = [
     ("kivi-2 bf16 hd128 gqa4", _kivi(bit_width_inlier=2), mx.bfloat16, 128, 1, 4),
     ("kivi-4/2 fp16 hd64 batch2 mha", _kivi(key_bits=4, value_bits=2), mx.float16, 64, 2, 1),
     ("kivi-8 fp32 hd128 gqa8", _kivi(bit_width_inlier=8), mx.float32, 128, 1, 8),
+    ("kivi-2 fp16 hd128 gqa8 half-word lanes", _kivi(bit_width_inlier=2), mx.float16, 128, 1, 8),
     ("xquant-2 bf16 hd128 gqa4", lambda: XQuantCache(KVCacheConfig(method="xquant", bit_width_inlier=2,
                                                                    xquant_residual_length=32)),
      mx.bfloat16, 128, 1, 4),
