@@ -159,9 +159,12 @@ _PARTIALS_TEMPLATE = r"""
     }
     //@score_init
     if (window) {
+      // The window block is one per head and little else runs beside it at short contexts:
+      // unrolled, so a lane's loads along its token rows are in flight together.
       #pragma unroll
       for (int i = 0; i < TPL; ++i) {
         const QT* krow = wk_bh + (size_t)min(t0 + i, last - 1) * D;
+        #pragma unroll 16
         for (int d = 0; d < D; ++d) {
           const float kv = vq_f32(krow[d]);
           #pragma unroll
@@ -220,14 +223,25 @@ _PARTIALS_TEMPLATE = r"""
     //@probs
     // ---- values: past-the-end tokens read the last valid token (p = 0 there) ----
     if (window) {
-      for (int round = 0; round < ROUNDS; ++round) {
-        const int j = round * TPR + tl;
-        const size_t tj = (size_t)min(base + j, last - 1);
+      // WBATCH rounds' loads issued before their arithmetic (one round at a time waited on
+      // global memory ROUNDS times in a row).
+      constexpr int WBATCH = CPL <= 8 ? 4 : 2;
+      for (int b0 = 0; b0 < ROUNDS; b0 += WBATCH) {
+        float v[WBATCH][CPL];
         #pragma unroll
-        for (int c = 0; c < CPL; ++c) {
-          const float v = vq_f32(wv_bh[tj * DV + ch0 + c]);
+        for (int k = 0; k < WBATCH; ++k) {
+          const size_t tj = (size_t)min(base + (b0 + k) * TPR + tl, last - 1);
           #pragma unroll
-          for (int r = 0; r < R; ++r) acc[r][c] = fmaf(p_tile[j * R + r], v, acc[r][c]);
+          for (int c = 0; c < CPL; ++c) v[k][c] = vq_f32(wv_bh[tj * DV + ch0 + c]);
+        }
+        #pragma unroll
+        for (int k = 0; k < WBATCH; ++k) {
+          const int j = (b0 + k) * TPR + tl;
+          #pragma unroll
+          for (int c = 0; c < CPL; ++c) {
+            #pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(p_tile[j * R + r], v[k][c], acc[r][c]);
+          }
         }
       }
     } else {
