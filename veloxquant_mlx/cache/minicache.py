@@ -57,6 +57,7 @@ import math
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import fused_decode_merged
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
 from veloxquant_mlx.cache.growing_window import GrowingWindowMixin
@@ -281,27 +282,34 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
                 ]
         return layout
 
+    def _direction_store(self) -> dict:
+        """The store holding the pair's merged directions: this layer's, or its lower partner's."""
+        if self.owns_directions:
+            return self.store
+        lower = self._peer(self.layer_index - 1)
+        if lower is None:
+            raise QuantizerConfigError(
+                f"MiniCacheCache layer {self.layer_index} reads the merged directions of "
+                f"layer {self.layer_index - 1}, which is gone"
+            )
+        return lower.store
+
     def _directions(self, part: str):
         """The pair's merged directions of `part` over this layer's capacity."""
-        if self.owns_directions:
-            source = self.store
-        else:
-            lower = self._peer(self.layer_index - 1)
-            if lower is None:
-                raise QuantizerConfigError(
-                    f"MiniCacheCache layer {self.layer_index} reads the merged directions of "
-                    f"layer {self.layer_index - 1}, which is gone"
-                )
-            source = lower.store
+        source = self._direction_store()
         cap = self.capacity
         if self.dir_bits is None:
             return (source[f"dir_{part}"][:, :, :cap],)
         return tuple(source[f"{name}_{part}"][:, :, :cap] for name in ("dir", "dirscale", "dirbias"))
 
     def _slot_index(self, part: str) -> mx.array:
-        """Retained slots -> column index; unused slots point at a dummy column `capacity`."""
+        """Retained slots -> column index; unused slots point at a dummy column `capacity`.
+        Slots of the growth slack (blocks not merged yet) are unused too: the store fills them
+        with zeros, i.e. position 0, which put zero vectors over token 0 (the attention sink)
+        whenever capacity > n_compressed; after a trim they may hold stale positions."""
         positions = self.store[f"retpos_{part}"]
-        return mx.where(positions >= 0, positions, self.capacity)
+        merged = mx.arange(positions.shape[-1]) < self.n_compressed // BLOCK * self.slots
+        return mx.where(merged & (positions >= 0), positions, self.capacity)
 
     def _encode(self, keys, values):  # merging is done by the pair in _flush
         raise NotImplementedError
@@ -335,6 +343,12 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
         scores = mx.concatenate([scores, mx.zeros_like(scores[..., :1])], axis=-1)
         index = mx.broadcast_to(self._slot_index("k")[:, :, None, :], exact.shape)
         return mx.put_along_axis(scores, index, exact.astype(scores.dtype), axis=-1)[..., :-1]
+
+    def _fused_decode(self, queries: mx.array, scale: float):
+        # A paired layer's decode step through fused_decode_merged's CUDA kernel where it runs
+        # (None elsewhere: the portable _scores / _weighted_values path); plain layers attend
+        # their whole window with mx.fast in attention() and never get here with a decode step.
+        return fused_decode_merged.decode_step(self, queries, scale)
 
     def _weighted_values(self, p: mx.array) -> mx.array:
         out_exact = None

@@ -1,0 +1,171 @@
+"""fused_decode_merged's partials kernel (+ fused_decode's merge kernel) for MiniCache's paired
+layers, run on the CPU by the thread-level emulation (tests/cache/cuda_emulation.py), through
+the caches' real decode path, against their portable attention.
+
+The emulation stands in for mx.fast.cuda_kernel and the kernels are reported active, so a paired
+layer's decode step goes the way it goes on CUDA: CompressedKVCache.attention ->
+MiniCacheCache._fused_decode -> fused_decode_merged.decode_step (the lower layer's directions,
+the layer's magnitudes and retained slots, the window) -> merged_decode_attention (blocks, meta,
+template constants, grid) -> the two kernel sources, as written. Expected: the same step with
+the kernels off (the CPU default: _scores / _weighted_values). Both layers of a pair are checked
+(the lower one reads its own directions, the upper one its partner's). A corrupted source (in
+memory) shows that the comparison fails. What the emulation cannot check is listed in its
+docstring (nvrtc, speed, lock-step races).
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.cache import cuda_emulation
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache import fused_decode, fused_decode_merged
+from veloxquant_mlx.cache.minicache import MiniCacheCache
+
+pytestmark = pytest.mark.skipif(
+    cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier and _Float16 for the kernels' CPU emulation"
+)
+
+
+def _pair(n, *, B, H, rep, D, dtype, seed=0, **fields):
+    """A lower / upper pair after a prefill of n tokens (merged in blocks of 32, the rest in
+    their windows) and one decode token each: (lower, upper, queries of each)."""
+    config = KVCacheConfig(method="minicache", minicache_start_fraction=0.0, **fields)
+    lower, upper = MiniCacheCache.build_layers(config, 2)
+    mx.random.seed(seed)
+    # A component shared by both layers plus each layer's own noise: weak for most tokens
+    # (cosine ~0.99, merged), strong for ~1 in 10 (cosine ~0.6, below the 0.9 threshold), so
+    # blocks of 32 hold both used and unused retained slots. Keys get an offset and outlier
+    # channels.
+    outliers = mx.where(mx.arange(D) % 16 == 3, 4.0, 1.0)
+    shared_k = mx.random.normal((B, H, n + 1, D)) * outliers + 0.5
+    shared_v = mx.random.normal((B, H, n + 1, D))
+    noise = mx.where(mx.random.uniform(shape=(B, H, n + 1, 1)) < 0.1, 0.8, 0.05)
+    layers = []
+    for cache in (lower, upper):
+        k = shared_k + noise * mx.random.normal(shared_k.shape) * outliers
+        v = shared_v + noise * mx.random.normal(shared_v.shape)
+        layers.append((cache, k.astype(dtype), v.astype(dtype)))
+    for cache, k, v in layers:
+        cache.update_and_fetch(k[:, :, :n], v[:, :, :n])
+    upper._flush()  # the pair merges its whole blocks (as the upper layer's attention does)
+    queries = []
+    for cache, k, v in layers:
+        cache.update_and_fetch(k[:, :, n:], v[:, :, n:])
+        queries.append((2 * mx.random.normal((B, rep * H, 1, D))).astype(dtype))
+    mx.eval(lower.store, upper.store, queries)
+    return lower, upper, queries
+
+
+def _emulated_step(cache, q_heads, scale):
+    """The decode step with the kernels active and run by the emulation (switched back off
+    after, with the emulated kernels dropped); also the emulated kernels (to check that they
+    ran)."""
+    made = []
+
+    def cuda_kernel(*args, **kwargs):
+        made.append(cuda_emulation.cuda_kernel(*args, **kwargs))
+        return made[-1]
+
+    caches = (fused_decode._kernels, fused_decode_merged._partials_kernel)
+    for built in caches:
+        built.cache_clear()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+            mp.setattr(fused_decode, "kernels_enabled", lambda: True)
+            out = cache.attention(q_heads, scale=scale)
+            mx.eval(out)
+    finally:
+        for built in caches:
+            built.cache_clear()
+    return out, made
+
+
+# (name, dtype, head dim, batch, GQA rows, prefill tokens, config fields, TARGET_WARPS or None)
+CASES = [
+    ("default f32 hd128 gqa4", mx.float32, 128, 1, 4, 700, {}, None),
+    ("default bf16 hd128 gqa4", mx.bfloat16, 128, 1, 4, 700, {}, None),
+    ("default fp16 hd64 batch2 mha", mx.float16, 64, 2, 1, 500, {}, None),
+    ("no slots f32 hd128 gqa4", mx.float32, 128, 1, 4, 700, {"minicache_retain_slots": 0}, None),
+    # 1 slot: fewer slots than the 4 rows of a value round (hd 64): the zero weight row
+    ("1 slot f32 hd64 gqa2", mx.float32, 64, 1, 2, 500, {"minicache_retain_slots": 1}, None),
+    # 16 slots (4 key iterations over them), 8 rows per kv head (the most supports() takes)
+    ("16 slots f32 hd64 gqa8", mx.float32, 64, 1, 8, 500, {"minicache_retain_slots": 16}, None),
+    # one block per head, each warp walks several 32-token tiles (online softmax across tiles)
+    ("many tiles per warp f32 hd128 gqa4", mx.float32, 128, 1, 4, 1100, {}, 1),
+    # a window of 40 + 28 tokens: the window block's warps take 2 tiles, the last one ragged
+    ("long window f32 hd128 gqa4", mx.float32, 128, 1, 4, 740, {"minicache_residual_length": 40}, None),
+]
+
+
+# A corrupted kernel must fail the comparison: the exact score of a retained key is ignored
+# (in memory; fused_decode_merged.py is untouched).
+MUTATION = ("if (pk_bh[blk * S + k] == t) {", "if (pk_bh[blk * S + k] == t && false) {")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_built_in_parallel():
+    """Every program the tests below compile, built up front one per core (the signatures are
+    captured from small pairs of the same shapes; a cold build costs the compiler ~1-2 s each)."""
+    with cuda_emulation.signatures_only() as captured:
+        for name, dtype, D, B, rep, n, fields, warps in CASES:
+            lower, upper, queries = _pair(100, B=B, H=2, rep=rep, D=D, dtype=dtype, **fields)
+            _emulated_step(upper, queries[1], D**-0.5)
+        with pytest.MonkeyPatch.context() as mutated:
+            mutated.setattr(fused_decode_merged, "_PARTIALS", fused_decode_merged._PARTIALS.replace(*MUTATION))
+            lower, upper, queries = _pair(100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+            _emulated_step(upper, queries[1], 128**-0.5)
+    cuda_emulation.prebuild_captured(captured)
+
+
+@pytest.mark.parametrize("name, dtype, D, B, rep, n, fields, warps", CASES, ids=[c[0] for c in CASES])
+def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, dtype, D, B, rep, n, fields, warps):
+    if warps:
+        monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
+    lower, upper, queries = _pair(n, B=B, H=2, rep=rep, D=D, dtype=dtype, **fields)
+    n_valid = upper.n_compressed
+    residual = fields.get("minicache_residual_length", 0)
+    assert lower.n_compressed == n_valid == (n - residual) // 32 * 32 and "dir_k" not in upper.store
+    slots = upper.slots
+    if slots:  # used and unused slots, keys and values choosing differently
+        for cache in (lower, upper):
+            pos = np.array(cache.store["retpos_k"])[..., : n_valid // 32 * slots]
+            assert (pos >= 0).any() and (pos < 0).any(), pos
+        assert not np.array_equal(np.array(upper.store["retpos_k"]), np.array(upper.store["retpos_v"]))
+    per_block = fused_decode_merged.tokens_per_block(n_valid, B * 2)
+    if warps:
+        assert n_valid <= per_block and n_valid > 4 * fused_decode_merged.TILE  # >1 tile per warp
+    else:
+        assert n_valid > per_block and n_valid % per_block  # several blocks, the last one ragged
+    if fields.get("minicache_residual_length"):
+        assert upper.window_keys.shape[2] > 32 and upper.window_keys.shape[2] % 32
+    for label, cache, q_heads in (("lower", lower, queries[0]), ("upper", upper, queries[1])):
+        assert fused_decode_merged.supports(D, D, slots, rep, None)
+        window = cache.window_keys.shape[2]
+        # Kernels off (the CPU default), over the same store and window but with float32 queries:
+        # the kernels compute in float32 and round once at the end, while the portable path in
+        # fp16 / bf16 rounds its scores and sums.
+        expected = cache.attention(q_heads.astype(mx.float32), scale=D**-0.5)
+        mx.eval(expected)
+        assert (cache.n_compressed, cache.window_keys.shape[2]) == (n_valid, window)  # nothing flushed
+        got, made = _emulated_step(cache, q_heads, D**-0.5)
+        ran = sorted((k.name, k.calls) for k in made if k.calls)
+        assert ran == [("vq_affine_decode_merge", 1), ("vq_merged_decode_partials", 1)], ran
+        assert got.dtype == dtype and got.shape == q_heads.shape
+        got, expected = np.array(got.astype(mx.float32)), np.array(expected)
+        tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
+        print(f"{name} {label}: max |kernel - portable| = {np.abs(got - expected).max():.2e}")
+        assert np.allclose(got, expected, atol=tol, rtol=tol), (label, np.abs(got - expected).max())
+
+
+def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch):
+    lower, upper, queries = _pair(700, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+    expected = np.array(upper.attention(queries[1], scale=128**-0.5))
+    assert fused_decode_merged._PARTIALS.count(MUTATION[0]) == 1, "pick a new mutation"
+    monkeypatch.setattr(fused_decode_merged, "_PARTIALS", fused_decode_merged._PARTIALS.replace(*MUTATION))
+    got, made = _emulated_step(upper, queries[1], 128**-0.5)
+    assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_merged_decode_partials"]
+    difference = np.abs(np.array(got) - expected).max()
+    print(f"retained keys ignored: max |kernel - portable| = {difference:.2e}")
+    assert difference > 1e-3  # 50x the tolerance above, at least
