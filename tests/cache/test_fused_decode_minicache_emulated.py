@@ -18,43 +18,12 @@ import numpy as np
 import pytest
 
 from tests.cache import cuda_emulation
-from veloxquant_mlx import KVCacheConfig
+from tests.cache.test_fused_decode_minicache import _pair
 from veloxquant_mlx.cache import fused_decode, fused_decode_merged
-from veloxquant_mlx.cache.minicache import MiniCacheCache
 
 pytestmark = pytest.mark.skipif(
     cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier and _Float16 for the kernels' CPU emulation"
 )
-
-
-def _pair(n, *, B, H, rep, D, dtype, seed=0, **fields):
-    """A lower / upper pair after a prefill of n tokens (merged in blocks of 32, the rest in
-    their windows) and one decode token each: (lower, upper, queries of each)."""
-    config = KVCacheConfig(method="minicache", minicache_start_fraction=0.0, **fields)
-    lower, upper = MiniCacheCache.build_layers(config, 2)
-    mx.random.seed(seed)
-    # A component shared by both layers plus each layer's own noise: weak for most tokens
-    # (cosine ~0.99, merged), strong for ~1 in 10 (cosine ~0.6, below the 0.9 threshold), so
-    # blocks of 32 hold both used and unused retained slots. Keys get an offset and outlier
-    # channels.
-    outliers = mx.where(mx.arange(D) % 16 == 3, 4.0, 1.0)
-    shared_k = mx.random.normal((B, H, n + 1, D)) * outliers + 0.5
-    shared_v = mx.random.normal((B, H, n + 1, D))
-    noise = mx.where(mx.random.uniform(shape=(B, H, n + 1, 1)) < 0.1, 0.8, 0.05)
-    layers = []
-    for cache in (lower, upper):
-        k = shared_k + noise * mx.random.normal(shared_k.shape) * outliers
-        v = shared_v + noise * mx.random.normal(shared_v.shape)
-        layers.append((cache, k.astype(dtype), v.astype(dtype)))
-    for cache, k, v in layers:
-        cache.update_and_fetch(k[:, :, :n], v[:, :, :n])
-    upper._flush()  # the pair merges its whole blocks (as the upper layer's attention does)
-    queries = []
-    for cache, k, v in layers:
-        cache.update_and_fetch(k[:, :, n:], v[:, :, n:])
-        queries.append((2 * mx.random.normal((B, rep * H, 1, D))).astype(dtype))
-    mx.eval(lower.store, upper.store, queries)
-    return lower, upper, queries
 
 
 def _emulated_step(cache, q_heads, scale):

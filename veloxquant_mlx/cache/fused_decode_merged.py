@@ -86,15 +86,16 @@ __device__ __forceinline__ float vq_elem(const vq_u32x4 (&raw)[W], int e) {
 // the 8-channel chunks c * 64 + sub * 8 .. + 8 (c < D / 64), so one load instruction of 8 lanes
 // reads 128 contiguous bytes of a 16-bit row. q_sh is laid out [chunk][e][sub][r] (below): the
 // 8 lanes of a row read consecutive floats (no bank conflicts), the warp's 4 rows broadcast.
-// Loads of JB rows are issued before their FMAs (JB rows x D / 8 channels of T: 64 bytes per
-// lane at most for 16-bit rows, so D = 256 or float rows take fewer rows per batch).
+// Loads of JB rows are issued before their FMAs (JB rows x D / 8 channels of T, 128 bytes per
+// lane at most: 4 rows of 16-bit D = 128, fewer for D = 256 or float rows), so a warp keeps
+// 4 KB in flight while its FMAs wait.
 template <typename T, int D, int R, int J>
 __device__ __forceinline__ void vq_partial_dots(const T* base, const int (&rows)[J],
                                                 const float* q_sh, int sub, float (&part)[J][R]) {
   constexpr int NC = D / 64;                  // 8-channel chunks per lane
   constexpr int W = 8 * (int)sizeof(T) / 16;  // 16-byte words per chunk
   constexpr int PER_ROW = NC * W;
-  constexpr int JB0 = PER_ROW >= 4 ? 1 : 4 / PER_ROW;
+  constexpr int JB0 = PER_ROW >= 8 ? 1 : 8 / PER_ROW;
   constexpr int JB = JB0 < J ? JB0 : J;
   #pragma unroll
   for (int j = 0; j < J; ++j) {
