@@ -28,7 +28,10 @@ the patched and unpatched runs hold the same data at every step. The newest toke
 in both layers until the pair has merged them.
 
 Attention reads the compressed form: scores = ||k|| (q . e_k), overwritten by the exact q . k
-at retained positions; values = (p ||v||) @ e_v + p[retained] @ v_retained.
+at retained positions; values = (p ||v||) @ e_v + p[retained] @ v_retained. On MLX's CUDA
+backend a paired layer's decode step runs that as one partials kernel plus a merge
+(cache/fused_decode_merged.py: the directions, magnitudes and slots read once); elsewhere, and
+for shapes it does not take, the portable ops (_scores / _weighted_values) run.
 
 State: each layer's state holds what it needs alone (the upper layer carries a copy of the
 merged directions); a loaded pair keeps its history and no longer merges new tokens (they stay
