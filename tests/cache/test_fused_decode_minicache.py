@@ -55,12 +55,13 @@ def _pair(n, *, B, H, rep, D, dtype, seed=0, **fields):
 def test_supported_shapes():
     # the 8B shape with the defaults: fp16 directions, 4 slots, 4 rows per kv head
     assert fused_decode_merged.supports(128, 128, 4, 4, None)
-    assert not fused_decode_merged.supports(128, 128, 4, 4, 4)  # quantized directions
+    assert fused_decode_merged.supports(128, 128, 4, 4, 4)  # 4-bit directions
+    assert not fused_decode_merged.supports(128, 128, 4, 4, 3)  # 3-bit codes straddle words
     assert not fused_decode_merged.supports(96, 96, 4, 4, None)  # 8 lanes x 8-channel chunks
     assert not fused_decode_merged.supports(128, 128, 4, 9, None)  # > 8 rows: registers
     assert fused_decode_merged.supports(64, 64, 0, 1, None)
-    # the largest: 256 dims, 16 slots, 8 rows = 41,216 bytes of shared memory
-    assert fused_decode_merged.shared_bytes(256, 256, 16, 8) == 41216
+    # the largest: 256 dims, 16 slots, 8 rows = 42,240 bytes of shared memory
+    assert fused_decode_merged.shared_bytes(256, 256, 16, 8) == 42240
     assert fused_decode_merged.supports(256, 256, 16, 8, None)
     assert fused_decode_merged.tokens_per_block(32768, 8) == 256  # 32-token tiles, 2 per warp
     assert fused_decode_merged.tokens_per_block(100, 1) == 128
@@ -85,16 +86,31 @@ def test_decode_step_hands_the_kernel_the_pairs_arrays(monkeypatch, role):
     assert args[4] is s["mag_k"] and args[5] is s["mag_v"]
     assert args[6] == (s["ret_k"], s["ret_v"], s["retpos_k"], s["retpos_v"])
     assert args[7] is cache.window_keys and args[8] is cache.window_values
-    assert kwargs == {"n_valid": 288, "slots": 4, "n_kv_heads": 2, "meta_cache": cache._merged_meta}
-    # Not taken: kernels off, quantized directions (supports() refuses), plain layers.
+    assert kwargs == {"n_valid": 288, "slots": 4, "n_kv_heads": 2, "meta_cache": cache._merged_meta,
+                      "direction_bits": None, "direction_side": None}
+    # Not taken: kernels off, 3-bit directions (supports() refuses), plain layers.
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: False)
     assert cache._fused_decode(q_heads, 0.5) is None
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    quantized, _, q4 = _pair(100, B=1, H=2, rep=4, D=128, dtype=mx.float16, minicache_bits=4)
-    assert quantized._fused_decode(q4[0], 0.5) is None
+    three, _, q3 = _pair(100, B=1, H=2, rep=4, D=128, dtype=mx.float16, minicache_bits=3)
+    assert three._fused_decode(q3[0], 0.5) is None
     plain = MiniCacheCache(KVCacheConfig(method="minicache"), 0, 4)
     plain.update_and_fetch(mx.zeros((1, 2, 40, 128), mx.float16), mx.zeros((1, 2, 40, 128), mx.float16))
     assert plain.role == "plain" and plain._fused_decode(q_heads, 0.5) is None
+
+
+@pytest.mark.parametrize("role", ["lower", "upper"])
+def test_quantized_directions_hand_the_lower_layers_codes_scales_and_biases(monkeypatch, role):
+    lower, upper, queries = _pair(100, B=1, H=2, rep=4, D=64, dtype=mx.float16, minicache_bits=4)
+    cache, q_heads = (lower, queries[0]) if role == "lower" else (upper, queries[1])
+    seen = {}
+    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
+    monkeypatch.setattr(fused_decode_merged, "merged_decode_attention", lambda *a, **k: seen.update(args=a, kwargs=k))
+    cache._fused_decode(q_heads, 0.5)
+    s = lower.store
+    assert seen["args"][2] is s["dir_k"] and s["dir_k"].dtype == mx.uint32 and seen["args"][3] is s["dir_v"]
+    assert seen["kwargs"]["direction_bits"] == 4
+    assert seen["kwargs"]["direction_side"] == (s["dirscale_k"], s["dirbias_k"], s["dirscale_v"], s["dirbias_v"])
 
 
 def test_no_slots_hand_no_retained_arrays(monkeypatch):
@@ -149,6 +165,7 @@ KERNEL_CASES = [
     ("default bf16 hd128 gqa4 (8B shape)", mx.bfloat16, 128, 1, 4, 3000, {}),
     ("no slots fp16 hd64 batch2 mha", mx.float16, 64, 2, 1, 1000, {"minicache_retain_slots": 0}),
     ("16 slots fp32 hd128 gqa8", mx.float32, 128, 1, 8, 1000, {"minicache_retain_slots": 16}),
+    ("4-bit directions bf16 hd128 gqa4", mx.bfloat16, 128, 1, 4, 2000, {"minicache_bits": 4}),
 ]
 
 

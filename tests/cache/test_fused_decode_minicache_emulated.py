@@ -65,12 +65,30 @@ CASES = [
     ("many tiles per warp f32 hd128 gqa4", mx.float32, 128, 1, 4, 1100, {}, 1),
     # a window of 40 + 28 tokens: the window block's warps take 2 tiles, the last one ragged
     ("long window f32 hd128 gqa4", mx.float32, 128, 1, 4, 740, {"minicache_residual_length": 40}, None),
+    # quantized directions (minicache_bits): 4 bits (a word per 8-channel chunk), 2 bits (half
+    # a word: odd chunks in the upper half), 8 bits (two words)
+    ("4-bit directions f32 hd128 gqa4", mx.float32, 128, 1, 4, 700, {"minicache_bits": 4}, None),
+    ("2-bit directions bf16 hd64 mha", mx.bfloat16, 64, 1, 1, 500, {"minicache_bits": 2}, None),
+    ("8-bit directions no slots f32 hd128 gqa4", mx.float32, 128, 1, 4, 500,
+     {"minicache_bits": 8, "minicache_retain_slots": 0}, None),
 ]
 
 
-# A corrupted kernel must fail the comparison: the exact score of a retained key is ignored
-# (in memory; fused_decode_merged.py is untouched).
-MUTATION = ("if (pk_bh[blk * S + k] == t) {", "if (pk_bh[blk * S + k] == t && false) {")
+# A corrupted kernel must fail the comparison (in memory; fused_decode_merged.py is untouched):
+# (name, config fields of the pair, source text, its replacement).
+MUTATIONS = [
+    ("retained keys ignored", {}, "if (pk_bh[blk * S + k] == t) {", "if (pk_bh[blk * S + k] == t && false) {"),
+    ("4-bit key biases ignored", {"minicache_bits": 4},
+     "fmaf(sc[jj][c], dot[jj][r], fmaf(bs[jj][c], qsum, part[j0 + jj][r]))",
+     "fmaf(sc[jj][c], dot[jj][r], part[j0 + jj][r])"),
+]
+
+
+def _mutated(monkeypatch, old, new):
+    source = fused_decode_merged._PARTIALS + fused_decode_merged._HEADER
+    assert source.count(old) == 1, f"fused_decode_merged no longer contains {old!r} once: pick a new mutation"
+    for attr in ("_PARTIALS", "_HEADER"):
+        monkeypatch.setattr(fused_decode_merged, attr, getattr(fused_decode_merged, attr).replace(old, new))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -81,10 +99,11 @@ def _programs_built_in_parallel():
         for name, dtype, D, B, rep, n, fields, warps in CASES:
             lower, upper, queries = _pair(100, B=B, H=2, rep=rep, D=D, dtype=dtype, **fields)
             _emulated_step(upper, queries[1], D**-0.5)
-        with pytest.MonkeyPatch.context() as mutated:
-            mutated.setattr(fused_decode_merged, "_PARTIALS", fused_decode_merged._PARTIALS.replace(*MUTATION))
-            lower, upper, queries = _pair(100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
-            _emulated_step(upper, queries[1], 128**-0.5)
+        for name, fields, old, new in MUTATIONS:
+            with pytest.MonkeyPatch.context() as mutated:
+                _mutated(mutated, old, new)
+                lower, upper, queries = _pair(100, B=1, H=2, rep=4, D=128, dtype=mx.float32, **fields)
+                _emulated_step(upper, queries[1], 128**-0.5)
     cuda_emulation.prebuild_captured(captured)
 
 
@@ -110,7 +129,7 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, dtyp
     if fields.get("minicache_residual_length"):
         assert upper.window_keys.shape[2] > 32 and upper.window_keys.shape[2] % 32
     for label, cache, q_heads in (("lower", lower, queries[0]), ("upper", upper, queries[1])):
-        assert fused_decode_merged.supports(D, D, slots, rep, None)
+        assert fused_decode_merged.supports(D, D, slots, rep, cache.dir_bits)
         window = cache.window_keys.shape[2]
         # Kernels off (the CPU default), over the same store and window but with float32 queries:
         # the kernels compute in float32 and round once at the end, while the portable path in
@@ -128,13 +147,13 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, dtyp
         assert np.allclose(got, expected, atol=tol, rtol=tol), (label, np.abs(got - expected).max())
 
 
-def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch):
-    lower, upper, queries = _pair(700, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+@pytest.mark.parametrize("name, fields, old, new", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, fields, old, new):
+    lower, upper, queries = _pair(700, B=1, H=2, rep=4, D=128, dtype=mx.float32, **fields)
     expected = np.array(upper.attention(queries[1], scale=128**-0.5))
-    assert fused_decode_merged._PARTIALS.count(MUTATION[0]) == 1, "pick a new mutation"
-    monkeypatch.setattr(fused_decode_merged, "_PARTIALS", fused_decode_merged._PARTIALS.replace(*MUTATION))
+    _mutated(monkeypatch, old, new)
     got, made = _emulated_step(upper, queries[1], 128**-0.5)
     assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_merged_decode_partials"]
     difference = np.abs(np.array(got) - expected).max()
-    print(f"retained keys ignored: max |kernel - portable| = {difference:.2e}")
+    print(f"{name}: max |kernel - portable| = {difference:.2e}")
     assert difference > 1e-3  # 50x the tolerance above, at least

@@ -69,6 +69,7 @@ MAX_TILES_PER_WARP = 256
 MAX_ROWS = 8
 MAX_SLOTS = 16
 HEAD_DIMS = (64, 128, 256)  # 8 lanes x 8-channel chunks per key token, 8 channels per value lane
+DIRECTION_BITS = (2, 4, 8)  # minicache_bits whose codes never straddle a 32-bit word
 _FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 _HEADER = fused_decode._HEADER + r"""
@@ -159,6 +160,124 @@ __device__ __forceinline__ void vq_weighted_rows(const T* base, const int (&rows
   }
 }
 
+// A small unsigned integer (< 2^23) as a float without the int-to-float conversion unit (a
+// slow path on Hopper): or it into the mantissa of 2^23 and subtract 2^23 (fused_decode_rotated).
+__device__ __forceinline__ float vq_u2f(unsigned small) {
+  return __uint_as_float(small | 0x4B000000u) - 8388608.f;
+}
+
+// vq_partial_dots over quantized directions (minicache_bits = B in 2, 4, 8: mx.quantize's
+// layout per token, D * B / 32 words of a little-endian bit stream along channels, a scale s
+// and bias b per 32 channels). The lane's 8-channel chunk lies in one group, so per chunk
+// sum_e q_e (s c_e + b) = s (sum_e q_e c_e) + b (sum_e q_e), the chunk's query sum read from
+// qsum_sh [chunk][r]: per element the code's extraction, conversion and one FMA per row; two
+// FMAs per chunk and row. B = 2: a chunk is half a word (odd chunks the upper half).
+template <int B, int D, int R, int J, typename ST>
+__device__ __forceinline__ void vq_partial_dots_q(const uint32_t* codes, const ST* scales, const ST* biases,
+                                                  const int (&rows)[J], const float* q_sh, const float* qsum_sh,
+                                                  int sub, float (&part)[J][R]) {
+  constexpr int NC = D / 64;
+  constexpr int WPC = B * 8 / 32 > 0 ? B * 8 / 32 : 1;  // words read per chunk
+  constexpr int WROW = D * B / 32;                       // words per token
+  constexpr int GROW = D / 32;                           // groups per token
+  constexpr int JB = J < 4 ? J : 4;
+  constexpr unsigned MASK = (1u << B) - 1u;
+  const int sh = B == 2 ? (sub & 1) * 16 : 0;
+  #pragma unroll
+  for (int j = 0; j < J; ++j) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) part[j][r] = 0.f;
+  }
+  #pragma unroll
+  for (int j0 = 0; j0 < J; j0 += JB) {
+    uint32_t w[JB][NC][WPC];
+    float sc[JB][NC], bs[JB][NC];
+    #pragma unroll
+    for (int jj = 0; jj < JB; ++jj) {
+      const size_t t = (size_t)rows[j0 + jj];
+      #pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const int chunk = c * 8 + sub;
+        #pragma unroll
+        for (int i = 0; i < WPC; ++i) w[jj][c][i] = __ldg(codes + t * WROW + ((chunk * 8 * B) >> 5) + i);
+        sc[jj][c] = vq_f32(scales[t * GROW + chunk / 4]);
+        bs[jj][c] = vq_f32(biases[t * GROW + chunk / 4]);
+      }
+    }
+    #pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      float dot[JB][R];
+      #pragma unroll
+      for (int jj = 0; jj < JB; ++jj) {
+        #pragma unroll
+        for (int r = 0; r < R; ++r) dot[jj][r] = 0.f;
+      }
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        float qv[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) qv[r] = q_sh[((c * 8 + e) * 8 + sub) * R + r];
+        #pragma unroll
+        for (int jj = 0; jj < JB; ++jj) {
+          const float x = vq_u2f((w[jj][c][(e * B) >> 5] >> (((e * B) & 31) + sh)) & MASK);
+          #pragma unroll
+          for (int r = 0; r < R; ++r) dot[jj][r] = fmaf(qv[r], x, dot[jj][r]);
+        }
+      }
+      #pragma unroll
+      for (int jj = 0; jj < JB; ++jj) {
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float qsum = qsum_sh[(c * 8 + sub) * R + r];
+          part[j0 + jj][r] = fmaf(sc[jj][c], dot[jj][r], fmaf(bs[jj][c], qsum, part[j0 + jj][r]));
+        }
+      }
+    }
+  }
+}
+
+// vq_weighted_rows over quantized directions: the lane's 8 channels (from ch0) lie in one
+// group, so w (s c + b) = (w s) c + w b: the scale folds into the weight (R multiplies per
+// row) and the bias term is the same for the lane's 8 channels, summed once per row into
+// accb (added to every channel at the end).
+template <int B, int DV, int R, int N, typename ST>
+__device__ __forceinline__ void vq_weighted_rows_q(const uint32_t* codes, const ST* scales, const ST* biases,
+                                                   const int (&rows)[N], const float* w_sh, const int (&wrow)[N],
+                                                   int ch0, float (&acc)[R][8], float (&accb)[R]) {
+  constexpr int WPC = B * 8 / 32 > 0 ? B * 8 / 32 : 1;
+  constexpr int WROW = DV * B / 32;
+  constexpr int GROW = DV / 32;
+  constexpr unsigned MASK = (1u << B) - 1u;
+  const int w0 = (ch0 * B) >> 5;
+  const int sh = (ch0 * B) & 31;  // 0, or 16 for B = 2
+  uint32_t w[N][WPC];
+  float sc[N], bs[N];
+  #pragma unroll
+  for (int n = 0; n < N; ++n) {
+    const size_t t = (size_t)rows[n];
+    #pragma unroll
+    for (int i = 0; i < WPC; ++i) w[n][i] = __ldg(codes + t * WROW + w0 + i);
+    sc[n] = vq_f32(scales[t * GROW + ch0 / 32]);
+    bs[n] = vq_f32(biases[t * GROW + ch0 / 32]);
+  }
+  #pragma unroll
+  for (int n = 0; n < N; ++n) {
+    float ws[R];
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float wj = w_sh[wrow[n] * R + r];
+      ws[r] = wj * sc[n];
+      accb[r] = fmaf(wj, bs[n], accb[r]);
+    }
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float x = vq_u2f((w[n][(e * B) >> 5] >> (((e * B) & 31) + sh)) & MASK);
+      #pragma unroll
+      for (int r = 0; r < R; ++r) acc[r][e] = fmaf(ws[r], x, acc[r][e]);
+    }
+  }
+}
+
 // Sum 8 partial dots over the 8 lanes sharing them (lane bits 0..2 = sub) so that lane sub ends
 // holding the whole dot of row j = sub: each step keeps half the rows and sends the other half
 // to the partner lane (4 + 2 + 1 shuffles per query row instead of 3 per row and token).
@@ -185,8 +304,10 @@ __device__ __forceinline__ void vq_transpose_sum8(const float (&part)[8][R], int
 """
 
 # Template constants: D, DV (key / value dims), R (query rows per kv head), S (retained slots
-# per 32 tokens; 0: none, rk..pv are unused dummies), QT (queries and window), DT (directions),
-# MT (magnitudes), RT (retained vectors).
+# per 32 tokens; 0: none, rk..pv are unused dummies), DB (direction bits: 0 = fp16 directions,
+# dks..dvb unused dummies; 2, 4, 8 = codes dk / dv (uint32) with scales dks / dvs and biases
+# dkb / dvb per 32 channels), QT (queries and window), DT (directions or their codes), ST (the
+# codes' scales and biases), MT (magnitudes), RT (retained vectors).
 # meta = [n_valid, tokens per block, history blocks, scale as float bits, 0] (FusedDecodeMeta).
 _PARTIALS = r"""
   constexpr int NW = 4;                    // warps per block
@@ -200,9 +321,9 @@ _PARTIALS = r"""
   constexpr int KSI = (S + 3) / 4;         // key iterations over the slots (4 per iteration)
   constexpr int SR = S > 0 ? (S + TPR - 1) / TPR : 1;  // value rounds over the slots (arrays: >= 1)
   constexpr int PW = (TILE + 2 * SS + 1) * R > DV * R ? (TILE + 2 * SS + 1) * R : DV * R;
-  constexpr int VW = 8 * (int)sizeof(DT) / 16;  // 16-byte words of a lane's 8 direction channels
-  constexpr int QW = 8 * (int)sizeof(QT) / 16;
-  constexpr int RW = 8 * (int)sizeof(RT) / 16;
+  constexpr int DBQ = DB > 0 ? DB : 4;     // the quantized helpers' bits (unused when DB = 0)
+  constexpr int KROW = DB > 0 ? D * DBQ / 32 : D;    // DT elements per direction row
+  constexpr int VROW = DB > 0 ? DV * DBQ / 32 : DV;
   const float neg_inf = __int_as_float(0xff800000);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -225,6 +346,7 @@ _PARTIALS = r"""
   // weights [token][r], the slots' weights [slot][r] and a row of zeros, the slots' exact key
   // dots [slot][r], later the warp's partial o [r][channel]; per warp and row its max and sum.
   __shared__ __align__(16) float q_sh[D * R];
+  __shared__ float qsum_sh[D / 8 * R];     // quantized directions: the query's sum per 8-channel chunk
   __shared__ __align__(16) float ps[NW][PW];
   __shared__ float red_m[NW][R];
   __shared__ float red_l[NW][R];
@@ -234,9 +356,23 @@ _PARTIALS = r"""
     q_sh[((c * 8 + e) * 8 + s8) * R + r] = scale * vq_f32(q[(size_t)bh * R * D + i]);
   }
   __syncthreads();
+  if (DB > 0) {
+    for (int i = threadIdx.x; i < D / 8 * R; i += 32 * NW) {
+      const int chunk = i / R, r = i % R;
+      float sum = 0.f;
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) sum += q_sh[(((chunk / 8) * 8 + e) * 8 + chunk % 8) * R + r];
+      qsum_sh[i] = sum;
+    }
+    __syncthreads();
+  }
 
-  const DT* dk_bh = dk + (size_t)bh * cap_dir * D;
-  const DT* dv_bh = dv + (size_t)bh * cap_dir * DV;
+  const DT* dk_bh = dk + (size_t)bh * cap_dir * KROW;
+  const DT* dv_bh = dv + (size_t)bh * cap_dir * VROW;
+  const ST* dks_bh = DB > 0 ? dks + (size_t)bh * cap_dir * (D / 32) : dks;
+  const ST* dkb_bh = DB > 0 ? dkb + (size_t)bh * cap_dir * (D / 32) : dkb;
+  const ST* dvs_bh = DB > 0 ? dvs + (size_t)bh * cap_dir * (DV / 32) : dvs;
+  const ST* dvb_bh = DB > 0 ? dvb + (size_t)bh * cap_dir * (DV / 32) : dvb;
   const MT* mk_bh = mk + (size_t)bh * cap;
   const MT* mv_bh = mv + (size_t)bh * cap;
   const RT* rk_bh = rk + (size_t)bh * n_slot_rows * D;
@@ -250,11 +386,12 @@ _PARTIALS = r"""
   float* ex_k = w_slot + (SS + 1) * R;     // [S][R]
   if (lane < R) w_slot[SS * R + lane] = 0.f;
 
-  float m[R], l[R], acc[R][8];
+  float m[R], l[R], acc[R][8], accb[R];   // accb: quantized values' bias terms (vq_weighted_rows_q)
   #pragma unroll
   for (int r = 0; r < R; ++r) {
     m[r] = neg_inf;
     l[r] = 0.f;
+    accb[r] = 0.f;
     #pragma unroll
     for (int c = 0; c < 8; ++c) acc[r][c] = 0.f;
   }
@@ -275,7 +412,9 @@ _PARTIALS = r"""
       for (int j = 0; j < KJ; ++j) rows[j] = min(base + 4 * j + g, last - 1);
       float part[KJ][R];
       if (exact) vq_partial_dots<QT, D, R, KJ>(wk_bh, rows, q_sh, sub, part);
-      else vq_partial_dots<DT, D, R, KJ>(dk_bh, rows, q_sh, sub, part);
+      else if (DB == 0) vq_partial_dots<DT, D, R, KJ>(dk_bh, rows, q_sh, sub, part);
+      else vq_partial_dots_q<DBQ, D, R, KJ, ST>(reinterpret_cast<const uint32_t*>(dk_bh), dks_bh, dkb_bh,
+                                                rows, q_sh, qsum_sh, sub, part);
       vq_transpose_sum8<R>(part, sub, s);
     }
     const int blk = base / TILE;           // the MiniCache block (history tiles)
@@ -319,6 +458,7 @@ _PARTIALS = r"""
       l[r] = l[r] * alpha + vq_warp_sum(p[r]);
       #pragma unroll
       for (int c = 0; c < 8; ++c) acc[r][c] *= alpha;
+      accb[r] *= alpha;
       m[r] = m_new;
     }
     if (exact) {
@@ -356,7 +496,9 @@ _PARTIALS = r"""
         rows[k] = min(base + wrow[k], last - 1);
       }
       if (exact) vq_weighted_rows<QT, DV, R, BATCH>(wv_bh, rows, w_tile, wrow, ch0, acc);
-      else vq_weighted_rows<DT, DV, R, BATCH>(dv_bh, rows, w_tile, wrow, ch0, acc);
+      else if (DB == 0) vq_weighted_rows<DT, DV, R, BATCH>(dv_bh, rows, w_tile, wrow, ch0, acc);
+      else vq_weighted_rows_q<DBQ, DV, R, BATCH, ST>(reinterpret_cast<const uint32_t*>(dv_bh), dvs_bh,
+                                                     dvb_bh, rows, w_tile, wrow, ch0, acc, accb);
     }
     if (!exact && S > 0) {
       // The tile's retained value rows; a round past the last slot (S < TPR) weighs by the
@@ -373,11 +515,13 @@ _PARTIALS = r"""
     __syncwarp();  // the next tile rewrites w_tile / w_slot / ex_k
   }
 
-  // Lanes holding the same channels for different rows: sum them (the lane bits above LPT).
+  // Lanes holding the same channels for different rows: sum them (the lane bits above LPT);
+  // first the lane's bias terms join each of its channels.
   #pragma unroll
   for (int r = 0; r < R; ++r) {
     #pragma unroll
     for (int c = 0; c < 8; ++c) {
+      if (DB > 0) acc[r][c] += accb[r];
       #pragma unroll
       for (int o = LPT; o < 32; o <<= 1) acc[r][c] += __shfl_xor_sync(0xffffffffu, acc[r][c], o);
     }
@@ -423,7 +567,7 @@ _PARTIALS = r"""
   }
 """
 
-_INPUTS = ["q", "dk", "dv", "mk", "mv", "rk", "rv", "pk", "pv", "wk", "wv", "meta"]
+_INPUTS = ["q", "dk", "dv", "dks", "dkb", "dvs", "dvb", "mk", "mv", "rk", "rv", "pk", "pv", "wk", "wv", "meta"]
 
 
 @lru_cache(maxsize=None)
@@ -446,17 +590,18 @@ def tokens_per_block(n_tokens: int, n_heads: int) -> int:
 
 
 def shared_bytes(head_dim: int, value_dim: int, slots: int, rows: int) -> int:
-    """Static shared memory of the kernel: the query, per warp max((32 + 2 slots + 1) x R,
-    DV x R) floats, per warp and row a max and a sum."""
+    """Static shared memory of the kernel: the query and its sums per 8 channels, per warp
+    max((32 + 2 slots + 1) x R, DV x R) floats, per warp and row a max and a sum."""
     per_warp = max((TILE + 2 * max(slots, 1) + 1) * rows, value_dim * rows)
-    return 4 * (head_dim * rows + WARPS_PER_BLOCK * (per_warp + 2 * rows))
+    return 4 * (head_dim * rows + head_dim // 8 * rows + WARPS_PER_BLOCK * (per_warp + 2 * rows))
 
 
 def supports(head_dim: int, value_dim: int, slots: int, rows: int, direction_bits) -> bool:
     """The shapes the kernel takes; others take the portable path: fp16 directions
-    (direction_bits None), head_dim and value dim in HEAD_DIMS, 0..16 slots, 1..8 query rows
-    per kv head (the lane's 8 x R partial dots and R x 8 value sums), shared memory <= 48 KB."""
-    if direction_bits is not None:
+    (direction_bits None) or codes of DIRECTION_BITS bits (3-bit codes straddle words: refused),
+    head_dim and value dim in HEAD_DIMS, 0..16 slots, 1..8 query rows per kv head (the lane's
+    8 x R partial dots and R x 8 value sums), shared memory <= 48 KB."""
+    if direction_bits is not None and direction_bits not in DIRECTION_BITS:
         return False
     if head_dim not in HEAD_DIMS or value_dim not in HEAD_DIMS:
         return False
@@ -485,6 +630,9 @@ def decode_step(cache, queries, scale: float):
     dk, dv = source["dir_k"], source["dir_v"]
     if dk.shape[2] < cache.n_compressed:
         return None  # a trimmed partner no longer holds these positions' directions
+    side = None
+    if cache.dir_bits is not None:
+        side = tuple(source[n] for n in ("dirscale_k", "dirbias_k", "dirscale_v", "dirbias_v"))
     s = cache.store
     retained = None
     if cache.slots:
@@ -493,19 +641,23 @@ def decode_step(cache, queries, scale: float):
     return merged_decode_attention(
         queries, scale, dk, dv, s["mag_k"], s["mag_v"], retained, cache.window_keys,
         cache.window_values, n_valid=cache.n_compressed, slots=cache.slots,
-        n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
+        n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache, direction_bits=cache.dir_bits,
+        direction_side=side,
     )
 
 
 def merged_decode_attention(
     queries, scale: float, dir_k, dir_v, mag_k, mag_v, retained, window_keys, window_values, *,
     n_valid: int, slots: int, n_kv_heads: int, meta_cache: fused_decode.FusedDecodeMeta,
+    direction_bits=None, direction_side=None,
 ):
     """softmax(q K^T * scale) V for one query row per head, queries (B, Hq, 1, D), over the
-    merged history [0, n_valid) (directions (B, H, cap_pair, D), magnitudes (B, H, cap),
-    retained = (ret_k, ret_v, retpos_k, retpos_v) or None for 0 slots) and the exact window
-    (B, H, W, D), W >= 1 -> (B, Hq, 1, DV) in the queries' dtype. Only call when
-    kernels_enabled() and supports(...): decode_step checks."""
+    merged history [0, n_valid) (directions (B, H, cap_pair, D) fp16, or with direction_bits
+    their codes (B, H, cap_pair, D * bits / 32) and direction_side = (key scales, key biases,
+    value scales, value biases) (B, H, cap_pair, D / 32); magnitudes (B, H, cap); retained =
+    (ret_k, ret_v, retpos_k, retpos_v) or None for 0 slots) and the exact window (B, H, W, D),
+    W >= 1 -> (B, Hq, 1, DV) in the queries' dtype. Only call when kernels_enabled() and
+    supports(...): decode_step checks."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -521,8 +673,15 @@ def merged_decode_attention(
             f"merged fused decode: slots={slots} but retained arrays "
             f"{'missing' if retained is None else 'given'}; allowed is retained arrays exactly when slots > 0"
         )
+    if (direction_side is None) != (direction_bits is None):
+        raise QuantizerConfigError(
+            f"merged fused decode: direction_bits={direction_bits} but scales and biases "
+            f"{'missing' if direction_side is None else 'given'}; allowed is both or neither"
+        )
     if retained is None:
         retained = (_dummy(mx.float16), _dummy(mx.float16), _dummy(mx.int32), _dummy(mx.int32))
+    if direction_side is None:
+        direction_side = (_dummy(mx.float16),) * 4
     per_block = tokens_per_block(n_valid, BH)
     n_hist_blocks = -(-n_valid // per_block)
     n_blocks = n_hist_blocks + 1  # + the window's block
@@ -535,10 +694,11 @@ def merged_decode_attention(
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale))
     dtype = queries.dtype
     part_o, part_m, part_l = _partials_kernel()(
-        inputs=[queries, dir_k, dir_v, mag_k, mag_v, *retained,
+        inputs=[queries, dir_k, dir_v, *direction_side, mag_k, mag_v, *retained,
                 window_keys.astype(dtype), window_values.astype(dtype), meta],
-        template=[("D", D), ("DV", DV), ("R", R), ("S", slots), ("QT", dtype),
-                  ("DT", dir_k.dtype), ("MT", mag_k.dtype), ("RT", retained[0].dtype)],
+        template=[("D", D), ("DV", DV), ("R", R), ("S", slots), ("DB", direction_bits or 0),
+                  ("QT", dtype), ("DT", dir_k.dtype), ("ST", direction_side[0].dtype),
+                  ("MT", mag_k.dtype), ("RT", retained[0].dtype)],
         grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
         threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
         output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
