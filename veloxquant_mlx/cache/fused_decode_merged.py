@@ -11,7 +11,9 @@ produces flash-decoding partials (m, l, o) per block of tokens; fused_decode's m
 
 What one paired layer reads per KV head (minicache.py's store; MiniCache, arXiv 2405.14366):
   * dk, dv (B, H, cap_pair, D / DV): the pair's merged unit directions, fp16, held by the lower
-    layer (the upper layer reads its partner's arrays: the same pointers, no copy);
+    layer (the upper layer reads its partner's arrays: the same pointers, no copy); with
+    `minicache_bits` B their per-token codes (B, H, cap_pair, D * B / 32) uint32 (mx.quantize's
+    layout) plus fp16 scales and biases dks, dkb, dvs, dvb (B, H, cap_pair, D / 32);
   * mk, mv (B, H, cap): this layer's magnitudes ||k||, ||v|| per token (fp16);
   * rk, rv (B, H, cap / 32 * S, D / DV), pk, pv (B, H, cap / 32 * S) int32: per block of 32
     tokens S retained slots, the layer's exact vector and its absolute position (-1: unused);
@@ -44,10 +46,15 @@ head over the exact window. A warp walks tiles of 32 tokens (a tile is one MiniC
     round (one contiguous run of rows per round), loads of up to 8 rounds issued before their
     FMAs; then the tile's retained value rows the same way.
 Accumulators per lane: R x 8 value sums, 8 x R partial dots: R <= 8 keeps them in registers.
+Quantized directions: a lane's 8-channel chunk lies in one group of 32, so the group's scale
+and bias are applied per chunk, not per element: for keys s (sum q c) + b (sum q) with the
+query's sums per chunk precomputed in shared memory, for values (p s) c per element and p b
+once per row into a bias accumulator; codes become floats by a mantissa trick (vq_u2f), not
+the conversion unit. Per element: extract, convert, one FMA per row.
 
-`supports()` lists what it takes (others: the portable path): fp16 directions (minicache_bits
-None: quantized directions are refused), head_dim and value dim 64, 128 or 256, slots 0..16,
-1..8 query rows per kv head, shared memory under 48 KB.
+`supports()` lists what it takes (others: the portable path): fp16 directions or 2, 4, 8-bit
+codes (3-bit codes straddle words: refused), head_dim and value dim 64, 128 or 256, slots
+0..16, 1..8 query rows per kv head, shared memory under 48 KB.
 
 Checked on the CPU only: tests/cache/test_fused_decode_minicache.py runs this source under the
 thread-level emulation (tests/cache/cuda_emulation.py) through MiniCacheCache's real decode
