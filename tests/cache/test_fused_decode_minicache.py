@@ -227,15 +227,18 @@ def _median_ms(call, rounds=40, warmup=3):
 def test_timing_one_paired_layer_at_the_8b_shape(monkeypatch, context):
     # Not a check: the figures for issue 5 (one layer, 8 kv heads x 4 query rows, head_dim 128,
     # bf16, defaults), printed with -s: the upper layer (reads its partner's directions) through
-    # the kernel, through the portable path, and mx.fast attention over fp16-cache-shaped K/V.
+    # the kernel (PREFETCH_FIRST_VALUES on and off), through the portable path, and mx.fast
+    # attention over fp16-cache-shaped K/V (bf16, the same tokens).
     lower, upper, queries = _pair(context, B=1, H=8, rep=4, D=128, dtype=mx.bfloat16)
     q = queries[1]
     keys = mx.random.normal((1, 8, context + 1, 128)).astype(mx.bfloat16)
     values = mx.random.normal((1, 8, context + 1, 128)).astype(mx.bfloat16)
     mx.eval(keys, values)
     figures = {}
-    for label, switch in (("kernel", "1"), ("portable", "0")):
+    for label, switch, prefetch in (("kernel", "1", True), ("kernel without value prefetch", "1", False),
+                                    ("portable", "0", True)):
         monkeypatch.setenv(fused_decode.ENV_SWITCH, switch)
+        monkeypatch.setattr(fused_decode_merged, "PREFETCH_FIRST_VALUES", prefetch)
         figures[label] = _median_ms(lambda: upper.attention(q, scale=128**-0.5))
     figures["fp16 sdpa"] = _median_ms(
         lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=128**-0.5))

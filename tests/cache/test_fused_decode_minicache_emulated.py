@@ -52,8 +52,10 @@ def _emulated_step(cache, q_heads, scale):
 
 
 # (name, dtype, head dim, batch, GQA rows, prefill tokens, config fields, TARGET_WARPS or None)
+# (PREFETCH_FIRST_VALUES is on, the default, except in the case that says otherwise)
 CASES = [
     ("default f32 hd128 gqa4", mx.float32, 128, 1, 4, 700, {}, None),
+    ("default f32 hd128 gqa4 no prefetch", mx.float32, 128, 1, 4, 700, {}, None),
     ("default bf16 hd128 gqa4", mx.bfloat16, 128, 1, 4, 700, {}, None),
     ("default fp16 hd64 batch2 mha", mx.float16, 64, 2, 1, 500, {}, None),
     ("no slots f32 hd128 gqa4", mx.float32, 128, 1, 4, 700, {"minicache_retain_slots": 0}, None),
@@ -91,14 +93,21 @@ def _mutated(monkeypatch, old, new):
         monkeypatch.setattr(fused_decode_merged, attr, getattr(fused_decode_merged, attr).replace(old, new))
 
 
+def _prefetch_setting(monkeypatch, case_name):
+    if "no prefetch" in case_name:
+        monkeypatch.setattr(fused_decode_merged, "PREFETCH_FIRST_VALUES", False)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _programs_built_in_parallel():
     """Every program the tests below compile, built up front one per core (the signatures are
     captured from small pairs of the same shapes; a cold build costs the compiler ~1-2 s each)."""
     with cuda_emulation.signatures_only() as captured:
         for name, dtype, D, B, rep, n, fields, warps in CASES:
-            lower, upper, queries = _pair(100, B=B, H=2, rep=rep, D=D, dtype=dtype, **fields)
-            _emulated_step(upper, queries[1], D**-0.5)
+            with pytest.MonkeyPatch.context() as mp:
+                _prefetch_setting(mp, name)
+                lower, upper, queries = _pair(100, B=B, H=2, rep=rep, D=D, dtype=dtype, **fields)
+                _emulated_step(upper, queries[1], D**-0.5)
         for name, fields, old, new in MUTATIONS:
             with pytest.MonkeyPatch.context() as mutated:
                 _mutated(mutated, old, new)
@@ -109,6 +118,7 @@ def _programs_built_in_parallel():
 
 @pytest.mark.parametrize("name, dtype, D, B, rep, n, fields, warps", CASES, ids=[c[0] for c in CASES])
 def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, dtype, D, B, rep, n, fields, warps):
+    _prefetch_setting(monkeypatch, name)
     if warps:
         monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
     lower, upper, queries = _pair(n, B=B, H=2, rep=rep, D=D, dtype=dtype, **fields)

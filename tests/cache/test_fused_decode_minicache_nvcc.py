@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (CUDA toolkit) 
 _C_TYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "u32": "uint32_t", "i32": "int32_t"}
 
 
-def _program(D, DV, R, S, DB, QT, RT) -> str:
+def _program(D, DV, R, S, DB, QT, RT, PV=1) -> str:
     DT = "u32" if DB else "f16"
     dtypes = dict(q=QT, dk=DT, dv=DT, dks="f16", dkb="f16", dvs="f16", dvb="f16", mk="f16", mv="f16",
                   rk=RT, rv=RT, pk="i32", pv="i32", wk=QT, wv=QT, meta="i32")
@@ -36,7 +36,7 @@ def _program(D, DV, R, S, DB, QT, RT) -> str:
         if f"{name}_shape" in source:
             params.append(f"const int32_t* {name}_shape")
     params += ["float* part_o", "float* part_m", "float* part_l"]
-    template = dict(D=D, DV=DV, R=R, S=S, DB=DB, QT=QT, DT=DT, ST="f16", MT="f16", RT=RT)
+    template = dict(D=D, DV=DV, R=R, PV=PV, S=S, DB=DB, QT=QT, DT=DT, ST="f16", MT="f16", RT=RT)
     constants = [f"  using {k} = {_C_TYPES[v]};" if isinstance(v, str) else f"  constexpr int {k} = {v};"
                  for k, v in template.items()]
     return ("#include <cstdint>\n" + fused_decode_merged._HEADER
@@ -58,11 +58,12 @@ def _ptxas_report(tmp_path, label, **shape) -> tuple[int, int]:
 
 
 # The default config on the 8B shape (bf16, head_dim 128, 4 rows per kv head, 4 slots), with
-# fp16 and with 4-bit directions: no spills (on 2026-11-30, nvcc 13.0: 170 and 208 registers;
-# fused_decode's kivi kernel: 184).
-@pytest.mark.parametrize("DB", [0, 4], ids=["fp16 directions", "4-bit directions"])
-def test_the_8b_shape_compiles_for_sm90_without_spills(tmp_path, DB):
-    registers, spilled = _ptxas_report(tmp_path, f"db{DB}", D=128, DV=128, R=4, S=4, DB=DB, QT="bf16", RT="bf16")
+# fp16 directions (values prefetched or not) and with 4-bit directions: no spills (on
+# 2026-11-30, nvcc 13.0: 222, 170 and 208 registers; fused_decode's kivi kernel: 184).
+@pytest.mark.parametrize("DB, PV", [(0, 1), (0, 0), (4, 1)], ids=["fp16 directions", "fp16 no prefetch", "4-bit directions"])
+def test_the_8b_shape_compiles_for_sm90_without_spills(tmp_path, DB, PV):
+    registers, spilled = _ptxas_report(tmp_path, f"db{DB}pv{PV}", D=128, DV=128, R=4, S=4, DB=DB, QT="bf16",
+                                       RT="bf16", PV=PV)
     assert spilled == 0 and registers <= 255
 
 

@@ -77,6 +77,10 @@ MAX_ROWS = 8
 MAX_SLOTS = 16
 HEAD_DIMS = (64, 128, 256)  # 8 lanes x 8-channel chunks per key token, 8 channels per value lane
 DIRECTION_BITS = (2, 4, 8)  # minicache_bits whose codes never straddle a 32-bit word
+# Load a history tile's first 8 value rounds (fp16 directions) before its scores: more bytes in
+# flight per warp at no occupancy cost (see PV in the kernel). Not measured on a GPU yet: the
+# one-layer timing in tests/cache/test_fused_decode_minicache.py times both settings.
+PREFETCH_FIRST_VALUES = True
 _FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 _HEADER = fused_decode._HEADER + r"""
@@ -140,19 +144,24 @@ __device__ __forceinline__ void vq_partial_dots(const T* base, const int (&rows)
   }
 }
 
-// acc[r][e] += w_sh[wrow[n] * R + r] * row_n[ch0 + e] over N rows (rows[n] of `base`, DV
-// channels each): the N rows' loads are issued before their FMAs; the rows stay raw 16-byte
-// words until used (8 16-bit channels: 4 registers per row).
-template <typename T, int DV, int R, int N>
-__device__ __forceinline__ void vq_weighted_rows(const T* base, const int (&rows)[N], const float* w_sh,
-                                                 const int (&wrow)[N], int ch0, float (&acc)[R][8]) {
+// The 8 channels from ch0 of N rows (rows[n] of `base`, DV channels each) as raw 16-byte words
+// (8 16-bit channels: 4 registers per row), all loads issued before any is used.
+template <typename T, int DV, int N>
+__device__ __forceinline__ void vq_load_rows(const T* base, const int (&rows)[N], int ch0,
+                                             vq_u32x4 (&raw)[N][8 * sizeof(T) / 16]) {
   constexpr int W = 8 * (int)sizeof(T) / 16;
-  vq_u32x4 raw[N][W];
   #pragma unroll
   for (int n = 0; n < N; ++n) {
     #pragma unroll
     for (int w = 0; w < W; ++w) raw[n][w] = reinterpret_cast<const vq_u32x4*>(base + (size_t)rows[n] * DV + ch0)[w];
   }
+}
+
+// acc[r][e] += w_sh[wrow[n] * R + r] * row_n[e] over N rows loaded by vq_load_rows.
+template <typename T, int R, int N>
+__device__ __forceinline__ void vq_fma_rows(const vq_u32x4 (&raw)[N][8 * sizeof(T) / 16], const float* w_sh,
+                                            const int (&wrow)[N], float (&acc)[R][8]) {
+  constexpr int W = 8 * (int)sizeof(T) / 16;
   #pragma unroll
   for (int n = 0; n < N; ++n) {
     float wj[R];
@@ -165,6 +174,14 @@ __device__ __forceinline__ void vq_weighted_rows(const T* base, const int (&rows
       for (int r = 0; r < R; ++r) acc[r][e] = fmaf(wj[r], x, acc[r][e]);
     }
   }
+}
+
+template <typename T, int DV, int R, int N>
+__device__ __forceinline__ void vq_weighted_rows(const T* base, const int (&rows)[N], const float* w_sh,
+                                                 const int (&wrow)[N], int ch0, float (&acc)[R][8]) {
+  vq_u32x4 raw[N][8 * sizeof(T) / 16];
+  vq_load_rows<T, DV, N>(base, rows, ch0, raw);
+  vq_fma_rows<T, R, N>(raw, w_sh, wrow, acc);
 }
 
 // A small unsigned integer (< 2^23) as a float without the int-to-float conversion unit (a
@@ -310,7 +327,8 @@ __device__ __forceinline__ void vq_transpose_sum8(const float (&part)[8][R], int
 }
 """
 
-# Template constants: D, DV (key / value dims), R (query rows per kv head), S (retained slots
+# Template constants: D, DV (key / value dims), R (query rows per kv head), PV (1: prefetch the
+# first value batch of a tile during its key phase, PREFETCH_FIRST_VALUES), S (retained slots
 # per 32 tokens; 0: none, rk..pv are unused dummies), DB (direction bits: 0 = fp16 directions,
 # dks..dvb unused dummies; 2, 4, 8 = codes dk / dv (uint32) with scales dks / dvs and biases
 # dkb / dvb per 32 channels), QT (queries and window), DT (directions or their codes), ST (the
@@ -408,6 +426,17 @@ _PARTIALS = r"""
   const int first = exact ? 0 : blockIdx.x * per_block;
   const int last = exact ? n_window : min(first + per_block, n_valid);
   for (int base = first + warp * TILE; base < last; base += TILE * NW) {
+    // PV: the first value batch of a history tile (fp16 directions) is loaded now: it does not
+    // depend on the scores, and its latency then overlaps the key phase (nvcc 13 for sm_90,
+    // the 8B shape: 222 registers instead of 170, 2 blocks of 4 warps per SM either way).
+    int vrow0[BATCH], vw0[BATCH];
+    #pragma unroll
+    for (int k = 0; k < BATCH; ++k) {
+      vw0[k] = k * TPR + tv;
+      vrow0[k] = min(base + vw0[k], last - 1);
+    }
+    vq_u32x4 vpre[BATCH][8 * sizeof(DT) / 16];
+    if (PV && !exact && DB == 0) vq_load_rows<DT, DV, BATCH>(dv_bh, vrow0, ch0, vpre);
     // ---- scores: lane (g, sub) ends owning token tl = 4 sub + g of the tile ----
     const int tl = 4 * sub + g;
     const int t = base + tl;
@@ -503,6 +532,7 @@ _PARTIALS = r"""
         rows[k] = min(base + wrow[k], last - 1);
       }
       if (exact) vq_weighted_rows<QT, DV, R, BATCH>(wv_bh, rows, w_tile, wrow, ch0, acc);
+      else if (PV && DB == 0 && b0 == 0) vq_fma_rows<DT, R, BATCH>(vpre, w_tile, vw0, acc);
       else if (DB == 0) vq_weighted_rows<DT, DV, R, BATCH>(dv_bh, rows, w_tile, wrow, ch0, acc);
       else vq_weighted_rows_q<DBQ, DV, R, BATCH, ST>(reinterpret_cast<const uint32_t*>(dv_bh), dvs_bh,
                                                      dvb_bh, rows, w_tile, wrow, ch0, acc, accb);
@@ -703,7 +733,8 @@ def merged_decode_attention(
     part_o, part_m, part_l = _partials_kernel()(
         inputs=[queries, dir_k, dir_v, *direction_side, mag_k, mag_v, *retained,
                 window_keys.astype(dtype), window_values.astype(dtype), meta],
-        template=[("D", D), ("DV", DV), ("R", R), ("S", slots), ("DB", direction_bits or 0),
+        template=[("D", D), ("DV", DV), ("R", R), ("PV", int(PREFETCH_FIRST_VALUES)), ("S", slots),
+                  ("DB", direction_bits or 0),
                   ("QT", dtype), ("DT", dir_k.dtype), ("ST", direction_side[0].dtype),
                   ("MT", mag_k.dtype), ("RT", retained[0].dtype)],
         grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
