@@ -56,9 +56,14 @@ the conversion unit. Per element: extract, convert, one FMA per row.
 codes (3-bit codes straddle words: refused), head_dim and value dim 64, 128 or 256, slots
 0..16, 1..8 query rows per kv head, shared memory under 48 KB.
 
-Checked on the CPU only: tests/cache/test_fused_decode_minicache.py runs this source under the
-thread-level emulation (tests/cache/cuda_emulation.py) through MiniCacheCache's real decode
-path, against its portable attention. Not yet compiled by nvrtc nor timed on a GPU.
+Checked on the CPU only: tests/cache/test_fused_decode_minicache_emulated.py runs this source
+under the thread-level emulation (tests/cache/cuda_emulation.py) through MiniCacheCache's real
+decode path, against its portable attention (float32 / fp16 / bf16, GQA and MHA, fp16 and 2/4/8-
+bit directions, 0..16 slots, several blocks and tiles per warp, a ragged window);
+tests/cache/test_fused_decode_minicache_nvcc.py compiles it with nvcc 13.0 for sm_90 (the 8B
+shape: 222 registers with the value prefetch, 170 without, 208 with 4-bit directions, no spills;
+fused_decode's kivi kernel takes 184). Not yet run or timed on a GPU: the CUDA tests and the
+one-layer timing are in tests/cache/test_fused_decode_minicache.py.
 """
 
 from __future__ import annotations
