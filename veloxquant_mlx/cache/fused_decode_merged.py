@@ -2,9 +2,10 @@
 
 Why: on the H200 minicache decoded at 0.54x the fp16 cache's tokens/s at 32K tokens (issue 5).
 Its plain layers already run mx.fast attention (cache/growing_window.py); its paired layers took
-the portable path (`_scores` / `_weighted_values`: a matmul over the directions, a magnitude
-product, the retained slots scattered over a materialized (rows x tokens) score array and
-gathered again for the values, softmax, a second matmul: ~12 ops per layer and step). This
+the portable path (`_scores` / `_weighted_values` under CompressedKVCache._attend: matmuls over
+the directions, the slots and the window, magnitude products, the retained slots scattered over
+a materialized (rows x tokens) score array and gathered again for the values, slack masking,
+concatenations, softmax: about two dozen MLX ops per layer and step, by reading the code). This
 kernel reads the pair's directions, the layer's magnitudes and its retained slots once and
 produces flash-decoding partials (m, l, o) per block of tokens; fused_decode's merge kernel
 (imported, unchanged) combines them into the output row. Per layer and step: 2 kernels.
@@ -52,6 +53,11 @@ query's sums per chunk precomputed in shared memory, for values (p s) c per elem
 once per row into a bias accumulator; codes become floats by a mantissa trick (vq_u2f), not
 the conversion unit. Per element: extract, convert, one FMA per row.
 
+Numerics: everything after the loads is float32 and the output is rounded once to the queries'
+dtype; the portable path in fp16 / bf16 rounds its scores, probabilities and sums in that dtype
+(the tests compare against it with float32 queries). No other deviation from the portable
+path: the same tokens, slots and window, the same softmax.
+
 `supports()` lists what it takes (others: the portable path): fp16 directions or 2, 4, 8-bit
 codes (3-bit codes straddle words: refused), head_dim and value dim 64, 128 or 256, slots
 0..16, 1..8 query rows per kv head, shared memory under 48 KB.
@@ -86,7 +92,6 @@ DIRECTION_BITS = (2, 4, 8)  # minicache_bits whose codes never straddle a 32-bit
 # flight per warp at no occupancy cost (see PV in the kernel). Not measured on a GPU yet: the
 # one-layer timing in tests/cache/test_fused_decode_minicache.py times both settings.
 PREFETCH_FIRST_VALUES = True
-_FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 _HEADER = fused_decode._HEADER + r"""
 // 16 bytes, loaded as one 128-bit access (a plain struct: CUDA's uint4 is not needed).
@@ -105,7 +110,8 @@ __device__ __forceinline__ float vq_elem(const vq_u32x4 (&raw)[W], int e) {
 // 8 lanes of a row read consecutive floats (no bank conflicts), the warp's 4 rows broadcast.
 // Loads of JB rows are issued before their FMAs (JB rows x D / 8 channels of T, 128 bytes per
 // lane at most: 4 rows of 16-bit D = 128, fewer for D = 256 or float rows), so a warp keeps
-// 4 KB in flight while its FMAs wait.
+// at least 4 KB in flight while its FMAs wait (the register count did not change with 2 or 4
+// rows per batch: ptxas schedules the loads as it sees fit).
 template <typename T, int D, int R, int J>
 __device__ __forceinline__ void vq_partial_dots(const T* base, const int (&rows)[J],
                                                 const float* q_sh, int sub, float (&part)[J][R]) {
