@@ -55,21 +55,24 @@ def _emulated_step(cache, q_heads, scale):
 # (PREFETCH_FIRST_VALUES is on, the default, except in the case that says otherwise)
 CASES = [
     ("default f32 hd128 gqa4", mx.float32, 128, 1, 4, 700, {}, None),
-    ("default f32 hd128 gqa4 no prefetch", mx.float32, 128, 1, 4, 700, {}, None),
     ("default bf16 hd128 gqa4", mx.bfloat16, 128, 1, 4, 700, {}, None),
     ("default fp16 hd64 batch2 mha", mx.float16, 64, 2, 1, 500, {}, None),
     ("no slots f32 hd128 gqa4", mx.float32, 128, 1, 4, 700, {"minicache_retain_slots": 0}, None),
-    # 1 slot: fewer slots than the 4 rows of a value round (hd 64): the zero weight row
-    ("1 slot f32 hd64 gqa2", mx.float32, 64, 1, 2, 500, {"minicache_retain_slots": 1}, None),
-    # 16 slots (4 key iterations over them), 8 rows per kv head (the most supports() takes)
-    ("16 slots f32 hd64 gqa8", mx.float32, 64, 1, 8, 500, {"minicache_retain_slots": 16}, None),
     # one block per head, each warp walks several 32-token tiles (online softmax across tiles)
     ("many tiles per warp f32 hd128 gqa4", mx.float32, 128, 1, 4, 1100, {}, 1),
     # a window of 40 + 28 tokens: the window block's warps take 2 tiles, the last one ragged
     ("long window f32 hd128 gqa4", mx.float32, 128, 1, 4, 740, {"minicache_residual_length": 40}, None),
-    # quantized directions (minicache_bits): 4 bits (a word per 8-channel chunk), 2 bits (half
-    # a word: odd chunks in the upper half), 8 bits (two words)
+    # quantized directions (minicache_bits): 4 bits, a word per 8-channel chunk
     ("4-bit directions f32 hd128 gqa4", mx.float32, 128, 1, 4, 700, {"minicache_bits": 4}, None),
+]
+# Slow (each compiles its own program, ~2 s cold, not built up front): the other corners.
+SLOW_CASES = [
+    ("default f32 hd128 gqa4 no prefetch", mx.float32, 128, 1, 4, 700, {}, None),
+    # 1 slot: fewer slots than the 4 rows of a value round (hd 64): the zero weight row
+    ("1 slot f32 hd64 gqa2", mx.float32, 64, 1, 2, 500, {"minicache_retain_slots": 1}, None),
+    # 16 slots (4 key iterations over them), 8 rows per kv head (the most supports() takes)
+    ("16 slots f32 hd64 gqa8", mx.float32, 64, 1, 8, 500, {"minicache_retain_slots": 16}, None),
+    # 2 bits (half a word: odd chunks in the upper half), 8 bits (two words)
     ("2-bit directions bf16 hd64 mha", mx.bfloat16, 64, 1, 1, 500, {"minicache_bits": 2}, None),
     ("8-bit directions no slots f32 hd128 gqa4", mx.float32, 128, 1, 4, 500,
      {"minicache_bits": 8, "minicache_retain_slots": 0}, None),
@@ -116,7 +119,9 @@ def _programs_built_in_parallel():
     cuda_emulation.prebuild_captured(captured)
 
 
-@pytest.mark.parametrize("name, dtype, D, B, rep, n, fields, warps", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name, dtype, D, B, rep, n, fields, warps",
+                         CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CASES],
+                         ids=[c[0] for c in CASES + SLOW_CASES])
 def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, dtype, D, B, rep, n, fields, warps):
     _prefetch_setting(monkeypatch, name)
     if warps:
