@@ -40,9 +40,10 @@ exact) until `CrossLayerCoordinator.relink(caches)` re-links it.
 Measured on SmolLM2-135M (512 tokens of Pride and Prejudice): the mean cosine between adjacent
 layers' per-token K (and V) directions is within +-0.2 (V within +-0.03) at every depth, so the
 paper's premise (high similarity from the middle of the model on) does not hold for this model:
-KL 0.93, top-1 52%, PPL 33.2 (fp16 16.5) with the defaults (results/minicache_quality_slotfix_cpu.json;
-KL 1.20, top-1 45% in results/crosslayer_quality.json were measured while the growth slack's
-empty slots overwrote token 0, see _slot_index). Raise `minicache_start_fraction` or use
+KL 0.93, top-1 52%, PPL 33.2 (fp16 16.5) with the defaults
+(results/minicache_quality_slotfix_cpu.json; KL 1.20, top-1 45% in
+results/crosslayer_quality.json were measured while the growth slack's empty slots overwrote
+token 0, see _slot_index). Raise `minicache_start_fraction` or use
 another method for such models.
 
 Deviations from the paper:
