@@ -92,6 +92,7 @@ DIRECTION_BITS = (2, 4, 8)  # minicache_bits whose codes never straddle a 32-bit
 # flight per warp at no occupancy cost (see PV in the kernel). Not measured on a GPU yet: the
 # one-layer timing in tests/cache/test_fused_decode_minicache.py times both settings.
 PREFETCH_FIRST_VALUES = True
+PREFETCH_MAX_ROWS = 4  # 8 rows spill with it (1128 bytes at float32, 16 slots; 604 without)
 
 _HEADER = fused_decode._HEADER + r"""
 // 16 bytes, loaded as one 128-bit access (a plain struct: CUDA's uint4 is not needed).
@@ -744,7 +745,8 @@ def merged_decode_attention(
     part_o, part_m, part_l = _partials_kernel()(
         inputs=[queries, dir_k, dir_v, *direction_side, mag_k, mag_v, *retained,
                 window_keys.astype(dtype), window_values.astype(dtype), meta],
-        template=[("D", D), ("DV", DV), ("R", R), ("PV", int(PREFETCH_FIRST_VALUES)), ("S", slots),
+        template=[("D", D), ("DV", DV), ("R", R), ("PV", int(PREFETCH_FIRST_VALUES and R <= PREFETCH_MAX_ROWS)),
+                  ("S", slots),
                   ("DB", direction_bits or 0),
                   ("QT", dtype), ("DT", dir_k.dtype), ("ST", direction_side[0].dtype),
                   ("MT", mag_k.dtype), ("RT", retained[0].dtype)],
