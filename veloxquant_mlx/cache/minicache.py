@@ -28,7 +28,10 @@ the patched and unpatched runs hold the same data at every step. The newest toke
 in both layers until the pair has merged them.
 
 Attention reads the compressed form: scores = ||k|| (q . e_k), overwritten by the exact q . k
-at retained positions; values = (p ||v||) @ e_v + p[retained] @ v_retained.
+at retained positions; values = (p ||v||) @ e_v + p[retained] @ v_retained. On MLX's CUDA
+backend a paired layer's decode step runs that as one partials kernel plus a merge
+(cache/fused_decode_merged.py: the directions, magnitudes and slots read once); elsewhere, and
+for shapes it does not take, the portable ops (_scores / _weighted_values) run.
 
 State: each layer's state holds what it needs alone (the upper layer carries a copy of the
 merged directions); a loaded pair keeps its history and no longer merges new tokens (they stay
@@ -37,8 +40,11 @@ exact) until `CrossLayerCoordinator.relink(caches)` re-links it.
 Measured on SmolLM2-135M (512 tokens of Pride and Prejudice): the mean cosine between adjacent
 layers' per-token K (and V) directions is within +-0.2 (V within +-0.03) at every depth, so the
 paper's premise (high similarity from the middle of the model on) does not hold for this model:
-KL 1.20, top-1 45% with the defaults (results/crosslayer_quality.json). Raise
-`minicache_start_fraction` or use another method for such models.
+KL 0.93, top-1 52%, PPL 33.2 (fp16 16.5) with the defaults
+(results/minicache_quality_slotfix_cpu.json; KL 1.20, top-1 45% in
+results/crosslayer_quality.json were measured while the growth slack's empty slots overwrote
+token 0, see _slot_index). Raise `minicache_start_fraction` or use
+another method for such models.
 
 Deviations from the paper:
   * retention by an absolute cosine threshold with a fixed number of slots per 32 tokens (the
@@ -57,6 +63,7 @@ import math
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import fused_decode_merged
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
 from veloxquant_mlx.cache.growing_window import GrowingWindowMixin
@@ -281,27 +288,34 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
                 ]
         return layout
 
+    def _direction_store(self) -> dict:
+        """The store holding the pair's merged directions: this layer's, or its lower partner's."""
+        if self.owns_directions:
+            return self.store
+        lower = self._peer(self.layer_index - 1)
+        if lower is None:
+            raise QuantizerConfigError(
+                f"MiniCacheCache layer {self.layer_index} reads the merged directions of "
+                f"layer {self.layer_index - 1}, which is gone"
+            )
+        return lower.store
+
     def _directions(self, part: str):
         """The pair's merged directions of `part` over this layer's capacity."""
-        if self.owns_directions:
-            source = self.store
-        else:
-            lower = self._peer(self.layer_index - 1)
-            if lower is None:
-                raise QuantizerConfigError(
-                    f"MiniCacheCache layer {self.layer_index} reads the merged directions of "
-                    f"layer {self.layer_index - 1}, which is gone"
-                )
-            source = lower.store
+        source = self._direction_store()
         cap = self.capacity
         if self.dir_bits is None:
             return (source[f"dir_{part}"][:, :, :cap],)
         return tuple(source[f"{name}_{part}"][:, :, :cap] for name in ("dir", "dirscale", "dirbias"))
 
     def _slot_index(self, part: str) -> mx.array:
-        """Retained slots -> column index; unused slots point at a dummy column `capacity`."""
+        """Retained slots -> column index; unused slots point at a dummy column `capacity`.
+        Slots of the growth slack (blocks not merged yet) are unused too: the store fills them
+        with zeros, i.e. position 0, which put zero vectors over token 0 (the attention sink)
+        whenever capacity > n_compressed; after a trim they may hold stale positions."""
         positions = self.store[f"retpos_{part}"]
-        return mx.where(positions >= 0, positions, self.capacity)
+        merged = mx.arange(positions.shape[-1]) < self.n_compressed // BLOCK * self.slots
+        return mx.where(merged & (positions >= 0), positions, self.capacity)
 
     def _encode(self, keys, values):  # merging is done by the pair in _flush
         raise NotImplementedError
@@ -335,6 +349,12 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
         scores = mx.concatenate([scores, mx.zeros_like(scores[..., :1])], axis=-1)
         index = mx.broadcast_to(self._slot_index("k")[:, :, None, :], exact.shape)
         return mx.put_along_axis(scores, index, exact.astype(scores.dtype), axis=-1)[..., :-1]
+
+    def _fused_decode(self, queries: mx.array, scale: float):
+        # A paired layer's decode step through fused_decode_merged's CUDA kernel where it runs
+        # (None elsewhere: the portable _scores / _weighted_values path); plain layers attend
+        # their whole window with mx.fast in attention() and never get here with a decode step.
+        return fused_decode_merged.decode_step(self, queries, scale)
 
     def _weighted_values(self, p: mx.array) -> mx.array:
         out_exact = None
