@@ -1,0 +1,601 @@
+"""A CUDA partials kernel for a decode step over KVQuant's layout (non-uniform codebooks, per-channel
+key / per-token value normalization, sparse exact outliers, exact first-token sink).
+
+Why: on the H200 KVQuant decoded at ~0.1x the fp16 cache's speed at 32K tokens through its
+portable path (kvquant_attention.py: compiled chunked codebook lookups, several kernels and
+a chunk of float32 levels per step). This kernel reads the packed codes once and produces the
+flash-decoding partials (m, l, o) per block of history tokens plus one block for the exact part
+(the sink and the window), which fused_decode.merge_partials merges, as kivi's kernels do
+(fused_decode.py: its block split, tiles and merge are reused unchanged).
+
+Layout read (what KVQuantCache stores, per block of G tokens and KV head):
+  key_codes / value_codes (B, H, cap/G, W) uint32: the block's G*D codes, token-major (index
+      t*D + c), packed by packing.pack_codes: 32 // bits codes per word, low bits first; for 3
+      bits a word holds 10 codes (2 bits unused), so a token's codes need not start on a word;
+  key_scale / key_zero (B, H, cap/G, D): per channel per block; value_scale / value_zero
+      (B, H, cap): per token; element = level[code] * scale + zero;
+  key_codebook / value_codebook (B, H, 2**bits) float32 levels;
+  *_outlier_position (B, H, cap/G, N) uint16 (t*D + c in the block) and *_outlier_value
+      (cache dtype): the exact entry replaces the element there (N may be 0: no arrays);
+  token 0's codes are a placeholder: the kernel skips it (meta n_skip = 1) and attends the exact
+      sink (sink_keys / sink_values) in the exact block, before the window.
+
+Work split (as fused_decode's kernel 1): blocks of 4 warps per (batch*KV head, range of history
+tokens, a multiple of 512), one more block per head for the exact tokens; a warp walks tiles of
+128 tokens.
+  scores: lane i holds tokens 4i..4i+3 of the tile (one block of G, since G % 4 == 0), all R
+      GQA rows at once: per channel the lane reads its block's scale and zero once (broadcast
+      to the 8 lanes of the block) and the query's R entries from shared memory once, then per
+      token extract + codebook lookup (shared) + one FMA to the key element + R FMAs. The key
+      scale is not folded into the query: with 4 tokens per lane, folding (R products per
+      channel for q*scale, R more for the zero sum) costs 2 operations per element at R = 4,
+      the unfolded element FMA 1.
+  key outliers: the raw scores go to the warp's shared tile, the lanes spread the tile's blocks'
+      outliers over themselves and add q[c] * (exact - decoded) with shared atomics (several
+      outliers may hit one token), then read the scores back.
+  values: LPT = DV / 16 lanes share a token, 16 channels each; the value scale is folded into
+      the probability (p * scale, written once per token to shared memory) and the zero into one
+      sum per row (sum p * zero, added to every channel at the end), so per element: extract +
+      lookup + R FMAs.
+  value outliers: the lanes spread them as for the keys and add p * scale * ((exact - zero) /
+      scale - level) into a per-warp (R, DV) correction buffer in shared memory (atomics),
+      rescaled with the accumulators at every tile and added to the warp's partial at the end.
+Codes: for 2 and 4 bits with D % (32 // bits) == 0 a token's codes are whole words and the
+shifts are compile-time constants. For 3 bits (10 codes per word) each token (each lane's
+16 value channels) starts at a runtime position inside a word: a cursor per token walks the
+stream (shift, and a word load after every 10 codes), ~3 more integer operations per element.
+
+Shared memory (4-byte floats): queries R*D, per warp a tile of R*max(128, D, DV) (scores, then
+probabilities, then the warp's partial), with value outliers per warp R*DV corrections, two
+codebooks, per warp and row m and l. supports() counts it against 48 KB.
+
+tests/cache/test_fused_decode_kvquant_emulated.py runs this source on the CPU under
+tests/cache/cuda_emulation.py through KVQuantCache's decode path; test_fused_decode_kvquant.py
+has the wiring test and the CUDA tests.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.fused_decode import (
+    _HEADER,
+    MAX_BLOCKS,
+    TILE,
+    WARPS_PER_BLOCK,
+    FusedDecodeMeta,
+    merge_partials,
+    tokens_per_block,
+)
+from veloxquant_mlx.errors import QuantizerConfigError
+
+SUPPORTED_BITS = (2, 3, 4)
+TOKENS_PER_LANE = 4  # scoring: a lane's tokens, all inside one block of G
+CHANNELS_PER_LANE = 16  # values: a lane's channels of one token
+MAX_ROWS = 8  # GQA rows per KV head: R * 16 accumulators per lane stay in registers
+MAX_HEAD_DIM = 256
+SHARED_BYTES = 48 * 1024
+
+# Template constants: D, DV (key / value head dims), R (rows per KV head), G (tokens per block),
+# BITS, LPT (lanes per value token), NOK, NOV (outliers per key / value block, 0 for none),
+# QT (query and exact-token dtype), ST (side data and outlier values' dtype).
+# meta = [n_valid, tokens per grid block, history grid blocks, scale as float bits, n_skip].
+_PARTIALS = r"""
+  constexpr int NW = 4;
+  constexpr int TILE = 128;
+  constexpr int TPL = 4;                 // tokens per lane when scoring
+  constexpr int PER = 32 / BITS;         // codes per word
+  constexpr unsigned MASK = (1u << BITS) - 1u;
+  constexpr int LEVELS = 1 << BITS;
+  constexpr int CPL = DV / LPT;          // value channels per lane
+  constexpr int TPR = 32 / LPT;          // value tokens per round
+  constexpr int ROUNDS = TILE / TPR;
+  constexpr int BATCH = ROUNDS < 8 ? ROUNDS : 8;  // rounds whose loads are issued together
+  constexpr bool K_WORDS = D % PER == 0;    // every key token starts on a word
+  constexpr bool V_WORDS = CPL % PER == 0;  // every lane's value channels start on a word
+  constexpr int DMAX = D > DV ? D : DV;
+  constexpr int NOK1 = NOK > 0 ? NOK : 1;
+  constexpr int NOV1 = NOV > 0 ? NOV : 1;
+  const float neg_inf = __int_as_float(0xff800000);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int tl = lane / LPT;
+  const int ch0 = (lane % LPT) * CPL;
+  const int bh = blockIdx.y;
+  const int n_valid = meta[0];
+  const int per_block = meta[1];
+  const int n_hist_blocks = meta[2];
+  const float scale = __int_as_float(meta[3]);
+  const int n_skip = meta[4];
+  const bool window = blockIdx.x >= n_hist_blocks;
+  const int n_window = wk_shape[2];
+  const int cap_blocks = kc_shape[2];
+  const int k_words = kc_shape[3];       // code words per key block
+  const int v_words = vc_shape[3];
+  const int cap = vs_shape[2];
+
+  __shared__ __align__(16) float qs[D * R];
+  __shared__ __align__(16) float ps[NW][(TILE > DMAX ? TILE : DMAX) * R];
+  __shared__ float corr[NW][NOV > 0 ? R * DV : 1];
+  __shared__ float cbk[LEVELS];
+  __shared__ float cbv[LEVELS];
+  __shared__ float red_m[NW][R];
+  __shared__ float red_l[NW][R];
+  for (int i = threadIdx.x; i < R * D; i += 32 * NW) {
+    const int r = i / D, d = i % D;
+    qs[d * R + r] = scale * vq_f32(q[(size_t)bh * R * D + i]);
+  }
+  for (int i = threadIdx.x; i < LEVELS; i += 32 * NW) {
+    cbk[i] = kcb[(size_t)bh * LEVELS + i];
+    cbv[i] = vcb[(size_t)bh * LEVELS + i];
+  }
+  if (NOV > 0) {
+    for (int i = lane; i < R * DV; i += 32) corr[warp][i] = 0.f;
+  }
+  __syncthreads();
+
+  const uint32_t* kc_bh = kc + (size_t)bh * cap_blocks * k_words;
+  const ST* ks_bh = ks + (size_t)bh * cap_blocks * D;
+  const ST* kz_bh = kz + (size_t)bh * cap_blocks * D;
+  const uint32_t* vc_bh = vc + (size_t)bh * cap_blocks * v_words;
+  const ST* vs_bh = vs + (size_t)bh * cap;
+  const ST* vz_bh = vz + (size_t)bh * cap;
+  const uint16_t* kop_bh = kop + (size_t)bh * cap_blocks * NOK;
+  const ST* kov_bh = kov + (size_t)bh * cap_blocks * NOK;
+  const uint16_t* vop_bh = vop + (size_t)bh * cap_blocks * NOV;
+  const ST* vov_bh = vov + (size_t)bh * cap_blocks * NOV;
+  const QT* wk_bh = wk + (size_t)bh * n_window * D;
+  const QT* wv_bh = wv + (size_t)bh * n_window * DV;
+  float* p_tile = ps[warp];
+
+  float m[R], l[R], zsum[R], acc[R][CPL];
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = neg_inf;
+    l[r] = 0.f;
+    zsum[r] = 0.f;
+    #pragma unroll
+    for (int c = 0; c < CPL; ++c) acc[r][c] = 0.f;
+  }
+
+  const int first = window ? 0 : blockIdx.x * per_block;
+  const int lo = window ? 0 : n_skip;  // tokens before lo are not attended (the sink's placeholder)
+  const int last = window ? n_window : min(first + per_block, n_valid);
+  for (int base = first + warp * TILE; base < last; base += TILE * NW) {
+    const int t0 = base + lane * TPL;
+    const int tile_end = min(base + TILE, last);
+    float s[TPL][R];
+    #pragma unroll
+    for (int i = 0; i < TPL; ++i) {
+      #pragma unroll
+      for (int r = 0; r < R; ++r) s[i][r] = 0.f;
+    }
+    if (window) {
+      #pragma unroll
+      for (int i = 0; i < TPL; ++i) {
+        const QT* krow = wk_bh + (size_t)min(t0 + i, last - 1) * D;
+        for (int d = 0; d < D; ++d) {
+          const float kv = vq_f32(krow[d]);
+          #pragma unroll
+          for (int r = 0; r < R; ++r) s[i][r] = fmaf(qs[d * R + r], kv, s[i][r]);
+        }
+      }
+    } else {
+      // Past-the-end lanes score the last valid group of TPL tokens (dropped below).
+      const int tc = min(t0, (last - 1) / TPL * TPL);
+      const int g = tc / G;
+      const int tt = tc % G;
+      const uint32_t* kb = kc_bh + (size_t)g * k_words;
+      const ST* sc_b = ks_bh + (size_t)g * D;
+      const ST* zp_b = kz_bh + (size_t)g * D;
+      if (K_WORDS) {
+        constexpr int WT = D / PER;  // words per token
+        const uint32_t* tok = kb + tt * WT;
+        #pragma unroll 2
+        for (int w = 0; w < WT; ++w) {
+          unsigned words[TPL];
+          #pragma unroll
+          for (int i = 0; i < TPL; ++i) words[i] = __ldg(tok + i * WT + w);
+          #pragma unroll
+          for (int k = 0; k < PER; ++k) {
+            const int d = w * PER + k;
+            const float sc = vq_f32(sc_b[d]);
+            const float zp = vq_f32(zp_b[d]);
+            float qd[R];
+            #pragma unroll
+            for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
+            #pragma unroll
+            for (int i = 0; i < TPL; ++i) {
+              const float kv = fmaf(cbk[(words[i] >> (k * BITS)) & MASK], sc, zp);
+              #pragma unroll
+              for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
+            }
+          }
+        }
+      } else {
+        // A cursor per token: its word, and the shift of its next code; a word is loaded only
+        // when a code of it is needed (no read past the block's last word).
+        const uint32_t* wp[TPL];
+        unsigned cur[TPL];
+        int sh[TPL];
+        #pragma unroll
+        for (int i = 0; i < TPL; ++i) {
+          const int idx = (tt + i) * D;
+          wp[i] = kb + idx / PER;
+          sh[i] = (idx % PER) * BITS;
+          cur[i] = __ldg(wp[i]);
+        }
+        #pragma unroll 4
+        for (int d = 0; d < D; ++d) {
+          const float sc = vq_f32(sc_b[d]);
+          const float zp = vq_f32(zp_b[d]);
+          float qd[R];
+          #pragma unroll
+          for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
+          #pragma unroll
+          for (int i = 0; i < TPL; ++i) {
+            if (sh[i] == PER * BITS) {
+              sh[i] = 0;
+              cur[i] = __ldg(++wp[i]);
+            }
+            const float kv = fmaf(cbk[(cur[i] >> sh[i]) & MASK], sc, zp);
+            sh[i] += BITS;
+            #pragma unroll
+            for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
+          }
+        }
+      }
+      if (NOK > 0) {
+        // Outliers: exact - decoded, times the query, added to the token's raw score.
+        #pragma unroll
+        for (int i = 0; i < TPL; ++i) {
+          #pragma unroll
+          for (int r = 0; r < R; ++r) p_tile[(lane * TPL + i) * R + r] = s[i][r];
+        }
+        __syncwarp();
+        const int g0 = base / G;
+        const int n_entries = ((tile_end - 1) / G - g0 + 1) * NOK1;
+        for (int j = lane; j < n_entries; j += 32) {
+          const int gb = g0 + j / NOK1;
+          const int e = gb * NOK1 + j % NOK1;
+          const int pos = kop_bh[e];
+          const int c = pos % D;
+          const int t = gb * G + pos / D;
+          if (t >= base && t < tile_end) {
+            const unsigned code = (__ldg(kc_bh + (size_t)gb * k_words + pos / PER) >> ((pos % PER) * BITS)) & MASK;
+            const float dec = fmaf(cbk[code], vq_f32(ks_bh[(size_t)gb * D + c]), vq_f32(kz_bh[(size_t)gb * D + c]));
+            const float delta = vq_f32(kov_bh[e]) - dec;
+            #pragma unroll
+            for (int r = 0; r < R; ++r) atomicAdd(&p_tile[(t - base) * R + r], qs[c * R + r] * delta);
+          }
+        }
+        __syncwarp();
+        #pragma unroll
+        for (int i = 0; i < TPL; ++i) {
+          #pragma unroll
+          for (int r = 0; r < R; ++r) s[i][r] = p_tile[(lane * TPL + i) * R + r];
+        }
+        __syncwarp();
+      }
+    }
+    // ---- online softmax over the tile; probabilities (times the value scale) to shared ----
+    float vsc[TPL], vzp[TPL];
+    #pragma unroll
+    for (int i = 0; i < TPL; ++i) {
+      const int tj = min(t0 + i, last - 1);
+      vsc[i] = window ? 1.f : vq_f32(vs_bh[tj]);
+      vzp[i] = window ? 0.f : vq_f32(vz_bh[tj]);
+    }
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float tile_max = neg_inf;
+      #pragma unroll
+      for (int i = 0; i < TPL; ++i) {
+        const bool ok = t0 + i < last && t0 + i >= lo;
+        tile_max = ok ? fmaxf(tile_max, s[i][r]) : tile_max;
+      }
+      // Finite: every tile holds a valid token (n_skip < TILE is checked by the caller).
+      const float m_new = fmaxf(m[r], vq_warp_max(tile_max));
+      const float alpha = expf(m[r] - m_new);
+      float sum = 0.f, zs = 0.f;
+      #pragma unroll
+      for (int i = 0; i < TPL; ++i) {
+        const float p = t0 + i < last && t0 + i >= lo ? expf(s[i][r] - m_new) : 0.f;
+        p_tile[(lane * TPL + i) * R + r] = p * vsc[i];
+        sum += p;
+        zs = fmaf(p, vzp[i], zs);
+      }
+      l[r] = l[r] * alpha + vq_warp_sum(sum);
+      zsum[r] = fmaf(zsum[r], alpha, zs);
+      #pragma unroll
+      for (int c = 0; c < CPL; ++c) acc[r][c] *= alpha;
+      if (NOV > 0) {
+        for (int c = lane; c < DV; c += 32) corr[warp][r * DV + c] *= alpha;
+      }
+      m[r] = m_new;
+    }
+    __syncwarp();
+    if (NOV > 0 && !window) {
+      // p * scale * ((exact - zero) / scale - level): the outlier's exact value in place of its
+      // decoded one, in the folded form the value loop accumulates.
+      const int g0 = base / G;
+      const int n_entries = ((tile_end - 1) / G - g0 + 1) * NOV1;
+      for (int j = lane; j < n_entries; j += 32) {
+        const int gb = g0 + j / NOV1;
+        const int e = gb * NOV1 + j % NOV1;
+        const int pos = vop_bh[e];
+        const int c = pos % DV;
+        const int t = gb * G + pos / DV;
+        if (t >= max(base, lo) && t < tile_end) {
+          const unsigned code = (__ldg(vc_bh + (size_t)gb * v_words + pos / PER) >> ((pos % PER) * BITS)) & MASK;
+          const float u = (vq_f32(vov_bh[e]) - vq_f32(vz_bh[t])) / vq_f32(vs_bh[t]) - cbv[code];
+          #pragma unroll
+          for (int r = 0; r < R; ++r) atomicAdd(&corr[warp][r * DV + c], p_tile[(t - base) * R + r] * u);
+        }
+      }
+    }
+    // ---- values: past-the-end tokens read the last valid token (p = 0 there) ----
+    if (window) {
+      for (int round = 0; round < ROUNDS; ++round) {
+        const int j = round * TPR + tl;
+        const size_t tj = (size_t)min(base + j, last - 1);
+        #pragma unroll
+        for (int c = 0; c < CPL; ++c) {
+          const float v = vq_f32(wv_bh[tj * DV + ch0 + c]);
+          #pragma unroll
+          for (int r = 0; r < R; ++r) acc[r][c] = fmaf(p_tile[j * R + r], v, acc[r][c]);
+        }
+      }
+    } else if (V_WORDS) {
+      constexpr int WPL = (CPL + PER - 1) / PER;  // code words per lane and token (CPL / PER here)
+      #pragma unroll
+      for (int b0 = 0; b0 < ROUNDS; b0 += BATCH) {
+        uint32_t words[BATCH][WPL];
+        #pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+          const int tj = min(base + (b0 + k) * TPR + tl, last - 1);
+          const uint32_t* row = vc_bh + (size_t)(tj / G) * v_words + ((tj % G) * DV + ch0) / PER;
+          #pragma unroll
+          for (int i = 0; i < WPL; ++i) words[k][i] = __ldg(row + i);
+        }
+        #pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+          const int j = (b0 + k) * TPR + tl;
+          float pj[R];
+          #pragma unroll
+          for (int r = 0; r < R; ++r) pj[r] = p_tile[j * R + r];
+          #pragma unroll
+          for (int c = 0; c < CPL; ++c) {
+            const float v = cbv[(words[k][c / PER] >> ((c % PER) * BITS)) & MASK];
+            #pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
+          }
+        }
+      }
+    } else {
+      for (int round = 0; round < ROUNDS; ++round) {
+        const int j = round * TPR + tl;
+        const int tj = min(base + j, last - 1);
+        const int idx = (tj % G) * DV + ch0;
+        const uint32_t* wp = vc_bh + (size_t)(tj / G) * v_words + idx / PER;
+        unsigned cur = __ldg(wp);
+        int sh = (idx % PER) * BITS;
+        float pj[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) pj[r] = p_tile[j * R + r];
+        #pragma unroll
+        for (int c = 0; c < CPL; ++c) {
+          if (sh == PER * BITS) {
+            sh = 0;
+            cur = __ldg(++wp);
+          }
+          const float v = cbv[(cur >> sh) & MASK];
+          sh += BITS;
+          #pragma unroll
+          for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
+        }
+      }
+    }
+    __syncwarp();
+  }
+
+  // Lanes holding the same channels for different tokens: sum them (the lane bits above LPT).
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    zsum[r] = vq_warp_sum(zsum[r]);
+    #pragma unroll
+    for (int c = 0; c < CPL; ++c) {
+      #pragma unroll
+      for (int o = LPT; o < 32; o <<= 1) acc[r][c] += __shfl_xor_sync(0xffffffffu, acc[r][c], o);
+    }
+  }
+  float* red_o = ps[warp];  // the warp's probabilities are no longer needed: [r][channel]
+  if (tl == 0) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      #pragma unroll
+      for (int c = 0; c < CPL; ++c) {
+        const float fix = NOV > 0 ? corr[warp][r * DV + ch0 + c] : 0.f;
+        red_o[r * DV + ch0 + c] = acc[r][c] + zsum[r] + fix;
+      }
+    }
+  }
+  if (lane == 0) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      red_m[warp][r] = m[r];
+      red_l[warp][r] = l[r];
+    }
+  }
+  __syncthreads();
+  // The block's four warps merged into one partial.
+  const size_t out_row = ((size_t)bh * gridDim.x + blockIdx.x) * R;
+  for (int i = threadIdx.x; i < R * DV; i += 32 * NW) {
+    const int r = i / DV;
+    float top = neg_inf;
+    #pragma unroll
+    for (int w = 0; w < NW; ++w) top = fmaxf(top, red_m[w][r]);
+    float o = 0.f, den = 0.f;
+    if (top != neg_inf) {
+      #pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float e = red_m[w][r] == neg_inf ? 0.f : expf(red_m[w][r] - top);
+        o = fmaf(e, ps[w][i], o);
+        den = fmaf(e, red_l[w][r], den);
+      }
+    }
+    part_o[out_row * DV + i] = o;
+    if (i % DV == 0) {
+      part_m[out_row + r] = top;
+      part_l[out_row + r] = den;
+    }
+  }
+"""
+
+_INPUTS = ["q", "kc", "ks", "kz", "kcb", "vc", "vs", "vz", "vcb", "kop", "kov", "vop", "vov", "wk", "wv", "meta"]
+
+
+@lru_cache(maxsize=None)
+def _partials_kernel():
+    return mx.fast.cuda_kernel(
+        name="vq_codebook_decode_partials",
+        input_names=_INPUTS,
+        output_names=["part_o", "part_m", "part_l"],
+        source=_PARTIALS,
+        header=_HEADER,
+    )
+
+
+def lanes_per_token(value_dim: int) -> int | None:
+    """Lanes sharing one value token (CHANNELS_PER_LANE channels each), or None when the value
+    head dim is not 16 times a power of two up to 32 lanes."""
+    lanes = value_dim // CHANNELS_PER_LANE
+    if value_dim % CHANNELS_PER_LANE or lanes not in (1, 2, 4, 8, 16, 32):
+        return None
+    return lanes
+
+
+def shared_bytes(head_dim: int, value_dim: int, rows: int, bits: int, value_outliers: bool) -> int:
+    """The kernel's static shared memory (4-byte floats), as declared in _PARTIALS."""
+    widest = max(TILE, head_dim, value_dim)
+    floats = rows * head_dim + WARPS_PER_BLOCK * widest * rows
+    floats += WARPS_PER_BLOCK * (rows * value_dim if value_outliers else 1)
+    floats += 2 * (1 << bits) + 2 * WARPS_PER_BLOCK * rows
+    return 4 * floats
+
+
+def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rows: int,
+             value_outliers: bool = True) -> bool:
+    """The shapes the kernel handles; others take the portable path: bits 2, 3, 4; groups of
+    a multiple of 4 tokens (the config allows 32, 64, 128); 1..8 GQA rows; head dims up to 256
+    with the value head dim 32, 64, 128 or 256 (the merge kernel reduces whole warps of
+    channels); shared memory under 48 KB (the 8B shape, R = 4, D = DV = 128: 18.3 KB)."""
+    if bits not in SUPPORTED_BITS or group_size % 4 or not 1 <= rows <= MAX_ROWS:
+        return False
+    if not 1 <= head_dim <= MAX_HEAD_DIM or value_dim % 32 or lanes_per_token(value_dim) is None:
+        return False
+    return shared_bytes(head_dim, value_dim, rows, bits, value_outliers) <= SHARED_BYTES
+
+
+def _dummy(dtype) -> mx.array:
+    """A one-element stand-in for an absent outlier array (the kernel does not read it)."""
+    return mx.zeros((1,), dtype=dtype)
+
+
+def decode_step(cache, queries, scale: float):
+    """A KVQuantCache decode step's attention through the kernel, or None where it is not active
+    (off CUDA, switched off, a shape supports() refuses): the cache then takes the portable
+    path. Token 0 of the history is the exact sink: skipped in the codes, attended from
+    sink_keys / sink_values with the window."""
+    rows = queries.shape[1] // cache.n_kv_heads
+    s = cache.store
+    value_outliers = "value_outlier_position" in s
+    if not fused_decode.kernels_enabled() or not supports(
+        cache.head_dim, cache.value_dim, cache.group_size, cache.code_bits, rows, value_outliers
+    ):
+        return None
+    window_keys, window_values = cache.window_keys, cache.window_values
+    skip = 0
+    if "sink_keys" in s:
+        skip = s["sink_keys"].shape[2]
+        window_keys = mx.concatenate([s["sink_keys"].astype(window_keys.dtype), window_keys], axis=2)
+        window_values = mx.concatenate([s["sink_values"].astype(window_values.dtype), window_values], axis=2)
+    meta_cache = cache.__dict__.setdefault("_codebook_meta", FusedDecodeMeta())
+    return codebook_decode_attention(
+        queries, scale, s, window_keys, window_values, n_valid=cache.n_compressed,
+        group_size=cache.group_size, bits=cache.code_bits, n_kv_heads=cache.n_kv_heads,
+        meta_cache=meta_cache, skip=skip,
+    )
+
+
+def codebook_decode_attention(
+    queries, scale: float, store, window_keys, window_values, *, n_valid: int, group_size: int,
+    bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0,
+):
+    """softmax(q K^T * scale) V for one query row per head, queries (B, Hq, 1, D), over the
+    compressed tokens [skip, n_valid) read from `store` (KVQuantCache's arrays by name) and
+    the exact tokens (B, H, W, D), W >= 1 -> (B, Hq, 1, DV) in the queries' dtype. Only call
+    when kernels_enabled() and supports(...): decode_step checks."""
+    return merge_partials(*codebook_partials(
+        queries, scale, store, window_keys, window_values, n_valid=n_valid,
+        group_size=group_size, bits=bits, n_kv_heads=n_kv_heads, meta_cache=meta_cache, skip=skip,
+    ), queries)
+
+
+def codebook_partials(
+    queries, scale: float, store, window_keys, window_values, *, n_valid: int, group_size: int,
+    bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0,
+):
+    """The partials kernel's launch (checks, block split, meta, template) -> (part_o, part_m,
+    part_l) for fused_decode.merge_partials."""
+    B, n_q_heads, _, D = queries.shape
+    R = n_q_heads // n_kv_heads
+    BH = B * n_kv_heads
+    DV = window_values.shape[-1]
+    side = store["key_scale"].dtype
+    if n_valid % group_size:
+        raise QuantizerConfigError(
+            f"codebook fused decode: {n_valid} history tokens is invalid: allowed is a multiple "
+            f"of the group size {group_size} (whole blocks)"
+        )
+    if not 0 <= skip < min(n_valid, TILE):
+        # Every tile keeps a valid token only for skips inside the first tile.
+        raise QuantizerConfigError(
+            f"codebook fused decode: skip={skip} leading tokens of {n_valid}; allowed is "
+            f"0 <= skip < min(history, {TILE})"
+        )
+    per_block = tokens_per_block(n_valid, BH)
+    n_hist_blocks = -(-n_valid // per_block)
+    n_blocks = n_hist_blocks + 1  # + the exact tokens' block
+    if n_blocks > MAX_BLOCKS:  # beyond ~8M tokens per head: not reached
+        raise QuantizerConfigError(
+            f"codebook fused decode: {n_valid} history tokens need {n_blocks} blocks, more than "
+            f"the merge kernel's {MAX_BLOCKS}; set {fused_decode.ENV_SWITCH}=0 to use the portable path"
+        )
+    outliers = []
+    counts = []
+    for prefix in ("key", "value"):
+        if f"{prefix}_outlier_position" in store:
+            outliers += [store[f"{prefix}_outlier_position"], store[f"{prefix}_outlier_value"]]
+            counts.append(store[f"{prefix}_outlier_position"].shape[-1])
+        else:
+            outliers += [_dummy(mx.uint16), _dummy(side)]
+            counts.append(0)
+    meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip)
+    dtype = queries.dtype
+    return _partials_kernel()(
+        inputs=[queries, store["key_codes"], store["key_scale"], store["key_zero"],
+                store["key_codebook"].astype(mx.float32), store["value_codes"], store["value_scale"],
+                store["value_zero"], store["value_codebook"].astype(mx.float32), *outliers,
+                window_keys.astype(dtype), window_values.astype(dtype), meta],
+        template=[("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
+                  ("LPT", lanes_per_token(DV)), ("NOK", counts[0]), ("NOV", counts[1]),
+                  ("QT", dtype), ("ST", side)],
+        grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
+        threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
+        output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
