@@ -73,6 +73,8 @@ CASES = [
     ("kvquant-2 hd128 batch2 mha", _kvquant(kvquant_bits=2), mx.float32, 128, 2, 1, 700, None),
     ("kvquant-4 hd64 gqa2 no outliers", _kvquant(kvquant_bits=4, kvquant_outlier_fraction=0.0),
      mx.float32, 64, 1, 2, 700, None),
+    # 3 bits at head dim 64: a token's last run of codes is 4 channels (64 = 6 * 10 + 4)
+    ("kvquant-3 hd64 batch2 gqa2", _kvquant(), mx.float32, 64, 2, 2, 700, None),
     ("kvquant-3 g64 hd128 gqa4", _kvquant(kvquant_group_size=64), mx.float32, 128, 1, 4, 700, None),
     # one block per head: each warp walks several 128-token tiles (online softmax across tiles)
     ("kvquant-3 many tiles per warp", _kvquant(), mx.float32, 128, 1, 4, 1100, 1),
@@ -87,6 +89,8 @@ MUTATIONS = [
     ("sink placeholder attended", "const int lo = window ? 0 : n_skip;", "const int lo = 0;"),
     ("key outliers ignored", "const float delta = vq_f32(kov_bh[e]) - dec;", "const float delta = 0.f;"),
     ("value outliers ignored", "/ vq_f32(vs_bh[t]) - cbv[code];", "/ vq_f32(vs_bh[t]) - (vq_f32(vov_bh[e]) - vq_f32(vz_bh[t])) / vq_f32(vs_bh[t]);"),
+    ("3-bit phase ignored", "win[i] = vq_window<BITS>(lead[i], next, ph[i]);",
+     "win[i] = vq_window<BITS>(lead[i], next, 0);"),
     ("value zeros dropped", "red_o[r * DV + ch0 + c] = acc[r][c] + zsum[r] + fix;",
      "red_o[r * DV + ch0 + c] = acc[r][c] + fix;"),
 ]

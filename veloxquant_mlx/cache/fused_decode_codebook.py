@@ -41,9 +41,11 @@ tokens, a multiple of 512), one more block per head for the exact tokens; a warp
       scale - level) into a per-warp (R, DV) correction buffer in shared memory (atomics),
       rescaled with the accumulators at every tile and added to the warp's partial at the end.
 Codes: for 2 and 4 bits with D % (32 // bits) == 0 a token's codes are whole words and the
-shifts are compile-time constants. For 3 bits (10 codes per word) each token (each lane's
-16 value channels) starts at a runtime position inside a word: a cursor per token walks the
-stream (shift, and a word load after every 10 codes), ~3 more integer operations per element.
+shifts are compile-time constants. For 3 bits (10 codes per word, 2 padding bits) a token's
+codes (a lane's 16 value channels) start at a runtime phase inside a word, the same for each
+run of 10 channels: per run the two words it spans are joined and shifted by the phase once
+(vq_window: 4 integer operations per run and token), then its 10 codes are read at
+compile-time shifts as in the aligned case.
 
 Shared memory (4-byte floats): queries R*D, per warp a tile of R*max(128, D, DV) (scores, then
 probabilities, then the warp's partial), with value outliers per warp R*DV corrections, two
@@ -216,35 +218,47 @@ _PARTIALS = r"""
           }
         }
       } else {
-        // A cursor per token: its word, and the shift of its next code; a word is loaded only
-        // when a code of it is needed (no read past the block's last word).
-        const uint32_t* wp[TPL];
-        unsigned cur[TPL];
-        int sh[TPL];
+        // Codes straddle tokens inside words: token i's codes start at code `ph[i]` of word
+        // `w0 + ...`, the same phase for each run of PER channels. Per run, the two words it
+        // spans are joined and shifted by the phase once (vq_window), so the run's PER codes
+        // are read at compile-time shifts, as in the aligned path.
+        const int last_word = k_words - 1;
+        int wi[TPL], ph[TPL];
+        unsigned lead[TPL];
         #pragma unroll
         for (int i = 0; i < TPL; ++i) {
           const int idx = (tt + i) * D;
-          wp[i] = kb + idx / PER;
-          sh[i] = (idx % PER) * BITS;
-          cur[i] = __ldg(wp[i]);
+          wi[i] = idx / PER;
+          ph[i] = (idx % PER) * BITS;
+          lead[i] = __ldg(kb + wi[i]);
         }
-        #pragma unroll 4
-        for (int d = 0; d < D; ++d) {
-          const float sc = vq_f32(sc_b[d]);
-          const float zp = vq_f32(zp_b[d]);
-          float qd[R];
-          #pragma unroll
-          for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
+        constexpr int RUNS = (D + PER - 1) / PER;
+        #pragma unroll 2
+        for (int g = 0; g < RUNS; ++g) {
+          unsigned win[TPL];
           #pragma unroll
           for (int i = 0; i < TPL; ++i) {
-            if (sh[i] == PER * BITS) {
-              sh[i] = 0;
-              cur[i] = __ldg(++wp[i]);
+            // The word after a token's last one may lie past the block: clamped (not read).
+            const unsigned next = __ldg(kb + min(wi[i] + g + 1, last_word));
+            win[i] = vq_window<BITS>(lead[i], next, ph[i]);
+            lead[i] = next;
+          }
+          #pragma unroll
+          for (int k = 0; k < PER; ++k) {
+            const int d = g * PER + k;
+            if (D % PER == 0 || d < D) {
+              const float sc = vq_f32(sc_b[d]);
+              const float zp = vq_f32(zp_b[d]);
+              float qd[R];
+              #pragma unroll
+              for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
+              #pragma unroll
+              for (int i = 0; i < TPL; ++i) {
+                const float kv = fmaf(cbk[(win[i] >> (k * BITS)) & MASK], sc, zp);
+                #pragma unroll
+                for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
+              }
             }
-            const float kv = fmaf(cbk[(cur[i] >> sh[i]) & MASK], sc, zp);
-            sh[i] += BITS;
-            #pragma unroll
-            for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
           }
         }
       }
@@ -376,26 +390,31 @@ _PARTIALS = r"""
         }
       }
     } else {
+      // As for the keys: each lane's CPL codes start at a runtime phase inside a word; per run
+      // of PER codes the two words it spans are joined once (vq_window).
+      constexpr int RUNS = (CPL + PER - 1) / PER;
       for (int round = 0; round < ROUNDS; ++round) {
         const int j = round * TPR + tl;
         const int tj = min(base + j, last - 1);
         const int idx = (tj % G) * DV + ch0;
-        const uint32_t* wp = vc_bh + (size_t)(tj / G) * v_words + idx / PER;
-        unsigned cur = __ldg(wp);
-        int sh = (idx % PER) * BITS;
+        const uint32_t* vb = vc_bh + (size_t)(tj / G) * v_words;
+        const int w0 = idx / PER;
+        const int phase = (idx % PER) * BITS;
+        unsigned words[RUNS + 1];
+        #pragma unroll
+        for (int g = 0; g <= RUNS; ++g) words[g] = __ldg(vb + min(w0 + g, v_words - 1));
         float pj[R];
         #pragma unroll
         for (int r = 0; r < R; ++r) pj[r] = p_tile[j * R + r];
         #pragma unroll
-        for (int c = 0; c < CPL; ++c) {
-          if (sh == PER * BITS) {
-            sh = 0;
-            cur = __ldg(++wp);
-          }
-          const float v = cbv[(cur >> sh) & MASK];
-          sh += BITS;
+        for (int g = 0; g < RUNS; ++g) {
+          const unsigned win = vq_window<BITS>(words[g], words[g + 1], phase);
           #pragma unroll
-          for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
+          for (int k = 0; k < PER && g * PER + k < CPL; ++k) {
+            const float v = cbv[(win >> (k * BITS)) & MASK];
+            #pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][g * PER + k] = fmaf(pj[r], v, acc[r][g * PER + k]);
+          }
         }
       }
     }
@@ -455,6 +474,18 @@ _PARTIALS = r"""
   }
 """
 
+# Codes of a run that straddles two words (3 bits: 10 codes per word, 2 padding bits on top,
+# which pack_codes leaves 0): the used bits of `lo` then `hi` as one stream, shifted right by
+# `shift` < the used bits; the run's codes are then its low PER * BITS bits.
+_WINDOW = r"""
+template <int BITS>
+__device__ __forceinline__ unsigned vq_window(unsigned lo, unsigned hi, int shift) {
+  constexpr int USED = (32 / BITS) * BITS;
+  if (USED == 32) return __funnelshift_r(lo, hi, shift);
+  return __funnelshift_r(lo | (hi << (USED & 31)), hi >> ((32 - USED) & 31), shift);
+}
+"""
+
 _INPUTS = ["q", "kc", "ks", "kz", "kcb", "vc", "vs", "vz", "vcb", "kop", "kov", "vop", "vov", "wk", "wv", "meta"]
 
 
@@ -465,7 +496,7 @@ def _partials_kernel():
         input_names=_INPUTS,
         output_names=["part_o", "part_m", "part_l"],
         source=_PARTIALS,
-        header=_HEADER,
+        header=_HEADER + _WINDOW,
     )
 
 
