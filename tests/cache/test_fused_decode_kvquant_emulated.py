@@ -75,6 +75,9 @@ CASES = [
      mx.float32, 64, 1, 2, 700, None),
     # 3 bits at head dim 64: a token's last run of codes is 4 channels (64 = 6 * 10 + 4)
     ("kvquant-3 hd64 batch2 gqa2", _kvquant(), mx.float32, 64, 2, 2, 700, None),
+    # 8 rows: 8 value channels per lane, which for 2 bits starts inside a word (the two-word
+    # window with all 32 bits used)
+    ("kvquant-2 hd128 gqa8", _kvquant(kvquant_bits=2), mx.float32, 128, 1, 8, 700, None),
     ("kvquant-3 g64 hd128 gqa4", _kvquant(kvquant_group_size=64), mx.float32, 128, 1, 4, 700, None),
     # one block per head: each warp walks several 128-token tiles (online softmax across tiles)
     ("kvquant-3 many tiles per warp", _kvquant(), mx.float32, 128, 1, 4, 1100, 1),

@@ -33,7 +33,7 @@ tokens, a multiple of 512), one more block per head for the exact tokens; a warp
   key outliers: the raw scores go to the warp's shared tile, the lanes spread the tile's blocks'
       outliers over themselves and add q[c] * (exact - decoded) with shared atomics (several
       outliers may hit one token), then read the scores back.
-  values: LPT = DV / 16 lanes share a token, 16 channels each; the value scale is folded into
+  values: LPT = DV / 16 lanes share a token, 16 channels each (8 for R > 4); the value scale is folded into
       the probability (p * scale, written once per token to shared memory) and the zero into one
       sum per row (sum p * zero, added to every channel at the end), so per element: extract +
       lookup + R FMAs.
@@ -76,8 +76,10 @@ from veloxquant_mlx.errors import QuantizerConfigError
 
 SUPPORTED_BITS = (2, 3, 4)
 TOKENS_PER_LANE = 4  # scoring: a lane's tokens, all inside one block of G
-CHANNELS_PER_LANE = 16  # values: a lane's channels of one token
-MAX_ROWS = 8  # GQA rows per KV head: R * 16 accumulators per lane stay in registers
+# values: a lane's channels of one token; with more than 4 rows 8, so that the R x channels
+# accumulators stay in registers (ptxas for sm_90, R = 8, D = DV = 128: 16 channels spilled)
+CHANNELS_PER_LANE = {True: 16, False: 8}  # keyed by rows <= 4
+MAX_ROWS = 8  # GQA rows per KV head: R * CHANNELS_PER_LANE accumulators per lane in registers
 MAX_HEAD_DIM = 256
 SHARED_BYTES = 48 * 1024
 
@@ -500,11 +502,12 @@ def _partials_kernel():
     )
 
 
-def lanes_per_token(value_dim: int) -> int | None:
-    """Lanes sharing one value token (CHANNELS_PER_LANE channels each), or None when the value
-    head dim is not 16 times a power of two up to 32 lanes."""
-    lanes = value_dim // CHANNELS_PER_LANE
-    if value_dim % CHANNELS_PER_LANE or lanes not in (1, 2, 4, 8, 16, 32):
+def lanes_per_token(value_dim: int, rows: int) -> int | None:
+    """Lanes sharing one value token (CHANNELS_PER_LANE[rows <= 4] channels each), or None when
+    that does not split the value head dim into a power of two up to 32 lanes."""
+    channels = CHANNELS_PER_LANE[rows <= 4]
+    lanes = value_dim // channels
+    if value_dim % channels or lanes not in (1, 2, 4, 8, 16, 32):
         return None
     return lanes
 
@@ -526,7 +529,7 @@ def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rows: in
     channels); shared memory under 48 KB (the 8B shape, R = 4, D = DV = 128: 18.3 KB)."""
     if bits not in SUPPORTED_BITS or group_size % 4 or not 1 <= rows <= MAX_ROWS:
         return False
-    if not 1 <= head_dim <= MAX_HEAD_DIM or value_dim % 32 or lanes_per_token(value_dim) is None:
+    if not 1 <= head_dim <= MAX_HEAD_DIM or value_dim % 32 or lanes_per_token(value_dim, rows) is None:
         return False
     return shared_bytes(head_dim, value_dim, rows, bits, value_outliers) <= SHARED_BYTES
 
@@ -623,7 +626,7 @@ def codebook_partials(
                 store["value_zero"], store["value_codebook"].astype(mx.float32), *outliers,
                 window_keys.astype(dtype), window_values.astype(dtype), meta],
         template=[("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
-                  ("LPT", lanes_per_token(DV)), ("NOK", counts[0]), ("NOV", counts[1]),
+                  ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]),
                   ("QT", dtype), ("ST", side)],
         grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
         threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
