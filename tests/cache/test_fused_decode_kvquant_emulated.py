@@ -79,6 +79,8 @@ CASES = [
     # window with all 32 bits used)
     ("kvquant-2 hd128 gqa8", _kvquant(kvquant_bits=2), mx.float32, 128, 1, 8, 700, None),
     ("kvquant-3 g64 hd128 gqa4", _kvquant(kvquant_group_size=64), mx.float32, 128, 1, 4, 700, None),
+    # a tile is one block of 128 tokens (164 outliers each)
+    ("kvquant-4 g128 hd128 gqa4", _kvquant(kvquant_bits=4, kvquant_group_size=128), mx.float32, 128, 1, 4, 1100, None),
     # one block per head: each warp walks several 128-token tiles (online softmax across tiles)
     ("kvquant-3 many tiles per warp", _kvquant(), mx.float32, 128, 1, 4, 1100, 1),
     # the 16-bit load and store paths (QT, ST)
