@@ -49,6 +49,7 @@ def test_supported_shapes():
     assert not fused_decode_codebook.supports(128, 128, 32, 3, 9)  # R <= 8: accumulators in registers
     assert not fused_decode_codebook.supports(128, 80, 32, 3, 4)  # the merge reduces whole warps
     assert not fused_decode_codebook.supports(512, 128, 32, 3, 4)
+    assert not fused_decode_codebook.supports(100, 128, 32, 3, 4)  # key side data loaded in channel pairs
     # Shared memory: R = 8, D = DV = 256 with value outliers needs 73.9 KB (> 48 KB).
     assert fused_decode_codebook.shared_bytes(256, 256, 8, 3, True) > 48 * 1024
     assert not fused_decode_codebook.supports(256, 256, 32, 3, 8)

@@ -204,18 +204,24 @@ _PARTIALS = r"""
           #pragma unroll
           for (int i = 0; i < TPL; ++i) words[i] = __ldg(tok + i * WT + w);
           #pragma unroll
-          for (int k = 0; k < PER; ++k) {
-            const int d = w * PER + k;
-            const float sc = vq_f32(sc_b[d]);
-            const float zp = vq_f32(zp_b[d]);
-            float qd[R];
+          for (int k = 0; k < PER; k += 2) {
+            // Two channels' scales and zeros per load (D and PER even: aligned pairs).
+            const vq_pair<ST> scp = vq_load_pair(sc_b + w * PER + k);
+            const vq_pair<ST> zpp = vq_load_pair(zp_b + w * PER + k);
             #pragma unroll
-            for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
-            #pragma unroll
-            for (int i = 0; i < TPL; ++i) {
-              const float kv = fmaf(cbk[(words[i] >> (k * BITS)) & MASK], sc, zp);
+            for (int h = 0; h < 2; ++h) {
+              const int d = w * PER + k + h;
+              const float sc = vq_f32(h ? scp.b : scp.a);
+              const float zp = vq_f32(h ? zpp.b : zpp.a);
+              float qd[R];
               #pragma unroll
-              for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
+              for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
+              #pragma unroll
+              for (int i = 0; i < TPL; ++i) {
+                const float kv = fmaf(cbk[(words[i] >> ((k + h) * BITS)) & MASK], sc, zp);
+                #pragma unroll
+                for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
+              }
             }
           }
         }
@@ -246,19 +252,24 @@ _PARTIALS = r"""
             lead[i] = next;
           }
           #pragma unroll
-          for (int k = 0; k < PER; ++k) {
-            const int d = g * PER + k;
-            if (D % PER == 0 || d < D) {
-              const float sc = vq_f32(sc_b[d]);
-              const float zp = vq_f32(zp_b[d]);
-              float qd[R];
+          for (int k = 0; k < PER; k += 2) {
+            if (D % PER == 0 || g * PER + k < D) {  // D even: both channels of the pair
+              const vq_pair<ST> scp = vq_load_pair(sc_b + g * PER + k);
+              const vq_pair<ST> zpp = vq_load_pair(zp_b + g * PER + k);
               #pragma unroll
-              for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
-              #pragma unroll
-              for (int i = 0; i < TPL; ++i) {
-                const float kv = fmaf(cbk[(win[i] >> (k * BITS)) & MASK], sc, zp);
+              for (int h = 0; h < 2; ++h) {
+                const int d = g * PER + k + h;
+                const float sc = vq_f32(h ? scp.b : scp.a);
+                const float zp = vq_f32(h ? zpp.b : zpp.a);
+                float qd[R];
                 #pragma unroll
-                for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
+                for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
+                #pragma unroll
+                for (int i = 0; i < TPL; ++i) {
+                  const float kv = fmaf(cbk[(win[i] >> ((k + h) * BITS)) & MASK], sc, zp);
+                  #pragma unroll
+                  for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
+                }
               }
             }
           }
@@ -480,6 +491,13 @@ _PARTIALS = r"""
 # which pack_codes leaves 0): the used bits of `lo` then `hi` as one stream, shifted right by
 # `shift` < the used bits; the run's codes are then its low PER * BITS bits.
 _WINDOW = r"""
+// Two neighbouring side-data entries in one load (the pointer's element offset is even).
+template <typename T> struct __align__(2 * sizeof(T)) vq_pair { T a, b; };
+template <typename T>
+__device__ __forceinline__ vq_pair<T> vq_load_pair(const T* p) {
+  return *reinterpret_cast<const vq_pair<T>*>(p);
+}
+
 template <int BITS>
 __device__ __forceinline__ unsigned vq_window(unsigned lo, unsigned hi, int shift) {
   constexpr int USED = (32 / BITS) * BITS;
@@ -524,12 +542,12 @@ def shared_bytes(head_dim: int, value_dim: int, rows: int, bits: int, value_outl
 def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rows: int,
              value_outliers: bool = True) -> bool:
     """The shapes the kernel handles; others take the portable path: bits 2, 3, 4; groups of
-    a multiple of 4 tokens (the config allows 32, 64, 128); 1..8 GQA rows; head dims up to 256
-    with the value head dim 32, 64, 128 or 256 (the merge kernel reduces whole warps of
+    a multiple of 4 tokens (the config allows 32, 64, 128); 1..8 GQA rows; key head dims
+    8..256, a multiple of 8 (channel pairs of side data per load), the value head dim 32, 64, 128 or 256 (the merge kernel reduces whole warps of
     channels); shared memory under 48 KB (the 8B shape, R = 4, D = DV = 128: 18.3 KB)."""
     if bits not in SUPPORTED_BITS or group_size % 4 or not 1 <= rows <= MAX_ROWS:
         return False
-    if not 1 <= head_dim <= MAX_HEAD_DIM or value_dim % 32 or lanes_per_token(value_dim, rows) is None:
+    if not 8 <= head_dim <= MAX_HEAD_DIM or head_dim % 8 or value_dim % 32 or lanes_per_token(value_dim, rows) is None:
         return False
     return shared_bytes(head_dim, value_dim, rows, bits, value_outliers) <= SHARED_BYTES
 
