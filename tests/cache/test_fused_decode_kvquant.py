@@ -66,7 +66,7 @@ def test_cpu_takes_the_portable_path():
 @pytest.mark.parametrize("outliers", [True, False])
 def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
     # The wiring from the cache to the launch, checked on any device: with the kernels reported
-    # active, the launch gets the store's arrays, the exact sink before the window, skip 1, the
+    # active, the launch gets the store's arrays, the window, the exact sink, skip 1, the
     # template constants and the grid; its partials go to fused_decode's merge.
     fields = {} if outliers else {"kvquant_outlier_fraction": 0.0}
     cache = _kvquant(kvquant_bits=3, **fields)
@@ -89,20 +89,21 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
     assert inputs[0] is q_heads
     for got, name in zip(inputs[1:9], ["key_codes", "key_scale", "key_zero", "key_codebook", "value_codes",
                                        "value_scale", "value_zero", "value_codebook"]):
-        assert got.shape == s[name].shape and mx.array_equal(got, s[name]).item(), name
+        assert got is s[name], name
     if outliers:
         for got, name in zip(inputs[9:13], ["key_outlier_position", "key_outlier_value",
                                             "value_outlier_position", "value_outlier_value"]):
             assert got is s[name], name
     else:
         assert [a.size for a in inputs[9:13]] == [1, 1, 1, 1]  # stand-ins the kernel does not read
-    assert mx.array_equal(inputs[13], mx.concatenate([s["sink_keys"], cache.window_keys], axis=2)).item()
-    assert mx.array_equal(inputs[14], mx.concatenate([s["sink_values"], cache.window_values], axis=2)).item()
+    # the window as it is, the sink as inputs of their own (no concatenation per step)
+    assert inputs[13] is cache.window_keys and inputs[14] is cache.window_values
+    assert inputs[15] is s["sink_keys"] and inputs[16] is s["sink_values"] and s["sink_keys"].shape[2] == 1
     n_valid = cache.n_compressed
     assert n_valid == 672
     per_block = fused_decode.tokens_per_block(n_valid, 2)
     n_hist = -(-n_valid // per_block)
-    assert inputs[15].tolist()[:3] == [n_valid, per_block, n_hist] and inputs[15].tolist()[4] == 1  # skip 1
+    assert inputs[17].tolist()[:3] == [n_valid, per_block, n_hist] and inputs[17].tolist()[4] == 1  # skip 1
     template = dict(launch["template"])
     n_out = 41 if outliers else 0  # round(0.01 * 32 * 128)
     assert template == {"D": 128, "DV": 128, "R": 4, "G": 32, "BITS": 3, "LPT": 8, "NOK": n_out,
@@ -116,16 +117,18 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
     assert cache._fused_decode(q_heads, 0.5) is None
 
 
-def test_launch_refuses_a_skip_outside_the_first_tile_and_partial_blocks():
+def test_launch_refuses_a_sink_beyond_the_first_tile_and_partial_blocks():
     cache = _kvquant()
     q_heads = _filled(cache, 700)
-    call = lambda **kw: fused_decode_codebook.codebook_partials(
-        q_heads, 0.1, cache.store, cache.window_keys, cache.window_values, group_size=32, bits=3,
-        n_kv_heads=2, meta_cache=fused_decode.FusedDecodeMeta(), **kw)
-    with pytest.raises(QuantizerConfigError, match="skip=128 leading tokens of 672; allowed is 0 <= skip < min"):
-        call(n_valid=672, skip=128)
+    call = lambda n_valid, sink: fused_decode_codebook.codebook_partials(
+        q_heads, 0.1, cache.store, cache.window_keys, cache.window_values, sink, n_valid=n_valid,
+        group_size=32, bits=3, n_kv_heads=2, meta_cache=fused_decode.FusedDecodeMeta())
+    long_sink = (mx.zeros((1, 2, 128, 128)), mx.zeros((1, 2, 128, 128)))
+    with pytest.raises(QuantizerConfigError, match="a sink of 128 tokens in a history of 672; allowed is fewer than min"):
+        call(672, long_sink)
+    sink = (cache.store["sink_keys"], cache.store["sink_values"])
     with pytest.raises(QuantizerConfigError, match="660 history tokens is invalid: allowed is a multiple of the group size 32"):
-        call(n_valid=660, skip=1)
+        call(660, sink)
 
 
 # Each case JIT-compiles its own kernel (~10 s on the H200): a list, not a product.
@@ -191,7 +194,7 @@ def _generated_source(dtype, D, R, bits, outliers):
     t = _CUDA_TYPES[dtype]
     types = {"q": t, "kc": "uint32_t", "ks": t, "kz": t, "kcb": "float", "vc": "uint32_t", "vs": t, "vz": t,
              "vcb": "float", "kop": "uint16_t", "kov": t, "vop": "uint16_t", "vov": t, "wk": t, "wv": t,
-             "meta": "int32_t"}
+             "sk": t, "sv": t, "meta": "int32_t"}
     source = fused_decode_codebook._PARTIALS
     params = []
     for name in fused_decode_codebook._INPUTS:

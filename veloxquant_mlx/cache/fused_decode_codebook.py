@@ -18,7 +18,7 @@ Layout read (what KVQuantCache stores, per block of G tokens and KV head):
   *_outlier_position (B, H, cap/G, N) uint16 (t*D + c in the block) and *_outlier_value
       (cache dtype): the exact entry replaces the element there (N may be 0: no arrays);
   token 0's codes are a placeholder: the kernel skips it (meta n_skip = 1) and attends the exact
-      sink (sink_keys / sink_values) in the exact block, before the window.
+      sink (sink_keys / sink_values, inputs of their own) in the exact block, before the window.
 
 Work split (as fused_decode's kernel 1): blocks of 4 warps per (batch*KV head, range of history
 tokens, a multiple of 512), one more block per head for the exact tokens; a warp walks tiles of
@@ -167,7 +167,8 @@ _PARTIALS = r"""
 
   const int first = window ? 0 : blockIdx.x * per_block;
   const int lo = window ? 0 : n_skip;  // tokens before lo are not attended (the sink's placeholder)
-  const int last = window ? n_window : min(first + per_block, n_valid);
+  // The exact block: the sink's n_skip tokens (sk, sv), then the window's.
+  const int last = window ? n_skip + n_window : min(first + per_block, n_valid);
   for (int base = first + warp * TILE; base < last; base += TILE * NW) {
     const int t0 = base + lane * TPL;
     const int tile_end = min(base + TILE, last);
@@ -180,11 +181,20 @@ _PARTIALS = r"""
     if (window) {
       #pragma unroll
       for (int i = 0; i < TPL; ++i) {
-        const QT* krow = wk_bh + (size_t)min(t0 + i, last - 1) * D;
-        for (int d = 0; d < D; ++d) {
-          const float kv = vq_f32(krow[d]);
-          #pragma unroll
-          for (int r = 0; r < R; ++r) s[i][r] = fmaf(qs[d * R + r], kv, s[i][r]);
+        const int t = min(t0 + i, last - 1);
+        if (t < n_skip) {
+          for (int d = 0; d < D; ++d) {
+            const float kv = vq_f32(sk[((size_t)bh * n_skip + t) * D + d]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) s[i][r] = fmaf(qs[d * R + r], kv, s[i][r]);
+          }
+        } else {
+          const QT* krow = wk_bh + (size_t)(t - n_skip) * D;
+          for (int d = 0; d < D; ++d) {
+            const float kv = vq_f32(krow[d]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) s[i][r] = fmaf(qs[d * R + r], kv, s[i][r]);
+          }
         }
       }
     } else {
@@ -368,12 +378,21 @@ _PARTIALS = r"""
     if (window) {
       for (int round = 0; round < ROUNDS; ++round) {
         const int j = round * TPR + tl;
-        const size_t tj = (size_t)min(base + j, last - 1);
-        #pragma unroll
-        for (int c = 0; c < CPL; ++c) {
-          const float v = vq_f32(wv_bh[tj * DV + ch0 + c]);
+        const int tj = min(base + j, last - 1);
+        if (tj < n_skip) {
           #pragma unroll
-          for (int r = 0; r < R; ++r) acc[r][c] = fmaf(p_tile[j * R + r], v, acc[r][c]);
+          for (int c = 0; c < CPL; ++c) {
+            const float v = vq_f32(sv[((size_t)bh * n_skip + tj) * DV + ch0 + c]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(p_tile[j * R + r], v, acc[r][c]);
+          }
+        } else {
+          #pragma unroll
+          for (int c = 0; c < CPL; ++c) {
+            const float v = vq_f32(wv_bh[(size_t)(tj - n_skip) * DV + ch0 + c]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(p_tile[j * R + r], v, acc[r][c]);
+          }
         }
       }
     } else if (V_WORDS) {
@@ -506,7 +525,7 @@ __device__ __forceinline__ unsigned vq_window(unsigned lo, unsigned hi, int shif
 }
 """
 
-_INPUTS = ["q", "kc", "ks", "kz", "kcb", "vc", "vs", "vz", "vcb", "kop", "kov", "vop", "vov", "wk", "wv", "meta"]
+_INPUTS = ["q", "kc", "ks", "kz", "kcb", "vc", "vs", "vz", "vcb", "kop", "kov", "vop", "vov", "wk", "wv", "sk", "sv", "meta"]
 
 
 @lru_cache(maxsize=None)
@@ -553,8 +572,13 @@ def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rows: in
 
 
 def _dummy(dtype) -> mx.array:
-    """A one-element stand-in for an absent outlier array (the kernel does not read it)."""
+    """A one-element stand-in for an absent outlier or sink array (the kernel does not read it)."""
     return mx.zeros((1,), dtype=dtype)
+
+
+def _as(x: mx.array, dtype) -> mx.array:
+    """x in dtype; x itself when it already is (no op in the step's graph)."""
+    return x if x.dtype == dtype else x.astype(dtype)
 
 
 def decode_step(cache, queries, scale: float):
@@ -569,37 +593,35 @@ def decode_step(cache, queries, scale: float):
         cache.head_dim, cache.value_dim, cache.group_size, cache.code_bits, rows, value_outliers
     ):
         return None
-    window_keys, window_values = cache.window_keys, cache.window_values
-    skip = 0
-    if "sink_keys" in s:
-        skip = s["sink_keys"].shape[2]
-        window_keys = mx.concatenate([s["sink_keys"].astype(window_keys.dtype), window_keys], axis=2)
-        window_values = mx.concatenate([s["sink_values"].astype(window_values.dtype), window_values], axis=2)
+    # The sink goes in as its own inputs, not concatenated with the window: two copies (two
+    # more launches per layer and step) saved.
+    sink = (s["sink_keys"], s["sink_values"]) if "sink_keys" in s else None
     meta_cache = cache.__dict__.setdefault("_codebook_meta", FusedDecodeMeta())
     return codebook_decode_attention(
-        queries, scale, s, window_keys, window_values, n_valid=cache.n_compressed,
+        queries, scale, s, cache.window_keys, cache.window_values, sink, n_valid=cache.n_compressed,
         group_size=cache.group_size, bits=cache.code_bits, n_kv_heads=cache.n_kv_heads,
-        meta_cache=meta_cache, skip=skip,
+        meta_cache=meta_cache,
     )
 
 
 def codebook_decode_attention(
-    queries, scale: float, store, window_keys, window_values, *, n_valid: int, group_size: int,
-    bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0,
+    queries, scale: float, store, window_keys, window_values, sink, *, n_valid: int,
+    group_size: int, bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta,
 ):
     """softmax(q K^T * scale) V for one query row per head, queries (B, Hq, 1, D), over the
-    compressed tokens [skip, n_valid) read from `store` (KVQuantCache's arrays by name) and
-    the exact tokens (B, H, W, D), W >= 1 -> (B, Hq, 1, DV) in the queries' dtype. Only call
-    when kernels_enabled() and supports(...): decode_step checks."""
+    compressed tokens [S, n_valid) read from `store` (KVQuantCache's arrays by name), the exact
+    sink `sink` = (keys, values) (B, H, S, D) standing for tokens [0, S) (None: S = 0) and the
+    exact window (B, H, W, D), W >= 1 -> (B, Hq, 1, DV) in the queries' dtype. Only call when
+    kernels_enabled() and supports(...): decode_step checks."""
     return merge_partials(*codebook_partials(
-        queries, scale, store, window_keys, window_values, n_valid=n_valid,
-        group_size=group_size, bits=bits, n_kv_heads=n_kv_heads, meta_cache=meta_cache, skip=skip,
+        queries, scale, store, window_keys, window_values, sink, n_valid=n_valid,
+        group_size=group_size, bits=bits, n_kv_heads=n_kv_heads, meta_cache=meta_cache,
     ), queries)
 
 
 def codebook_partials(
-    queries, scale: float, store, window_keys, window_values, *, n_valid: int, group_size: int,
-    bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0,
+    queries, scale: float, store, window_keys, window_values, sink, *, n_valid: int,
+    group_size: int, bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta,
 ):
     """The partials kernel's launch (checks, block split, meta, template) -> (part_o, part_m,
     part_l) for fused_decode.merge_partials."""
@@ -608,6 +630,8 @@ def codebook_partials(
     BH = B * n_kv_heads
     DV = window_values.shape[-1]
     side = store["key_scale"].dtype
+    skip = 0 if sink is None else sink[0].shape[2]
+    sink_keys, sink_values = (_dummy(side), _dummy(side)) if sink is None else sink
     if n_valid % group_size:
         raise QuantizerConfigError(
             f"codebook fused decode: {n_valid} history tokens is invalid: allowed is a multiple "
@@ -616,8 +640,8 @@ def codebook_partials(
     if not 0 <= skip < min(n_valid, TILE):
         # Every tile keeps a valid token only for skips inside the first tile.
         raise QuantizerConfigError(
-            f"codebook fused decode: skip={skip} leading tokens of {n_valid}; allowed is "
-            f"0 <= skip < min(history, {TILE})"
+            f"codebook fused decode: a sink of {skip} tokens in a history of {n_valid}; allowed "
+            f"is fewer than min(history, {TILE}) sink tokens"
         )
     per_block = tokens_per_block(n_valid, BH)
     n_hist_blocks = -(-n_valid // per_block)
@@ -640,9 +664,9 @@ def codebook_partials(
     dtype = queries.dtype
     return _partials_kernel()(
         inputs=[queries, store["key_codes"], store["key_scale"], store["key_zero"],
-                store["key_codebook"].astype(mx.float32), store["value_codes"], store["value_scale"],
-                store["value_zero"], store["value_codebook"].astype(mx.float32), *outliers,
-                window_keys.astype(dtype), window_values.astype(dtype), meta],
+                _as(store["key_codebook"], mx.float32), store["value_codes"], store["value_scale"],
+                store["value_zero"], _as(store["value_codebook"], mx.float32), *outliers,
+                _as(window_keys, dtype), _as(window_values, dtype), sink_keys, sink_values, meta],
         template=[("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
                   ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]),
                   ("QT", dtype), ("ST", side)],
