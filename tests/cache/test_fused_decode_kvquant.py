@@ -53,7 +53,7 @@ def test_supported_shapes():
     # Shared memory: R = 8, D = DV = 256 with value outliers needs 73.9 KB (> 48 KB).
     assert fused_decode_codebook.shared_bytes(256, 256, 8, 3, True) > 48 * 1024
     assert not fused_decode_codebook.supports(256, 256, 32, 3, 8)
-    assert fused_decode_codebook.shared_bytes(128, 128, 4, 3, True) == 4 * (512 + 2048 + 2048 + 16 + 32)
+    assert fused_decode_codebook.shared_bytes(128, 128, 4, 3, True) == 4 * (512 + 4 * 132 * 4 + 2048 + 16 + 32)
 
 
 def test_cpu_takes_the_portable_path():

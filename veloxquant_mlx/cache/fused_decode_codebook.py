@@ -122,7 +122,11 @@ _PARTIALS = r"""
   const int cap = vs_shape[2];
 
   __shared__ __align__(16) float qs[D * R];
-  __shared__ __align__(16) float ps[NW][(TILE > DMAX ? TILE : DMAX) * R];
+  // A tile's scores / probabilities, R per token: the scoring lane's token i at slot i * 33 +
+  // lane, so that the lanes' R-float stores are consecutive (conflict-free) and the value
+  // loop's TPR tokens per read (slots 33 apart) fall in different banks.
+  constexpr int SLOTS = TPL * 33;
+  __shared__ __align__(16) float ps[NW][(SLOTS > DMAX ? SLOTS : DMAX) * R];
   __shared__ float corr[NW][NOV > 0 ? R * DV : 1];
   __shared__ float cbk[LEVELS];
   __shared__ float cbv[LEVELS];
@@ -290,7 +294,7 @@ _PARTIALS = r"""
         #pragma unroll
         for (int i = 0; i < TPL; ++i) {
           #pragma unroll
-          for (int r = 0; r < R; ++r) p_tile[(lane * TPL + i) * R + r] = s[i][r];
+          for (int r = 0; r < R; ++r) p_tile[(i * 33 + lane) * R + r] = s[i][r];
         }
         __syncwarp();
         const int g0 = base / G;
@@ -305,15 +309,16 @@ _PARTIALS = r"""
             const unsigned code = (__ldg(kc_bh + (size_t)gb * k_words + pos / PER) >> ((pos % PER) * BITS)) & MASK;
             const float dec = fmaf(cbk[code], vq_f32(ks_bh[(size_t)gb * D + c]), vq_f32(kz_bh[(size_t)gb * D + c]));
             const float delta = vq_f32(kov_bh[e]) - dec;
+            const int slot = ((t - base) % TPL) * 33 + (t - base) / TPL;
             #pragma unroll
-            for (int r = 0; r < R; ++r) atomicAdd(&p_tile[(t - base) * R + r], qs[c * R + r] * delta);
+            for (int r = 0; r < R; ++r) atomicAdd(&p_tile[slot * R + r], qs[c * R + r] * delta);
           }
         }
         __syncwarp();
         #pragma unroll
         for (int i = 0; i < TPL; ++i) {
           #pragma unroll
-          for (int r = 0; r < R; ++r) s[i][r] = p_tile[(lane * TPL + i) * R + r];
+          for (int r = 0; r < R; ++r) s[i][r] = p_tile[(i * 33 + lane) * R + r];
         }
         __syncwarp();
       }
@@ -341,7 +346,7 @@ _PARTIALS = r"""
       #pragma unroll
       for (int i = 0; i < TPL; ++i) {
         const float p = t0 + i < last && t0 + i >= lo ? expf(s[i][r] - m_new) : 0.f;
-        p_tile[(lane * TPL + i) * R + r] = p * vsc[i];
+        s[i][r] = p * vsc[i];  // stored below, all rows of a token at once
         sum += p;
         zs = fmaf(p, vzp[i], zs);
       }
@@ -353,6 +358,11 @@ _PARTIALS = r"""
         for (int c = lane; c < DV; c += 32) corr[warp][r * DV + c] *= alpha;
       }
       m[r] = m_new;
+    }
+    #pragma unroll
+    for (int i = 0; i < TPL; ++i) {
+      #pragma unroll
+      for (int r = 0; r < R; ++r) p_tile[(i * 33 + lane) * R + r] = s[i][r];
     }
     __syncwarp();
     if (NOV > 0 && !window) {
@@ -369,8 +379,9 @@ _PARTIALS = r"""
         if (t >= max(base, lo) && t < tile_end) {
           const unsigned code = (__ldg(vc_bh + (size_t)gb * v_words + pos / PER) >> ((pos % PER) * BITS)) & MASK;
           const float u = (vq_f32(vov_bh[e]) - vq_f32(vz_bh[t])) / vq_f32(vs_bh[t]) - cbv[code];
+          const int slot = ((t - base) % TPL) * 33 + (t - base) / TPL;
           #pragma unroll
-          for (int r = 0; r < R; ++r) atomicAdd(&corr[warp][r * DV + c], p_tile[(t - base) * R + r] * u);
+          for (int r = 0; r < R; ++r) atomicAdd(&corr[warp][r * DV + c], p_tile[slot * R + r] * u);
         }
       }
     }
@@ -378,20 +389,21 @@ _PARTIALS = r"""
     if (window) {
       for (int round = 0; round < ROUNDS; ++round) {
         const int j = round * TPR + tl;
+        const int pslot = ((j % TPL) * 33 + j / TPL) * R;
         const int tj = min(base + j, last - 1);
         if (tj < n_skip) {
           #pragma unroll
           for (int c = 0; c < CPL; ++c) {
             const float v = vq_f32(sv[((size_t)bh * n_skip + tj) * DV + ch0 + c]);
             #pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(p_tile[j * R + r], v, acc[r][c]);
+            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(p_tile[pslot + r], v, acc[r][c]);
           }
         } else {
           #pragma unroll
           for (int c = 0; c < CPL; ++c) {
             const float v = vq_f32(wv_bh[(size_t)(tj - n_skip) * DV + ch0 + c]);
             #pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(p_tile[j * R + r], v, acc[r][c]);
+            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(p_tile[pslot + r], v, acc[r][c]);
           }
         }
       }
@@ -412,7 +424,7 @@ _PARTIALS = r"""
           const int j = (b0 + k) * TPR + tl;
           float pj[R];
           #pragma unroll
-          for (int r = 0; r < R; ++r) pj[r] = p_tile[j * R + r];
+          for (int r = 0; r < R; ++r) pj[r] = p_tile[((j % TPL) * 33 + j / TPL) * R + r];
           #pragma unroll
           for (int c = 0; c < CPL; ++c) {
             const float v = cbv[(words[k][c / PER] >> ((c % PER) * BITS)) & MASK];
@@ -437,7 +449,7 @@ _PARTIALS = r"""
         for (int g = 0; g <= RUNS; ++g) words[g] = __ldg(vb + min(w0 + g, v_words - 1));
         float pj[R];
         #pragma unroll
-        for (int r = 0; r < R; ++r) pj[r] = p_tile[j * R + r];
+        for (int r = 0; r < R; ++r) pj[r] = p_tile[((j % TPL) * 33 + j / TPL) * R + r];
         #pragma unroll
         for (int g = 0; g < RUNS; ++g) {
           const unsigned win = vq_window<BITS>(words[g], words[g + 1], phase);
@@ -551,7 +563,7 @@ def lanes_per_token(value_dim: int, rows: int) -> int | None:
 
 def shared_bytes(head_dim: int, value_dim: int, rows: int, bits: int, value_outliers: bool) -> int:
     """The kernel's static shared memory (4-byte floats), as declared in _PARTIALS."""
-    widest = max(TILE, head_dim, value_dim)
+    widest = max(TOKENS_PER_LANE * 33, head_dim, value_dim)  # ps: SLOTS = 4 * 33 tokens' rows
     floats = rows * head_dim + WARPS_PER_BLOCK * widest * rows
     floats += WARPS_PER_BLOCK * (rows * value_dim if value_outliers else 1)
     floats += 2 * (1 << bits) + 2 * WARPS_PER_BLOCK * rows
