@@ -55,7 +55,8 @@ Shared memory (4-byte floats): queries R*D, per warp a tile of R*max(132, D, DV)
 probabilities, then the warp's partial), with value outliers per warp R*DV corrections, two
 codebooks, per warp and row m and l. supports() counts it against 48 KB (18880 bytes for the
 default on the 8B shape, as ptxas reports). Registers (ptxas, sm_90): 168 per thread for the
-default on the 8B shape, no spills for R = 1..8 and bits 2, 3, 4 (tested where nvcc exists).
+default on the 8B shape; no spills over every supported R, bits, outliers at head dims 64,
+128, 256 (checked with nvcc 13.0; the test compiles three where nvcc exists).
 
 tests/cache/test_fused_decode_kvquant_emulated.py runs this source on the CPU under
 tests/cache/cuda_emulation.py through KVQuantCache's decode path; test_fused_decode_kvquant.py
@@ -193,6 +194,7 @@ _PARTIALS = r"""
       for (int i = 0; i < TPL; ++i) {
         const int t = min(t0 + i, last - 1);
         if (t < n_skip) {
+          #pragma unroll 4  // one tile per head: fully unrolled it spilled (ptxas, D 64, R 3)
           for (int d = 0; d < D; ++d) {
             const float kv = vq_f32(sk[((size_t)bh * n_skip + t) * D + d]);
             #pragma unroll
@@ -200,6 +202,7 @@ _PARTIALS = r"""
           }
         } else {
           const QT* krow = wk_bh + (size_t)(t - n_skip) * D;
+          #pragma unroll 4
           for (int d = 0; d < D; ++d) {
             const float kv = vq_f32(krow[d]);
             #pragma unroll
@@ -581,11 +584,14 @@ def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rows: in
     """The shapes the kernel handles; others take the portable path: bits 2, 3, 4; groups of
     a multiple of 4 tokens (the config allows 32, 64, 128); 1..8 GQA rows; key head dims
     8..256, a multiple of 8 (channel pairs of side data per load), the value head dim 32, 64, 128 or 256 (the merge kernel reduces whole warps of
-    channels); shared memory under 48 KB (the 8B shape, R = 4, D = DV = 128: 18.3 KB)."""
+    channels), at most 4 rows above head dim 128; shared memory under 48 KB (the 8B shape,
+    R = 4, D = DV = 128: 18.4 KB)."""
     if bits not in SUPPORTED_BITS or group_size % 4 or not 1 <= rows <= MAX_ROWS:
         return False
     if not 8 <= head_dim <= MAX_HEAD_DIM or head_dim % 8 or value_dim % 32 or lanes_per_token(value_dim, rows) is None:
         return False
+    if max(head_dim, value_dim) > 128 and rows > 4:
+        return False  # ptxas (sm_90) spilled at head dim 256 with 7 or 8 rows
     return shared_bytes(head_dim, value_dim, rows, bits, value_outliers) <= SHARED_BYTES
 
 
