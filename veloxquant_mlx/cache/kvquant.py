@@ -19,7 +19,8 @@ Attention reads this form (see `_scores`, `_weighted_values` and kvquant_attenti
 are looked up in the codebook chunk by chunk of at most `decode_chunk_tokens` tokens, the
 chunk's outliers and the sink written into those levels, the key scales folded into the query
 and the value scales into the probabilities; the transient is one chunk of codebook levels,
-K and V are never materialized.
+K and V are never materialized. On MLX's CUDA backend a decode step instead runs one
+partials kernel over the packed codes (fused_decode_codebook.py) and fused_decode's merge.
 
 Deviations from the paper (all because a cache sees no calibration data and post-RoPE keys):
   - Keys are quantized after RoPE: mlx-lm hands the cache rotated keys and the attention
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import fused_decode_codebook
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.kvquant_attention import (
     chunks,
@@ -206,6 +208,12 @@ class KVQuantCache(CompressedKVCache):
         outliers = "value_outlier_position" in self.store
         fn = values_function(self.code_bits, self.group_size, self.value_dim, self._chunk_blocks(), outliers)
         return fn(p, *self._reader_args("value"))
+
+    def _fused_decode(self, queries: mx.array, scale: float):
+        # On CUDA: one partials kernel over the packed codes (fused_decode_codebook.py) and the
+        # shared merge; the sink's placeholder token is skipped there and its exact K/V attended
+        # with the window. Elsewhere (or a shape it refuses) None: the compiled chunked path.
+        return fused_decode_codebook.decode_step(self, queries, scale)
 
     def _decode(self) -> tuple[mx.array, mx.array]:
         n_blocks = self.n_compressed // self.group_size

@@ -1,0 +1,233 @@
+"""KVQuant's fused decode kernel (fused_decode_codebook.py): supported shapes, the wiring from the
+cache to the kernel launch (any device), and on CUDA the kernel step against the portable step.
+
+The kernel's source is checked on the CPU by test_fused_decode_kvquant_emulated.py (the thread
+emulation of mx.fast.cuda_kernel). The CUDA tests run where MLX's CUDA backend is the default
+device (the H200 through the device tool); each case JIT-compiles its own kernel (~10 s).
+"""
+
+import re
+import shutil
+import subprocess
+
+import mlx.core as mx
+import pytest
+
+from veloxquant_mlx import KVCacheConfig, QuantizerConfigError
+from veloxquant_mlx.cache import fused_decode, fused_decode_codebook
+from veloxquant_mlx.cache.kvquant import KVQuantCache
+
+on_cuda = fused_decode._on_cuda()
+cuda_only = pytest.mark.skipif(not on_cuda, reason="needs MLX's CUDA backend (run on the H200)")
+
+
+def _kvquant(**fields):
+    return KVQuantCache(KVCacheConfig(method="kvquant", **fields))
+
+
+def _filled(cache, n, *, B=1, H=2, rep=4, D=128, dtype=mx.float32, seed=0):
+    """A cache after a prefill of n tokens (flushed into blocks by one attention call) and one
+    decode token: returns the decode step's queries."""
+    mx.random.seed(seed)
+    k = mx.random.normal((B, H, n, D)) * mx.where(mx.arange(D) % 16 == 3, 4.0, 1.0) + 0.5
+    cache.update_and_fetch(k.astype(dtype), mx.random.normal((B, H, n, D)).astype(dtype))
+    mx.eval(cache.attention(mx.random.normal((B, rep * H, 1, D)).astype(dtype), scale=D**-0.5))
+    cache.update_and_fetch(mx.random.normal((B, H, 1, D)).astype(dtype), mx.random.normal((B, H, 1, D)).astype(dtype))
+    return (2 * mx.random.normal((B, rep * H, 1, D))).astype(dtype)
+
+
+def test_supported_shapes():
+    # The default config on the 8B shape (bits 3, G 32, 1% outliers, GQA 4, head dim 128).
+    assert fused_decode_codebook.supports(128, 128, 32, 3, 4)
+    for bits in (2, 3, 4):
+        for group in (32, 64, 128):
+            assert fused_decode_codebook.supports(128, 128, group, bits, 8)
+    assert fused_decode_codebook.supports(64, 64, 32, 2, 1, value_outliers=False)
+    assert fused_decode_codebook.supports(256, 256, 32, 3, 4)
+    assert not fused_decode_codebook.supports(128, 128, 32, 8, 4)  # bits 2, 3, 4 only
+    assert not fused_decode_codebook.supports(128, 128, 30, 3, 4)  # a lane's 4 tokens in one block
+    assert not fused_decode_codebook.supports(128, 128, 32, 3, 9)  # R <= 8: accumulators in registers
+    assert not fused_decode_codebook.supports(128, 80, 32, 3, 4)  # the merge reduces whole warps
+    assert not fused_decode_codebook.supports(512, 128, 32, 3, 4)
+    assert not fused_decode_codebook.supports(100, 128, 32, 3, 4)  # key side data loaded in channel pairs
+    # Shared memory: R = 4, D = DV = 256 with value outliers: 37.5 KB; R = 8 would need 74 KB
+    # (and is refused for registers above head dim 128 anyway).
+    assert fused_decode_codebook.shared_bytes(256, 256, 8, 3, True) > 48 * 1024
+    assert fused_decode_codebook.shared_bytes(256, 256, 4, 3, True) <= 48 * 1024
+    assert not fused_decode_codebook.supports(256, 256, 32, 3, 8)
+    assert not fused_decode_codebook.supports(256, 256, 32, 4, 7, value_outliers=False)  # spilled
+    assert fused_decode_codebook.shared_bytes(128, 128, 4, 3, True) == 4 * (512 + 4 * 132 * 4 + 2048 + 16 + 32)
+
+
+def test_cpu_takes_the_portable_path():
+    cache = _kvquant()
+    q_heads = _filled(cache, 100)
+    if not on_cuda:
+        assert cache._fused_decode(q_heads, 0.1) is None
+
+
+@pytest.mark.parametrize("outliers", [True, False])
+def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
+    # The wiring from the cache to the launch, checked on any device: with the kernels reported
+    # active, the launch gets the store's arrays, the window, the exact sink, skip 1, the
+    # template constants and the grid; its partials go to fused_decode's merge.
+    fields = {} if outliers else {"kvquant_outlier_fraction": 0.0}
+    cache = _kvquant(kvquant_bits=3, **fields)
+    q_heads = _filled(cache, 700)
+    seen = {}
+
+    def kernel(**kwargs):
+        seen["launch"] = kwargs
+        return ["o", "m", "l"]
+
+    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
+    monkeypatch.setattr(fused_decode_codebook, "_partials_kernel", lambda: kernel)
+    monkeypatch.setattr(fused_decode_codebook, "merge_partials",
+                        lambda *a: seen.update(merge=a) or "kernel output")
+    assert cache._fused_decode(q_heads, 0.5) == "kernel output"
+    assert seen["merge"] == ("o", "m", "l", q_heads)
+    launch = seen["launch"]
+    inputs = launch["inputs"]
+    s = cache.store
+    assert inputs[0] is q_heads
+    for got, name in zip(inputs[1:9], ["key_codes", "key_scale", "key_zero", "key_codebook", "value_codes",
+                                       "value_scale", "value_zero", "value_codebook"]):
+        assert got is s[name], name
+    if outliers:
+        for got, name in zip(inputs[9:13], ["key_outlier_position", "key_outlier_value",
+                                            "value_outlier_position", "value_outlier_value"]):
+            assert got is s[name], name
+    else:
+        assert [a.size for a in inputs[9:13]] == [1, 1, 1, 1]  # stand-ins the kernel does not read
+    # the window as it is, the sink as inputs of their own (no concatenation per step)
+    assert inputs[13] is cache.window_keys and inputs[14] is cache.window_values
+    assert inputs[15] is s["sink_keys"] and inputs[16] is s["sink_values"] and s["sink_keys"].shape[2] == 1
+    n_valid = cache.n_compressed
+    assert n_valid == 672
+    per_block = fused_decode.tokens_per_block(n_valid, 2)
+    n_hist = -(-n_valid // per_block)
+    assert inputs[17].tolist()[:3] == [n_valid, per_block, n_hist] and inputs[17].tolist()[4] == 1  # skip 1
+    template = dict(launch["template"])
+    n_out = 41 if outliers else 0  # round(0.01 * 32 * 128)
+    assert template == {"D": 128, "DV": 128, "R": 4, "G": 32, "BITS": 3, "LPT": 8, "NOK": n_out,
+                        "NOV": n_out, "QT": mx.float32, "ST": mx.float32}
+    assert launch["grid"] == (128 * (n_hist + 1), 2, 1) and launch["threadgroup"] == (128, 1, 1)
+    assert launch["output_shapes"] == [(2, n_hist + 1, 4, 128), (2, n_hist + 1, 4), (2, n_hist + 1, 4)]
+    # Off, or a shape the kernel refuses: the portable path.
+    monkeypatch.setattr(fused_decode_codebook, "supports", lambda *a, **k: False)
+    assert cache._fused_decode(q_heads, 0.5) is None
+    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: False)
+    assert cache._fused_decode(q_heads, 0.5) is None
+
+
+def test_launch_refuses_a_sink_beyond_the_first_tile_and_partial_blocks():
+    cache = _kvquant()
+    q_heads = _filled(cache, 700)
+    call = lambda n_valid, sink: fused_decode_codebook.codebook_partials(
+        q_heads, 0.1, cache.store, cache.window_keys, cache.window_values, sink, n_valid=n_valid,
+        group_size=32, bits=3, n_kv_heads=2, meta_cache=fused_decode.FusedDecodeMeta())
+    long_sink = (mx.zeros((1, 2, 128, 128)), mx.zeros((1, 2, 128, 128)))
+    with pytest.raises(QuantizerConfigError, match="a sink of 128 tokens in a history of 672; allowed is fewer than min"):
+        call(672, long_sink)
+    sink = (cache.store["sink_keys"], cache.store["sink_values"])
+    with pytest.raises(QuantizerConfigError, match="660 history tokens is invalid: allowed is a multiple of the group size 32"):
+        call(660, sink)
+
+
+# Each case JIT-compiles its own kernel (~10 s on the H200): a list, not a product.
+KERNEL_CASES = [
+    # the default config on the 8B shape's heads (GQA 4, head dim 128, bf16), a few thousand tokens
+    ("kvquant-3 default bf16 hd128 gqa4", {}, mx.bfloat16, 128, 1, 4, 3000),
+    ("kvquant-2 fp16 hd128 batch2 mha", {"kvquant_bits": 2}, mx.float16, 128, 2, 1, 1500),
+    ("kvquant-4 fp32 hd64 gqa8 no outliers", {"kvquant_bits": 4, "kvquant_outlier_fraction": 0.0},
+     mx.float32, 64, 1, 8, 1500),
+    ("kvquant-3 g64 bf16 hd128 gqa4", {"kvquant_group_size": 64}, mx.bfloat16, 128, 1, 4, 1500),
+]
+
+
+@cuda_only
+@pytest.mark.parametrize("name, fields, dtype, D, B, rep, n", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
+def test_kernel_step_matches_the_portable_step(monkeypatch, name, fields, dtype, D, B, rep, n):
+    cache = _kvquant(**fields)
+    q_heads = _filled(cache, n, B=B, rep=rep, D=D, dtype=dtype)
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
+    # float32 queries: the portable path in 16 bits rounds its scores and sums, the kernel
+    # computes in float32 and rounds the output once.
+    portable = cache.attention(q_heads.astype(mx.float32), scale=D**-0.5)
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
+    calls = []
+    launch = fused_decode_codebook.codebook_decode_attention
+    monkeypatch.setattr(fused_decode_codebook, "codebook_decode_attention",
+                        lambda *a, **k: calls.append(1) or launch(*a, **k))
+    fused = cache.attention(q_heads, scale=D**-0.5)
+    assert calls == [1], "the kernel did not run"
+    assert fused.dtype == dtype and fused.shape == q_heads.shape
+    fused = fused.astype(mx.float32)
+    diff = mx.abs(fused - portable).max().item()
+    print(f"{name}: {cache.n_compressed} history tokens, max |kernel - portable| = {diff:.3g}")
+    # On a GPU float32 matmuls of the portable path may run in TF32: 2e-3 for float32 too.
+    tol = {mx.float32: 2e-3, mx.float16: 4e-3, mx.bfloat16: 2e-2}[dtype]
+    assert mx.allclose(fused, portable, atol=tol, rtol=tol).item(), diff
+
+
+@cuda_only
+def test_kernel_with_many_tiles_per_warp_matches_the_portable_step(monkeypatch):
+    # Few target warps: each warp walks many 128-token tiles; same template as the default case.
+    monkeypatch.setattr(fused_decode, "TARGET_WARPS", 1)
+    cache = _kvquant()
+    q_heads = _filled(cache, 5000, dtype=mx.bfloat16)
+    assert fused_decode.tokens_per_block(cache.n_compressed, 2) == 128 * 4 * 64
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
+    portable = cache.attention(q_heads.astype(mx.float32), scale=128**-0.5)
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
+    fused = cache.attention(q_heads, scale=128**-0.5).astype(mx.float32)
+    assert mx.allclose(fused, portable, atol=2e-2, rtol=2e-2).item(), mx.abs(fused - portable).max().item()
+
+
+# The kernel as MLX's CUDA backend generates it (one `const T* name` per input, `name_shape`
+# where the source reads it, the outputs, the template constants, then the source), compiled by
+# nvcc for the H200 (sm_90) where nvcc is installed: a proxy for nvrtc's acceptance, and ptxas's
+# report shows register spills. (MLX compiles with nvrtc at run time; only the CUDA tests above
+# check that.)
+_NVCC = shutil.which("nvcc")
+_CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
+
+
+def _generated_source(dtype, D, R, bits, outliers):
+    t = _CUDA_TYPES[dtype]
+    types = {"q": t, "kc": "uint32_t", "ks": t, "kz": t, "kcb": "float", "vc": "uint32_t", "vs": t, "vz": t,
+             "vcb": "float", "kop": "uint16_t", "kov": t, "vop": "uint16_t", "vov": t, "wk": t, "wv": t,
+             "sk": t, "sv": t, "meta": "int32_t"}
+    source = fused_decode_codebook._PARTIALS
+    params = []
+    for name in fused_decode_codebook._INPUTS:
+        params.append(f"const {types[name]}* {name}")
+        if f"{name}_shape" in source:
+            params.append(f"const int32_t* {name}_shape")
+    params += ["float* part_o", "float* part_m", "float* part_l"]
+    n_out = 41 if outliers else 0
+    constants = {"D": D, "DV": D, "R": R, "G": 32, "BITS": bits,
+                 "LPT": fused_decode_codebook.lanes_per_token(D, R), "NOK": n_out, "NOV": n_out}
+    body = "\n".join(f"  constexpr int {k} = {v};" for k, v in constants.items())
+    body += f"\n  using QT = {t};\n  using ST = {t};\n" + source
+    return ("#include <cstdint>\n" + fused_decode_codebook._HEADER + fused_decode_codebook._WINDOW
+            + "\nextern \"C\" __global__ void vq_codebook_decode_partials(" + ", ".join(params) + ") {\n"
+            + body + "\n}\n")
+
+
+@pytest.mark.skipif(_NVCC is None, reason="needs nvcc (the CUDA toolkit) to compile the kernel for sm_90")
+@pytest.mark.parametrize("dtype, D, R, bits, outliers", [
+    (mx.bfloat16, 128, 4, 3, True),  # the default config on the 8B shape
+    (mx.float16, 128, 8, 2, False),
+    (mx.float32, 64, 1, 4, True),
+    (mx.bfloat16, 64, 3, 3, True),  # SmolLM2's heads (9 over 3): spilled before the exact loops' unroll 4
+])
+def test_the_source_compiles_for_the_h200_without_spills(tmp_path, dtype, D, R, bits, outliers):
+    path = tmp_path / "kernel.cu"
+    path.write_text(_generated_source(dtype, D, R, bits, outliers))
+    done = subprocess.run([_NVCC, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "kernel.cubin"),
+                           "-Xptxas", "-v", str(path)], capture_output=True, text=True)
+    report = done.stdout + done.stderr
+    assert done.returncode == 0, report[-3000:]
+    print(re.findall(r"Used \d+ registers.*", report))
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report

@@ -1,0 +1,171 @@
+"""KVQuant's decode kernel (fused_decode_codebook's partials + fused_decode's merge) run on the CPU by
+the thread-level emulation (tests/cache/cuda_emulation.py), against the portable attention.
+
+The emulation stands in for mx.fast.cuda_kernel and the kernels are reported active, so the
+decode step goes the way it goes on CUDA: KVQuantCache.attention -> _fused_decode ->
+fused_decode_codebook.decode_step (the exact sink as skip 1 + an exact prefix of the window) ->
+codebook_partials (blocks, meta, template, grid) -> the kernel source as written -> merge_partials.
+Expected: the same step with the kernels off (the CPU default: the compiled chunked codebook
+path of kvquant_attention.py). Corrupted sources (in memory) show that the comparison fails.
+What the emulation cannot check is listed in its docstring (nvrtc, speed, lock-step races).
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.cache import cuda_emulation
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache import fused_decode, fused_decode_codebook
+from veloxquant_mlx.cache.kvquant import KVQuantCache
+
+pytestmark = pytest.mark.skipif(
+    cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier and _Float16 for the kernels' CPU emulation"
+)
+
+
+def _kvquant(**fields):
+    return lambda: KVQuantCache(KVCacheConfig(method="kvquant", **fields))
+
+
+def _filled(cache, n, *, B, H, rep, D, dtype, seed=0):
+    """A cache after a prefill of n tokens (keys with an offset and outlier channels, as real
+    keys have, and a large first token, as a real attention sink), then one decode token:
+    returns the decode step's queries."""
+    mx.random.seed(seed)
+    k = mx.random.normal((B, H, n, D)) * mx.where(mx.arange(D) % 16 == 3, 4.0, 1.0) + 0.5
+    k = mx.concatenate([k[:, :, :1] * 3.0, k[:, :, 1:]], axis=2)
+    cache.update_and_fetch(k.astype(dtype), mx.random.normal((B, H, n, D)).astype(dtype))
+    # One query row is enough for the attention call that flushes the prefill into blocks.
+    mx.eval(cache.attention(mx.random.normal((B, rep * H, 1, D)).astype(dtype), scale=D**-0.5))
+    cache.update_and_fetch(mx.random.normal((B, H, 1, D)).astype(dtype), mx.random.normal((B, H, 1, D)).astype(dtype))
+    return (2 * mx.random.normal((B, rep * H, 1, D))).astype(dtype)
+
+
+def _emulated_step(monkeypatch, cache, q_heads, scale):
+    """The decode step with the kernels active and run by the emulation; also the emulated
+    kernels (to check that they ran)."""
+    made = []
+
+    def cuda_kernel(*args, **kwargs):
+        made.append(cuda_emulation.cuda_kernel(*args, **kwargs))
+        return made[-1]
+
+    built = (fused_decode._kernels, fused_decode_codebook._partials_kernel)
+    for b in built:
+        b.cache_clear()
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
+    try:
+        out = cache.attention(q_heads, scale=scale)
+        mx.eval(out)
+    finally:
+        for b in built:
+            b.cache_clear()
+    return out, made
+
+
+# (name, cache factory, dtype, head dim, batch, GQA rows, prefill tokens, TARGET_WARPS or None)
+CASES = [
+    # the default (3 bits: codes straddle tokens inside words; 1% outliers; G 32); 1088 history
+    # tokens: blocks of 512, 512 and a ragged 64 (half a tile)
+    ("kvquant-3 default hd128 gqa4", _kvquant(), mx.float32, 128, 1, 4, 1100, None),
+    ("kvquant-2 hd128 batch2 mha", _kvquant(kvquant_bits=2), mx.float32, 128, 2, 1, 700, None),
+    ("kvquant-4 hd64 gqa2 no outliers", _kvquant(kvquant_bits=4, kvquant_outlier_fraction=0.0),
+     mx.float32, 64, 1, 2, 700, None),
+    # 3 bits at head dim 64: a token's last run of codes is 4 channels (64 = 6 * 10 + 4)
+    ("kvquant-3 hd64 batch2 gqa2", _kvquant(), mx.float32, 64, 2, 2, 700, None),
+    # 8 rows: 8 value channels per lane, which for 2 bits starts inside a word (the two-word
+    # window with all 32 bits used)
+    ("kvquant-2 hd128 gqa8", _kvquant(kvquant_bits=2), mx.float32, 128, 1, 8, 700, None),
+    ("kvquant-3 g64 hd128 gqa4", _kvquant(kvquant_group_size=64), mx.float32, 128, 1, 4, 700, None),
+    # a tile is one block of 128 tokens (164 outliers each)
+    ("kvquant-4 g128 hd128 gqa4", _kvquant(kvquant_bits=4, kvquant_group_size=128), mx.float32, 128, 1, 4, 1100, None),
+    # one block per head: each warp walks several 128-token tiles (online softmax across tiles)
+    ("kvquant-3 many tiles per warp", _kvquant(), mx.float32, 128, 1, 4, 1100, 1),
+    # the 16-bit load and store paths (QT, ST)
+    ("kvquant-3 fp16 hd128 gqa4", _kvquant(), mx.float16, 128, 1, 4, 700, None),
+    ("kvquant-3 bf16 hd128 gqa4", _kvquant(), mx.bfloat16, 128, 1, 4, 700, None),
+    ("kvquant-2 bf16 hd64 mha", _kvquant(kvquant_bits=2), mx.bfloat16, 64, 1, 1, 700, None),
+]
+
+# Each must fail the comparison (one change in the source, in memory).
+MUTATIONS = [
+    ("sink placeholder attended", "const int lo = window ? 0 : n_skip;", "const int lo = 0;"),
+    ("key outliers ignored", "const float delta = vq_f32(kov_bh[e]) - dec;", "const float delta = 0.f;"),
+    ("value outliers ignored", "/ vq_f32(vs_bh[t]) - cbv[code];", "/ vq_f32(vs_bh[t]) - (vq_f32(vov_bh[e]) - vq_f32(vz_bh[t])) / vq_f32(vs_bh[t]);"),
+    ("3-bit phase ignored", "win[i] = vq_window<BITS>(lead[i], next, ph[i]);",
+     "win[i] = vq_window<BITS>(lead[i], next, 0);"),
+    ("value zeros dropped", "red_o[r * DV + ch0 + c] = acc[r][c] + zsum[r] + fix;",
+     "red_o[r * DV + ch0 + c] = acc[r][c] + fix;"),
+]
+
+
+def _mutated(monkeypatch, old, new):
+    source = fused_decode_codebook._PARTIALS
+    assert old in source, f"fused_decode_codebook._PARTIALS no longer contains {old!r}: pick a new mutation"
+    monkeypatch.setattr(fused_decode_codebook, "_PARTIALS", source.replace(old, new, 1))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_built_in_parallel():
+    """Every program the tests below compile, built up front one per core: the signatures are
+    captured from small caches of the same shapes."""
+    with pytest.MonkeyPatch.context() as mp, cuda_emulation.signatures_only() as captured:
+        for name, make, dtype, D, B, rep, n, warps in CASES:
+            cache = make()
+            _emulated_step(mp, cache, _filled(cache, 100, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
+        for name, old, new in MUTATIONS:
+            with pytest.MonkeyPatch.context() as mutated:
+                _mutated(mutated, old, new)
+                cache = CASES[0][1]()
+                _emulated_step(mp, cache, _filled(cache, 100, B=1, H=2, rep=4, D=128, dtype=mx.float32), 128**-0.5)
+    cuda_emulation.prebuild_captured(captured)
+
+
+@pytest.mark.parametrize("name, make, dtype, D, B, rep, n, warps", CASES, ids=[c[0] for c in CASES])
+def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make, dtype, D, B, rep, n, warps):
+    if warps:
+        monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
+    cache = make()
+    q_heads = _filled(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
+    n_valid, window = cache.n_compressed, cache.window_keys.shape[2]
+    outliers = "value_outlier_position" in cache.store
+    assert outliers == ("no outliers" not in name)
+    assert fused_decode_codebook.supports(D, D, cache.group_size, cache.code_bits, rep, outliers)
+    # Kernels off (the CPU default) over the same store and window, float32 queries: the kernel
+    # computes in float32 and rounds once at the end, while the portable path in fp16/bf16
+    # rounds its scores and sums.
+    expected = cache.attention(q_heads.astype(mx.float32), scale=D**-0.5)
+    mx.eval(expected)
+    assert (cache.n_compressed, cache.window_keys.shape[2]) == (n_valid, window)  # nothing flushed
+
+    got, made = _emulated_step(monkeypatch, cache, q_heads, D**-0.5)
+    assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_codebook_decode_partials"]
+    assert got.dtype == dtype and got.shape == q_heads.shape
+
+    per_block = fused_decode.tokens_per_block(n_valid, B * 2)
+    if warps:
+        assert n_valid <= per_block and n_valid > 4 * fused_decode.TILE  # one block, >1 tile per warp
+    else:
+        assert n_valid > per_block  # several history blocks to merge
+    if name.startswith("kvquant-3 default"):
+        assert n_valid % per_block and (n_valid % per_block) % fused_decode.TILE  # a ragged last tile
+    got, expected = np.array(got.astype(mx.float32)), np.array(expected)
+    diff = np.abs(got - expected).max()
+    print(f"{name}: {n_valid} history + {window} window tokens, max |kernel - portable| = {diff:.3g}")
+    tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
+    assert np.allclose(got, expected, atol=tol, rtol=tol), diff
+
+
+@pytest.mark.parametrize("name, old, new", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, new):
+    cache = CASES[0][1]()
+    q_heads = _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+    expected = np.array(cache.attention(q_heads, scale=128**-0.5))
+    _mutated(monkeypatch, old, new)
+    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_codebook_decode_partials"]
+    diff = np.abs(np.array(got) - expected).max()
+    print(f"mutation {name!r}: max |kernel - portable| = {diff:.3g}")
+    assert diff > 1e-4  # 5x the float32 tolerance above, at least
