@@ -86,9 +86,11 @@ def test_supported_shapes():
     assert fused_decode.supports(96, 128, 32, 2, 2, rows=19)
     assert fused_decode.supports(64, 64, 32, 2, 2)  # 4 words per value token: 4 lanes
     assert not fused_decode.supports(96, 96, 32, 2, 2)  # 6 words: 2 lanes of 48 channels > G
-    assert [fused_decode.lanes_per_token(dv, b) for dv, b in ((128, 2), (64, 2), (64, 4), (96, 4), (16, 2), (8, 2))] == [8, 4, 8, 4, 1, None]
-    # 8 query rows: lanes double until rows x channels per lane <= 64, never straddling words
-    assert [fused_decode.lanes_per_token(dv, b, 8) for dv, b in ((128, 2), (128, 4), (128, 8), (96, 4), (64, 2))] == [16, 16, 16, 4, 8]
+    # One row: whole words per lane (the largest power of two up to 8 dividing the words)
+    assert [fused_decode.lanes_per_token(dv, b, 1) for dv, b in ((128, 2), (64, 2), (64, 4), (96, 4), (16, 2), (8, 2))] == [8, 4, 8, 4, 1, None]
+    # More rows: lanes double (up to 16) until rows x channels per lane <= 32, never straddling words
+    assert [fused_decode.lanes_per_token(dv, b, 4) for dv, b in ((128, 2), (64, 2), (64, 4), (96, 4), (16, 2))] == [16, 8, 8, 4, 2]
+    assert [fused_decode.lanes_per_token(dv, b, 8) for dv, b in ((128, 2), (128, 4), (128, 8), (96, 4), (64, 2))] == [16, 16, 16, 4, 16]
 
 
 def test_meta_is_rebuilt_only_when_its_values_change():

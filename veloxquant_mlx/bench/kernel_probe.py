@@ -11,8 +11,9 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   of 5 batches) of the fp16 `mx.fast` attention, kivi's whole `cache.attention`, and
   cache/fused_decode.py's partials kernel alone as shipped ("full"), with the value half removed
   ("noscore" keeps values and the softmax, "novalue" keeps the scores), with other warp
-  targets (`TARGET_WARPS`) and with fewer value accumulators per lane (`MAX_LANE_ACCUMULATORS`
-  32 / 16: 16 / 32 lanes per value token, fewer registers, more warps per SM).
+  targets (`TARGET_WARPS`) and with other value accumulators per lane (`MAX_LANE_ACCUMULATORS`
+  64 / 16 beside the default 32: at 4 rows 8 / 16 lanes per value token; fewer accumulators,
+  fewer registers, more warps per SM).
 - `prefill`: one layer's 32K prompt in 2048-token chunks: the fp16 KVCache with `mx.fast`
   attention against kivi's update + attention (two runs each, the second warm), then at the
   last chunk the pieces of kivi's chunk attention: decoding the history, adding the window
@@ -158,17 +159,17 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
     meta = fd.FusedDecodeMeta()
 
     def call():
-        saved = fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS
+        saved = fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN
         fd.TARGET_WARPS = target_warps
         if lane_accumulators is not None:
-            fd.MAX_LANE_ACCUMULATORS = lane_accumulators
+            fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN = lane_accumulators, 32
         try:
             return fd.affine_partials(
                 q, D**-0.5, *arrays, cache.window_keys, cache.window_values,
                 n_valid=cache.n_compressed, group_size=cache.group_size, key_bits=cache.key_bits,
                 value_bits=cache.value_bits, n_kv_heads=HK, meta_cache=meta, kernel=kernel)
         finally:
-            fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS = saved
+            fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN = saved
 
     return call
 
@@ -208,7 +209,7 @@ def probe_decode(n: int) -> dict:
         targets = (fd.TARGET_WARPS, 1024, 16384) if mode == "full" else (fd.TARGET_WARPS,)
         for warps in targets:
             out[f"partials_{mode}_warps{warps}_ms"] = per_call_ms(_partials_call(kernel, cache, q, warps))
-    for lanes_acc in (32, 16):
+    for lanes_acc in (64, 16):  # the former default (16 channels per lane at 4 rows), and fewer
         out[f"partials_full_lane_accumulators{lanes_acc}_ms"] = per_call_ms(
             _partials_call(None, cache, q, fd.TARGET_WARPS, lanes_acc))
     return out

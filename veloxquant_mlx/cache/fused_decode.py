@@ -446,10 +446,15 @@ def tokens_per_block(n_valid: int, n_heads: int) -> int:
     return TILE * WARPS_PER_BLOCK * tiles_per_warp
 
 
-# Value accumulators per lane (rows x channels) above which a token is split over more lanes:
-# at 8 query rows per KV head, 16 channels per lane made 128 accumulators and the kernel spilled
-# (ptxas for sm_90: 255 registers + stack; tests/cache/test_kernels_nvcc.py).
-MAX_LANE_ACCUMULATORS = 64
+# Value accumulators per lane (rows x channels) above which a token is split over more lanes
+# (at most MAX_LANES_PER_TOKEN). At 8 query rows per KV head 16 channels per lane made 128
+# accumulators and the kernel spilled (ptxas for sm_90: 255 registers + 72 bytes of stack;
+# tests/cache/test_kernels_nvcc.py); at 4 rows, 8 channels per lane instead of 16 take 104
+# registers instead of 184 (more warps per SM) and the partials ran 0.086 ms instead of 0.092 at
+# 32K tokens on the H200 (bench.kernel_probe, results/kernel_probe_decode_h200_s4.json; 32 lanes
+# of 4 channels: 0.090).
+MAX_LANE_ACCUMULATORS = 32
+MAX_LANES_PER_TOKEN = 16
 
 
 def lanes_per_token(value_dim: int, value_bits: int, rows: int = 4) -> int | None:
@@ -457,12 +462,12 @@ def lanes_per_token(value_dim: int, value_bits: int, rows: int = 4) -> int | Non
     reads whole code words (the largest power of two up to 8 dividing the token's words); with
     many query rows the lanes double (up to 32) while rows x channels per lane exceeds
     MAX_LANE_ACCUMULATORS, down to a half or a quarter word per lane (a lane's bits never
-    straddle a word)."""
+    straddle a word): the configurations run on the H200."""
     if (value_dim * value_bits) % 32:
         return None
     words = value_dim * value_bits // 32
     lanes = next(n for n in (8, 4, 2, 1) if words % n == 0)
-    while rows * value_dim // lanes > MAX_LANE_ACCUMULATORS and lanes < 32:
+    while rows * value_dim // lanes > MAX_LANE_ACCUMULATORS and lanes < MAX_LANES_PER_TOKEN:
         bits = value_dim // (2 * lanes) * value_bits
         if value_dim % (2 * lanes) or not (bits % 32 == 0 or 32 % bits == 0):
             break
