@@ -4,8 +4,10 @@ The kernel cannot run on the CPU; this module performs its arithmetic step by st
 the kernel is handed (fused_decode_rotated.store_arrays / exact_sink / the window), so the CPU
 tests can check it against the portable turboquant_rvq attention:
   * the codes are read the way the kernel reads them: keys in chunks of 32 channels (B words per
-    chunk, code j at bit j * B, straddling words at 3 bits), values per lane of 16 channels
-    (the lane's words re-aligned with a funnel shift, half a sign word);
+    chunk, code j at bit j * B, straddling words at 3 bits), values per lane of 16 channels up
+    to 4 query rows and 8 above (fused_decode_rotated.channels_per_lane: the lane's words
+    re-aligned with a funnel shift where its bits cross a word, else a plain shift; part of a
+    sign word);
   * scores of compressed tokens in the kernel's form: per channel y = scale * code + (zero + a
     or zero - a by the sign bit), scores q_rot . y plus the bias q . key_mean; the sink's codes
     skipped;
@@ -22,9 +24,6 @@ import numpy as np
 
 from veloxquant_mlx.cache import fused_decode_rotated as fdr
 from veloxquant_mlx.cache.hadamard import rotate, unrotate
-
-CPL = fdr.CHANNELS_PER_LANE
-
 
 def _np(a) -> np.ndarray:
     return np.array(a.astype(mx.float32)) if a.dtype not in (mx.uint32,) else np.array(a)
@@ -50,19 +49,26 @@ def key_codes(words: np.ndarray, bits: int, dim: int) -> np.ndarray:
     return out
 
 
-def value_codes(words: np.ndarray, bits: int, dim: int) -> np.ndarray:
-    """(..., dim * bits / 32) stage-1 words -> (..., dim) codes, read per lane of 16 channels:
-    the lane's words from bit ch0 * bits on, clamped to the token, funnel-shifted into place."""
+def value_codes(words: np.ndarray, bits: int, dim: int, channels: int = 16) -> np.ndarray:
+    """(..., dim * bits / 32) stage-1 words -> (..., dim) codes, read per lane of `channels`
+    channels: the lane's words from bit ch0 * bits on, clamped to the token; funnel-shifted
+    into place where the lane's bits cross a word (one more word read), else shifted."""
     n_words = dim * bits // 32
-    na = (CPL * bits + 31) // 32
+    lane_bits = channels * bits
+    na = (lane_bits + 31) // 32
+    straddle = lane_bits % 32 != 0 and 32 % lane_bits != 0
     out = np.zeros(words.shape[:-1] + (dim,))
-    for ch0 in range(0, dim, CPL):
+    for ch0 in range(0, dim, channels):
         bit0 = ch0 * bits
         w0, sh = bit0 >> 5, bit0 & 31
-        raw = [words[..., min(w0 + i, n_words - 1)].astype(np.uint64) for i in range(na + 1)]
-        aligned = [(((raw[i + 1] << np.uint64(32)) | raw[i]) >> np.uint64(sh)) & np.uint64(0xFFFFFFFF)
-                   for i in range(na)]
-        for c in range(CPL):
+        raw = [words[..., min(w0 + i, n_words - 1)].astype(np.uint64) for i in range(na + straddle)]
+        if straddle:
+            aligned = [(((raw[i + 1] << np.uint64(32)) | raw[i]) >> np.uint64(sh)) & np.uint64(0xFFFFFFFF)
+                       for i in range(na)]
+        else:
+            assert sh + lane_bits <= 32 * na, "a lane's bits inside its words"
+            aligned = [raw[i] >> np.uint64(sh) for i in range(na)]
+        for c in range(channels):
             out[..., ch0 + c] = _code(aligned, c, bits)
     return out
 
@@ -86,14 +92,17 @@ def _stage1(codes_words, scales, zeros, stage1_bits: int, dim: int, group: int, 
     return codes, np.repeat(_np(scales), group, axis=-1), np.repeat(_np(zeros), group, axis=-1)
 
 
-def rotated_values(cache, stores) -> np.ndarray:
-    """(B, H, cap, DV) rotated values as the value lanes decode them (stage 1 + stage 2)."""
+def rotated_values(cache, stores, rows: int) -> np.ndarray:
+    """(B, H, cap, DV) rotated values as the value lanes decode them (stage 1 + stage 2) at
+    `rows` query rows per kv head (which sets the lanes' channels)."""
     vb1 = cache.value_bits - 1
     dv = cache.value_dim
     _, _, _, _, _, vc1, vs1, vz1, vc2, vm2 = stores
     y = np.where(sign_bits(np.array(vc2), dv) > 0, 1.0, -1.0) * _np(vm2)
     if vb1:
-        codes, sc, zp = _stage1(vc1, vs1, vz1, vb1, dv, cache._group(dv), value_codes)
+        channels = fdr.channels_per_lane(rows)
+        reader = lambda w, b, d: value_codes(w, b, d, channels)  # noqa: E731
+        codes, sc, zp = _stage1(vc1, vs1, vz1, vb1, dv, cache._group(dv), reader)
         y = y + sc * codes + zp
     return y
 
@@ -134,7 +143,7 @@ def reference_step(cache, queries: mx.array, scale: float, split: int) -> np.nda
     n_valid = cache.n_compressed
 
     scores = compressed_scores(cache, q_rot, bias, stores)
-    values = rotated_values(cache, stores)
+    values = rotated_values(cache, stores, R)
     parts = []
     for start in range(n_sink, n_valid, split):
         stop = min(start + split, n_valid)

@@ -109,14 +109,26 @@ def _mutated(monkeypatch, attr, old, new):
 # turboquant_rvq's decode step: fused_decode_rotated's partials kernel and fused_decode's merge
 # kernel, as fused_decode_rotated.decode_step wires them (its own emulation test assembles the
 # partials' arguments itself and merges in numpy); the 16-bit load paths run here only.
+# (name, bits, dtype, head dim, batch, GQA rows, prefill tokens)
 ROTATED_CASES = [
-    ("turboquant_rvq-4 hd128 gqa4 sink", mx.float32, 128, 1, 4, 300),
-    ("turboquant_rvq-4 bf16 hd64 batch2 mha", mx.bfloat16, 64, 2, 1, 300),
+    ("turboquant_rvq-4 hd128 gqa4 sink", 4, mx.float32, 128, 1, 4, 300),
+    ("turboquant_rvq-4 bf16 hd64 batch2 mha", 4, mx.bfloat16, 64, 2, 1, 300),
+    # 8 rows (70B-class GQA 64 / 8): value lanes of 8 channels (fused_decode_rotated.
+    # channels_per_lane), 3-bit stage-1 codes crossing words at 4 bits, a sign plane at 2
+    ("turboquant_rvq-4 fp16 hd128 gqa8 sink", 4, mx.float16, 128, 1, 8, 300),
+    ("turboquant_rvq-4 bf16 hd128 gqa8 sink", 4, mx.bfloat16, 128, 1, 8, 300),
+    ("turboquant_rvq-2 fp16 hd128 gqa8 sink", 2, mx.float16, 128, 1, 8, 300),
+    ("turboquant_rvq-2 bf16 hd128 gqa8 sink", 2, mx.bfloat16, 128, 1, 8, 300),
 ]
 
+# A corrupted rotated kernel must fail too: value lanes whose 3-bit codes cross a word read
+# them with a plain shift (the 8-row case: 24 bits a lane).
+ROTATED_MUTATION = ("constexpr bool STRADDLE = VB1 > 0 && LANE_BITS1 % 32 != 0 && 32 % LANE_BITS1 != 0;",
+                    "constexpr bool STRADDLE = false;")
 
-def _rotated():
-    return TurboQuantRVQCache(KVCacheConfig(method="turboquant_rvq", bit_width_inlier=4))
+
+def _rotated(bits=4):
+    return TurboQuantRVQCache(KVCacheConfig(method="turboquant_rvq", bit_width_inlier=bits))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -129,9 +141,13 @@ def _programs_built_in_parallel():
             cache = make()
             q_heads = _filled(cache, 100, B=B, H=2, rep=rep, D=D, dtype=dtype)
             _emulated_step(mp, cache, q_heads, D**-0.5)
-        for name, dtype, D, B, rep, n in ROTATED_CASES:
-            cache = _rotated()  # 100 tokens would all be in its exact window: no kernel call
+        for name, bits, dtype, D, B, rep, n in ROTATED_CASES:
+            cache = _rotated(bits)  # 100 tokens would all be in its exact window: no kernel call
             _emulated_step(mp, cache, _filled(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
+        with pytest.MonkeyPatch.context() as mutated:
+            _mutated_rotated(mutated)
+            cache = _rotated(4)
+            _emulated_step(mp, cache, _filled(cache, 300, B=1, H=2, rep=8, D=128, dtype=mx.float32), 128**-0.5)
         for name, attr, old, new in MUTATIONS:
             with pytest.MonkeyPatch.context() as mutated:
                 _mutated(mutated, attr, old, new)
@@ -176,18 +192,38 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
 
 
 
-@pytest.mark.parametrize("name, dtype, D, B, rep, n", ROTATED_CASES, ids=[c[0] for c in ROTATED_CASES])
-def test_the_emulated_rotated_step_is_the_portable_attention(monkeypatch, name, dtype, D, B, rep, n):
-    cache = _rotated()
+@pytest.mark.parametrize("name, bits, dtype, D, B, rep, n", ROTATED_CASES, ids=[c[0] for c in ROTATED_CASES])
+def test_the_emulated_rotated_step_is_the_portable_attention(monkeypatch, name, bits, dtype, D, B, rep, n):
+    cache = _rotated(bits)
     q_heads = _filled(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
     assert cache.n_compressed > 0 and cache.sink_deltas is not None  # the exact sink is in play
     expected = np.array(cache.attention(q_heads.astype(mx.float32), scale=D**-0.5))
     got, made = _emulated_step(monkeypatch, cache, q_heads, D**-0.5)
     assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_rotated_decode_partials"]
     assert got.dtype == dtype and got.shape == q_heads.shape
-    tol = {mx.float32: 2e-5, mx.bfloat16: 1e-2}[dtype]
+    tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
     got = np.array(got.astype(mx.float32))
+    print(f"{name}: max |kernel - portable| {np.abs(got - expected).max():.3g}")
     assert np.allclose(got, expected, atol=tol, rtol=tol), np.abs(got - expected).max()
+
+
+def _mutated_rotated(monkeypatch):
+    old, new = ROTATED_MUTATION
+    assert old in fused_decode_rotated._PARTIALS, f"fused_decode_rotated no longer contains {old!r}: pick a new mutation"
+    monkeypatch.setattr(fused_decode_rotated, "_PARTIALS", fused_decode_rotated._PARTIALS.replace(old, new, 1))
+
+
+def test_a_corrupted_rotated_kernel_source_fails_the_comparison(monkeypatch):
+    cache = _rotated(4)
+    q_heads = _filled(cache, 300, B=1, H=2, rep=8, D=128, dtype=mx.float32)
+    expected = np.array(cache.attention(q_heads, scale=128**-0.5))
+    good, _ = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    _mutated_rotated(monkeypatch)
+    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    assert [k.calls for k in made if k.calls] == [1, 1]
+    good_err, bad_err = np.abs(np.array(good) - expected).max(), np.abs(np.array(got) - expected).max()
+    print(f"rotated, 8 rows: max |kernel - portable| {good_err:.3g}, corrupted {bad_err:.3g}")
+    assert good_err < 2e-5 and bad_err > 1e-3
 
 
 @pytest.mark.parametrize("name, attr, old, new", MUTATIONS, ids=[m[0] for m in MUTATIONS])

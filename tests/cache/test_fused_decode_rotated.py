@@ -75,6 +75,9 @@ ALGORITHM_CASES = [
     ("3-bit fp32 hd64 gqa4 sink", dict(bits=3), True, mx.float32, 64, 1, 4),
     ("keys 4 values 2 fp32 hd128 gqa4", dict(key_bits=4, value_bits=2), True, mx.float32, 128, 1, 4),
     ("keys 1 values 4 fp32 hd64 gqa2", dict(key_bits=1, value_bits=4), True, mx.float32, 64, 1, 2),
+    # more than 4 rows: value lanes of 8 channels (3-bit codes crossing words at 24 bits a lane)
+    ("4-bit bf16 hd128 gqa8 sink", dict(bits=4), True, mx.bfloat16, 128, 1, 8),
+    ("3-bit fp32 hd64 gqa6 sink", dict(bits=3), True, mx.float32, 64, 1, 6),
 ]
 
 
@@ -112,9 +115,11 @@ def test_every_window_length_and_the_first_blocks():
 
 
 def test_codes_are_read_as_the_encoder_wrote_them():
-    # The kernel's bit reads (key chunks, value lanes with the funnel shift, sign words) against
-    # MLX's own dequantize of the same words: 2- and 3-bit codes (3-bit codes straddle words).
+    # The kernel's bit reads (key chunks, value lanes of 16 and 8 channels with the funnel shift
+    # or a plain shift, sign words) against MLX's own dequantize of the same words: 2- and 3-bit
+    # codes (3-bit lanes cross words: 48 bits at 16 channels, 24 at 8).
     mx.random.seed(3)
+    assert [fdr.channels_per_lane(r) for r in range(1, 9)] == [16] * 4 + [8] * 4
     for bits in (2, 3):
         for dim in (64, 128):
             x = mx.random.normal((5, dim))
@@ -122,7 +127,9 @@ def test_codes_are_read_as_the_encoder_wrote_them():
             truth = np.array(mx.dequantize(words, mx.ones((5, dim // 64)), mx.zeros((5, dim // 64)),
                                            group_size=64, bits=bits))
             assert np.array_equal(ref.key_codes(np.array(words), bits, dim), truth), (bits, dim)
-            assert np.array_equal(ref.value_codes(np.array(words), bits, dim), truth), (bits, dim)
+            for channels in (16, 8):
+                got = ref.value_codes(np.array(words), bits, dim, channels)
+                assert np.array_equal(got, truth), (bits, dim, channels)
     from veloxquant_mlx.cache.packing import pack_codes
     signs = mx.random.uniform(shape=(3, 128)) > 0.5
     assert np.array_equal(ref.sign_bits(np.array(pack_codes(signs, 1)), 128), np.array(signs, dtype=np.float64))
@@ -133,7 +140,10 @@ EMULATION_CASES = [
     (dict(bits=4), True, 128, 4, 1, 300, None),  # the default: 3-bit codes straddle words
     (dict(bits=2), True, 64, 4, 1, 300, None),  # two sign planes
     (dict(bits=1), False, 64, 1, 2, 300, None),  # sign plane only, MHA, batch 2
-    (dict(key_bits=4, value_bits=2), True, 128, 8, 1, 300, None),
+    (dict(key_bits=4, value_bits=2), True, 128, 8, 1, 300, None),  # 8-channel lanes, 8 bits each
+    (dict(bits=4), True, 128, 8, 1, 300, None),  # 8-channel lanes of 3-bit codes crossing words
+    (dict(bits=3), True, 64, 5, 1, 300, None),  # 8-channel lanes of 2-bit codes, 5 rows
+    (dict(bits=4), True, 256, 5, 1, 300, None),  # 32 lanes per value token (one token a round)
     (dict(key_bits=1, value_bits=4), True, 64, 2, 1, 300, None),
     (dict(bits=3), True, 128, 4, 1, 700, 1),  # many tiles per warp in one block
 ]
@@ -183,6 +193,7 @@ def test_supported_shapes():
     assert fdr.supports(64, 64, 0, 1, rows=1)
     assert fdr.supports(128, 128, 2, 3, rows=8)
     assert fdr.supports(256, 256, 3, 3, rows=4)
+    assert fdr.supports(256, 256, 3, 3, rows=7)  # 8-channel lanes: 32 lanes per value token
     assert not fdr.supports(256, 256, 3, 3, rows=8)  # shared memory
     assert not fdr.supports(128, 128, 3, 3, rows=9)  # the lanes' accumulators
     assert not fdr.supports(96, 96, 3, 3, rows=4)  # not a power of two
@@ -256,6 +267,7 @@ KERNEL_CASES = [
     ("4-bit bf16 hd128 gqa4 sink", dict(bits=4), True, mx.bfloat16, 128, 1, 4, 1000),
     ("4-bit fp16 hd64 mha no-sink batch2", dict(bits=4), False, mx.float16, 64, 2, 1, 700),
     ("2-bit fp32 hd128 gqa8 sink", dict(bits=2), True, mx.float32, 128, 1, 8, 700),
+    ("4-bit bf16 hd128 gqa8 sink", dict(bits=4), True, mx.bfloat16, 128, 1, 8, 3000),  # 70B-class GQA
     ("1-bit bf16 hd64 gqa4 sink", dict(bits=1), True, mx.bfloat16, 64, 1, 4, 700),
     ("keys 4 values 3 fp32 hd128 gqa4", dict(key_bits=4, value_bits=3), True, mx.float32, 128, 1, 4, 5000),
 ]

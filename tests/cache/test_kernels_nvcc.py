@@ -27,14 +27,11 @@ NVCC = shutil.which("nvcc")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")]
 
 # The 8B model's heads (GQA 4, head_dim 128) in bf16, the methods' defaults; fp16 and float32
-# and 8 rows once each (other template values, other register budgets).
-# turboquant_rvq's kernel keeps 16 value channels per lane whatever the rows: at 8 rows its
-# 128 accumulators spill (255 registers + 48 bytes of stack); it still runs (slower), so the case
-# is an expected failure that reports when a change fixes it.
-SPILLS = {("turboquant_rvq", 8): "fused_decode_rotated keeps R x 16 value sums per lane: spills at R = 8"}
+# and 8 rows once each (other template values, other register budgets). turboquant_rvq's kernel
+# spilled at 8 rows (16 value channels per lane: 255 registers + 48 bytes of stack) until it
+# took 8 channels per lane above 4 rows (fused_decode_rotated.channels_per_lane: 130 registers).
 CASES = [
-    pytest.param(method, dtype, rep, marks=[pytest.mark.xfail(strict=True, reason=SPILLS[method, rep])]
-                 if (method, rep) in SPILLS else [], id=f"{method}-{str(dtype).split('.')[-1]}-r{rep}")
+    pytest.param(method, dtype, rep, id=f"{method}-{str(dtype).split('.')[-1]}-r{rep}")
     for method in ("kivi", "xquant", "turboquant_rvq", "gear")
     for dtype, rep in ((mx.bfloat16, 4), (mx.float16, 8), (mx.float32, 1))
 ]

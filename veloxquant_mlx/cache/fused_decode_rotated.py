@@ -49,11 +49,18 @@ the last block per head over the exact tokens. A warp walks tiles of 32 tokens:
     contiguous stretch of memory) in chunks of 32 channels (B1 stage-1 words + one sign word
     per chunk); the rotated query (R rows) is read from shared memory, broadcast to all lanes;
   online softmax over the tile (warp shuffles), probabilities to shared memory;
-  values: LPT = DV / 16 lanes share one token, each owning 16 channels (its stage-1 bits,
-    re-aligned with a funnel shift when 3-bit codes start mid-word, and half a sign word), so
+  values: LPT = DV / CPL lanes share one token, each owning CPL channels (its stage-1 bits,
+    re-aligned with a funnel shift when 3-bit codes cross a word, and part of a sign word), so
     32 / LPT tokens go per round and a round reads one contiguous run of value words; loads of
-    up to 4 rounds are issued before their arithmetic.
-Accumulators per lane: R score sums, R x 16 value sums (R = 8: 128 floats), so R <= 8.
+    up to 64 / CPL rounds are issued before their arithmetic.
+Accumulators per lane: R score sums and R x CPL value sums, CPL = 16 channels up to R = 4 and
+8 above (channels_per_lane): at R = 8 16 channels made 128 sums and ptxas spilled (255
+registers + 48 bytes of stack, fp16, d 128); 8 channels take 130 registers, no stack. The
+stage-1 stream allows 8 channels at every width: a lane's 8 / 16 / 24 bits start on a multiple
+of its width, so 1- and 2-bit lanes lie inside one word and a 3-bit lane crosses at most one
+boundary (the funnel shift's case); its 8 sign bits are a quarter of one sign word. R <= 4
+compiles to the same PTX as before for the default 4 bits (3-bit stage 1); at 2 and 3 bits a
+lane no longer loads a word past its bits (whole-word or sub-word lanes: a plain shift).
 
 `supports()` lists the shapes taken (others take the portable path): head_dim and value dim
 powers of two in 32..256, stage-1 bits 0..3 (total 1..4), 1 <= R <= 8.
@@ -87,11 +94,26 @@ TILE = 32  # tokens per warp tile: one per lane when scoring
 WARPS_PER_BLOCK = 4
 TARGET_WARPS = 4096  # ~31 warps per SM on an H200 (132 SMs), as fused_decode
 MAX_TILES_PER_WARP = 256
-CHANNELS_PER_LANE = 16  # value channels a lane owns
+# Value channels a lane owns: 16 up to 4 query rows per kv head, 8 above, so that the lane's
+# R x CPL value sums stay within MAX_VALUE_SUMS registers. With 16 channels at 8 rows (128 sums)
+# ptxas for sm_90 gave 255 registers and 24-48 bytes of spills per step (fp16/bf16, d 128,
+# tests/cache/test_kernels_nvcc.py); 8 channels take 16 lanes per value token at d 128 (32 at
+# d 256), which the stage-1 stream allows at every width (a lane's 8 / 16 / 24 bits, at most
+# one word boundary inside) and the sign words too (a quarter word per lane).
+MAX_VALUE_SUMS = 64
 MAX_ROWS = 8
+
+
+def channels_per_lane(rows: int) -> int:
+    """Value channels per lane at `rows` query rows per kv head (the kernel's CPL)."""
+    return 16 if rows * 16 <= MAX_VALUE_SUMS else 8
+
 STAGE1_BITS = (0, 1, 2, 3)  # 0: no stage 1 (total 1 bit); 1: a second sign plane (total 2)
 
-_HEADER = fused_decode._HEADER + r"""
+_HEADER = fused_decode._HEADER + f"""
+// The lane's R x CPL value sums stay under this many registers (channels_per_lane in Python).
+constexpr int VQ_MAX_VALUE_SUMS = {MAX_VALUE_SUMS};
+""" + r"""
 // A small unsigned integer (< 2^23) as a float without the int-to-float conversion unit (a
 // quarter-rate or slower path on Hopper): or it into the mantissa of 2^23 and subtract 2^23.
 __device__ __forceinline__ float vq_u2f(unsigned small) {
@@ -124,11 +146,13 @@ __device__ __forceinline__ unsigned vq_code(const uint32_t (&w)[N], int j) {
 _PARTIALS = r"""
   constexpr int NW = 4;                       // warps per block
   constexpr int TILE = 32;                    // tokens per warp tile
-  constexpr int CPL = 16;                     // value channels per lane
+  constexpr int CPL = R * 16 <= VQ_MAX_VALUE_SUMS ? 16 : 8;  // value channels per lane
   constexpr int LPT = DV / CPL;               // lanes per value token
   constexpr int TPR = 32 / LPT;               // value tokens per round
   constexpr int ROUNDS = TILE / TPR;
-  constexpr int BATCH = ROUNDS < 4 ? ROUNDS : 4;  // rounds whose loads are issued together
+  // Rounds whose loads are issued together: 4 at 16 channels per lane, 8 at 8, so a warp has
+  // the same value tokens' loads in flight (16 at DV = 128) whatever the rows.
+  constexpr int BATCH = ROUNDS < 64 / CPL ? ROUNDS : 64 / CPL;
   constexpr int KW1 = D * KB1 / 32;           // stage-1 words per key token
   constexpr int VW1 = DV * VB1 / 32;          // stage-1 words per value token
   constexpr int KWS = D / 32;                 // sign words per key token
@@ -141,6 +165,12 @@ _PARTIALS = r"""
   constexpr int KGS = KB1 == 1 ? 1 : KGN;     // side values per key token in ks1 / kz1
   constexpr int KBW = KB1 > 0 ? KB1 : 1;      // register words of one key chunk (32 channels)
   constexpr int NA = VB1 > 0 ? (CPL * VB1 + 31) / 32 : 1;  // a lane's aligned stage-1 words
+  // A lane's CPL * VB1 stage-1 bits cross a word boundary only when they neither fill whole
+  // words nor divide one: 3-bit codes (48 bits at 16 channels, 24 at 8); then one more word is
+  // read and a funnel shift re-aligns them, else a plain shift does.
+  constexpr int LANE_BITS1 = CPL * VB1;
+  constexpr bool STRADDLE = VB1 > 0 && LANE_BITS1 % 32 != 0 && 32 % LANE_BITS1 != 0;
+  constexpr int NL = STRADDLE ? NA + 1 : NA;  // stage-1 words loaded per lane and token
   constexpr int DMAX = D > DV ? D : DV;
   const float neg_inf = __int_as_float(0xff800000);
   const int warp = threadIdx.x / 32;
@@ -309,15 +339,15 @@ _PARTIALS = r"""
         }
       }
     } else {
-      // The lane's stage-1 bits start at bit ch0 * VB1 of the token's stream: whole words for
-      // 1 and 2 bits, mid-word (16) for odd lanes at 3 bits; a funnel shift re-aligns them.
+      // The lane's stage-1 bits start at bit ch0 * VB1 of the token's stream: on a word for
+      // whole-word lanes (16 channels at 2 bits), inside one otherwise (STRADDLE above).
       const int bit0 = ch0 * VB1;
       const int w0 = bit0 >> 5;
       const int sh = bit0 & 31;
       const int g = VB1 == 1 ? 0 : ch0 / VG1;
       #pragma unroll
       for (int b0 = 0; b0 < ROUNDS; b0 += BATCH) {
-        uint32_t words[BATCH][NA + 1];
+        uint32_t words[BATCH][NL];
         unsigned signs[BATCH];
         float sc[BATCH], zp[BATCH], a2[BATCH];
         #pragma unroll
@@ -326,7 +356,7 @@ _PARTIALS = r"""
           if (VB1 > 0) {
             const uint32_t* row = vc1 + tj * VW1;
             #pragma unroll
-            for (int i = 0; i <= NA; ++i) words[k][i] = __ldg(row + min(w0 + i, VW1 - 1));
+            for (int i = 0; i < NL; ++i) words[k][i] = __ldg(row + min(w0 + i, VW1 - 1));
             if (VB1 == 1) {
               const float a = vq_f32(vs1[tj]);
               sc[k] = 2.f * a;
@@ -344,7 +374,11 @@ _PARTIALS = r"""
           const int j = (b0 + k) * TPR + tl;
           uint32_t aligned[NA];
           #pragma unroll
-          for (int i = 0; i < NA; ++i) aligned[i] = VB1 > 0 ? __funnelshift_r(words[k][i], words[k][i + 1], sh) : 0u;
+          for (int i = 0; i < NA; ++i) {
+            aligned[i] = VB1 == 0 ? 0u
+                       : STRADDLE ? __funnelshift_r(words[k][i], words[k][i + 1 < NL ? i + 1 : i], sh)
+                       : words[k][i] >> sh;
+          }
           float pj[R];
           #pragma unroll
           for (int r = 0; r < R; ++r) pj[r] = p_tile[j * R + r];
@@ -465,9 +499,9 @@ def _shared_bytes(head_dim: int, value_dim: int, rows: int) -> int:
 def supports(head_dim: int, value_dim: int, key_stage1_bits: int, value_stage1_bits: int,
              rows: int) -> bool:
     """The shapes the kernel takes; others take the portable path. Dims: powers of two in
-    32..256 (Hadamard, 32-channel key chunks, 16-channel value lanes, <= 16 lanes per value
+    32..256 (Hadamard, 32-channel key chunks, 16- or 8-channel value lanes, <= 32 lanes per value
     token); stage-1 bits 0..3 (turboquant_rvq's totals 1..4); 1..8 query rows per kv head
-    (the lane's R x 16 value accumulators); shared memory under 48 KB."""
+    (the lane's R x channels_per_lane(R) value sums); shared memory under 48 KB."""
     for d in (head_dim, value_dim):
         if d < 32 or d > 256 or d & (d - 1):
             return False
