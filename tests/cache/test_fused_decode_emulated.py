@@ -7,7 +7,8 @@ decode_step (the exact sink as skip + exact prefix) -> affine_decode_attention (
 template constants, grid) -> the two kernel sources, as written. Expected: the same step with the
 kernels off (the CPU default: CompressedKVCache's portable attention over quantized_matmul).
 turboquant_rvq's step (fused_decode_rotated's partials kernel + this merge kernel) goes the same
-way in two cases. Two corrupted sources (in memory) show that the comparison fails.
+way in ROTATED_CASES (8 query rows per kv head among them). Corrupted sources (in memory: two of
+fused_decode's, one of the rotated kernel's) show that the comparison fails.
 What the emulation cannot check is listed in its docstring (nvrtc, speed, lock-step races).
 """
 

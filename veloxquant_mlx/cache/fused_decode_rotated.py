@@ -59,8 +59,10 @@ registers + 48 bytes of stack, fp16, d 128); 8 channels take 130 registers, no s
 stage-1 stream allows 8 channels at every width: a lane's 8 / 16 / 24 bits start on a multiple
 of its width, so 1- and 2-bit lanes lie inside one word and a 3-bit lane crosses at most one
 boundary (the funnel shift's case); its 8 sign bits are a quarter of one sign word. R <= 4
-compiles to the same PTX as before for the default 4 bits (3-bit stage 1); at 2 and 3 bits a
-lane no longer loads a word past its bits (whole-word or sub-word lanes: a plain shift).
+is unchanged for the default 4 bits (3-bit stage 1: nvcc gives the same PTX, bf16 d 128); at
+totals 2 and 3 a lane no longer loads the word after its bits (its bits lie inside one word or
+fill whole ones: a plain shift, one load fewer per lane and token; 130 / 146 registers instead
+of 151 / 146 at R = 4).
 
 `supports()` lists the shapes taken (others take the portable path): head_dim and value dim
 powers of two in 32..256, stage-1 bits 0..3 (total 1..4), 1 <= R <= 8.
@@ -79,6 +81,8 @@ tests there (`pytest tests/cache/test_fused_decode_rotated.py -k "kernel_step or
 6 passed, commit 7b7f52c) and, in the whole 8-layer model at 32K tokens, decoded at 0.71x the
 fp16 cache's tokens/s (417 vs 590, median of 2; 0.29x before any kernel;
 results/gpu_speed_h200_s3.json). Its one-layer time alone was not measured.
+The 8-channel value lanes above 4 rows (session 4) are checked on the CPU only (the emulation,
+nvcc's register report): neither their results nor their speed on the H200 yet.
 """
 
 from __future__ import annotations
@@ -102,13 +106,13 @@ MAX_TILES_PER_WARP = 256
 # one word boundary inside) and the sign words too (a quarter word per lane).
 MAX_VALUE_SUMS = 64
 MAX_ROWS = 8
+STAGE1_BITS = (0, 1, 2, 3)  # 0: no stage 1 (total 1 bit); 1: a second sign plane (total 2)
 
 
 def channels_per_lane(rows: int) -> int:
     """Value channels per lane at `rows` query rows per kv head (the kernel's CPL)."""
     return 16 if rows * 16 <= MAX_VALUE_SUMS else 8
 
-STAGE1_BITS = (0, 1, 2, 3)  # 0: no stage 1 (total 1 bit); 1: a second sign plane (total 2)
 
 _HEADER = fused_decode._HEADER + f"""
 // The lane's R x CPL value sums stay under this many registers (channels_per_lane in Python).
