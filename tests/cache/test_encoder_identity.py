@@ -25,7 +25,9 @@ def _bits(a: mx.array) -> np.ndarray:
 
 def _kv(tokens, heads, dim, dtype, seed, real_shaped):
     """Gaussian K/V; `real_shaped` adds what real layers have: offset and wide key channels,
-    a huge first token (the attention sink) and rare value spikes."""
+    a huge first token (the attention sink) and rare value spikes; "degenerate" instead gives
+    all-zero and constant stretches and coarse values full of ties (zero residuals, zero scales,
+    equal outlier scores)."""
     k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
     keys = mx.random.normal((1, heads, tokens, dim), key=k1)
     values = mx.random.normal((1, heads, tokens, dim), key=k2)
@@ -34,6 +36,10 @@ def _kv(tokens, heads, dim, dtype, seed, real_shaped):
         keys = keys + mx.where(channel == 3, 12.0, 0.0) + keys * mx.where(channel % 17 == 7, 5.0, 0.0)
         keys = keys + mx.where(mx.arange(tokens)[:, None] == 0, 40.0, 0.0)
         values = mx.where(mx.random.uniform(shape=values.shape, key=k3) < 0.002, 15.0, values)
+    if real_shaped == "degenerate":
+        token, channel = mx.arange(tokens)[:, None], mx.arange(dim)
+        keys = mx.where(token < 300, 0.0, mx.round(keys * 2) / 2)
+        values = mx.where(channel < 8, 1.0, mx.where((token > 600) & (token < 900), -0.0, mx.round(values)))
     return keys.astype(dtype), values.astype(dtype)
 
 
@@ -61,6 +67,7 @@ def _feed_and_compare(make, make_reference, keys, values, pieces):
         (8, 128, mx.float32, 3, 0.01, False),
         (3, 64, mx.float16, 2, 0.01, True),  # SmolLM2's shape
         (3, 64, mx.float16, 4, 0.0, True),
+        (3, 64, mx.float16, 3, 0.01, "degenerate"),
     ],
 )
 def test_kvquant_encoder_is_bit_identical(heads, dim, dtype, bits, fraction, real_shaped):
@@ -79,6 +86,7 @@ def test_kvquant_encoder_is_bit_identical(heads, dim, dtype, bits, fraction, rea
         (3, 64, mx.float16, 2, 4, 0.01, True),
         (3, 64, mx.float16, 3, 0, 0.0, True),
         (3, 64, mx.float16, 2, 12, 0.02, False),  # rank > 8: the QR path
+        (3, 64, mx.float16, 2, 4, 0.01, "degenerate"),
     ],
 )
 def test_gear_encoder_is_bit_identical(heads, dim, dtype, bits, rank, fraction, real_shaped):
