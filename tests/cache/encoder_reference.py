@@ -58,7 +58,8 @@ def _reference_orthonormal(y):
 
 
 class ReferenceGEARCache(GEARCache):
-    """GEARCache whose `_encode` is the one of main 2e28496."""
+    """GEARCache whose `_encode` is the one of main 2e28496 (which took the outliers' centres
+    from the overridable `_selection_centres`, the group means by default)."""
 
     def _encode(self, keys, values):
         out = {}
@@ -86,7 +87,7 @@ class ReferenceGEARCache(GEARCache):
         count = self._outlier_count(d)
         dense = blocks
         if count:
-            index, mask = gear_select_outliers(blocks, self._reference_group_means(blocks, per_channel), count)
+            index, mask = gear_select_outliers(blocks, self._selection_centres(blocks, per_channel), count)
             fill = self._reference_group_means(blocks, per_channel, weights=(~mask).astype(mx.float32))
             dense = mx.where(mask, fill, blocks)
         dense = dense.reshape(B, H, n, d).astype(side)

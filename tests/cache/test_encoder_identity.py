@@ -95,3 +95,16 @@ def test_gear_encoder_is_bit_identical(heads, dim, dtype, bits, rank, fraction, 
     _feed_and_compare(
         lambda: GEARCache(config), lambda: ReferenceGEARCache(config), keys, values, [1024, 1024, 256, 1, 1, 1]
     )
+
+
+def test_gear_encoder_with_a_subclass_s_own_centres_is_bit_identical():
+    """bench/ablations.py's MagnitudeGEAR overrides `_selection_centres`: the encoder takes
+    those centres from outside its compiled stage."""
+    from veloxquant_mlx.bench.ablations import MagnitudeGEAR
+
+    class ReferenceMagnitudeGEAR(ReferenceGEARCache):
+        _selection_centres = MagnitudeGEAR._selection_centres
+
+    config = KVCacheConfig(method="gear")
+    keys, values = _kv(1024 + 3, 3, 64, mx.float16, seed=5, real_shaped=True)
+    _feed_and_compare(lambda: MagnitudeGEAR(config), lambda: ReferenceMagnitudeGEAR(config), keys, values, [512, 512, 1, 1, 1])
