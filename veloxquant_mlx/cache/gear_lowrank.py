@@ -29,19 +29,25 @@ POWER_STEPS = 3
 
 def low_rank_factors(residual: mx.array, rank: int, steps: int = POWER_STEPS):
     """residual (..., n, d) float32 -> (A (..., n, r), B (..., d, r)) with residual ~ A @ B^T."""
-    start = start_matrix(residual.shape[-1], rank, mx.default_device())
+    start = start_matrix(residual.shape[-1], rank)
     if rank <= GRAM_SCHMIDT_MAX_RANK and _compile_here():
         return _compiled_iteration(rank, steps)(residual, start)
     return _power_iteration(residual, rank, steps, start)
 
 
-@lru_cache(maxsize=None)
-def start_matrix(d: int, rank: int, device: mx.Device) -> mx.array:
+def start_matrix(d: int, rank: int) -> mx.array:
     """The power iteration's fixed (d, rank) start: a fixed start makes encoding deterministic
     (state round trips and tests repeat exactly). Drawn once per shape and device and kept
-    (it used to be drawn again per call: ~30 random-bit ops per side of every chunk); per
+    (it used to be drawn again per call: a few random-bit ops per side of every chunk); per
     device because the normal transform's last bits could differ between devices."""
-    start = mx.random.normal((d, rank), key=mx.random.key(0x6EA2), stream=device)
+    # Keyed by the device's repr: mx.Device hashes by identity, and default_device() returns a
+    # new object per call.
+    return _start_matrix(d, rank, repr(mx.default_device()))
+
+
+@lru_cache(maxsize=None)
+def _start_matrix(d: int, rank: int, device: str) -> mx.array:
+    start = mx.random.normal((d, rank), key=mx.random.key(0x6EA2))
     mx.eval(start)
     return start
 
@@ -49,7 +55,7 @@ def start_matrix(d: int, rank: int, device: mx.Device) -> mx.array:
 def _power_iteration(residual: mx.array, rank: int, steps: int, start: mx.array | None = None):
     n, d = residual.shape[-2:]
     if start is None:
-        start = start_matrix(d, rank, mx.default_device())
+        start = start_matrix(d, rank)
     right = mx.broadcast_to(start, (*residual.shape[:-2], d, rank))
     left = None
     for _ in range(steps):

@@ -77,7 +77,7 @@ def replace_with_vector_mean(blocks: mx.array, positions: mx.array, axis: int) -
     x = blocks.astype(mx.float32)
     # The holes as a bool scatter (a quarter of the bytes of a float one); cast to 0.0 / 1.0 the
     # products and counts below are exactly those of a float mask.
-    keep = ~scatter_entries(mx.zeros(x.shape, mx.bool_), positions, mx.ones(positions.shape, mx.bool_))
+    keep = scatter_entries(mx.ones(x.shape, mx.bool_), positions, mx.zeros(positions.shape, mx.bool_))
     weight = keep.astype(mx.float32)
     kept = (x * weight).sum(axis=axis, keepdims=True)
     n_kept = mx.maximum(weight.sum(axis=axis, keepdims=True), 1.0)
