@@ -162,7 +162,10 @@ class KVQuantCache(CompressedKVCache):
         out = {}
         for prefix, blocks, axis in (("key", kb, -2), ("value", vb, -1)):
             count = self._outliers(blocks.shape[-1])
-            normalized, zero, scale, *sparse = _compiled_normalize(count, axis, self.dtype)(blocks)
+            normalize = _normalize_function(count, axis, self.dtype)
+            if _fusion_is_exact(blocks.shape[axis]):
+                normalize = _compiled_normalize(count, axis, self.dtype)
+            normalized, zero, scale, *sparse = normalize(blocks)
             if count:
                 out[f"{prefix}_outlier_position"], out[f"{prefix}_outlier_value"] = sparse
             if first:
@@ -234,8 +237,24 @@ class KVQuantCache(CompressedKVCache):
 # test_encoder_identity.py compares with the encoder of main 2e28496).
 
 
+def _fusion_is_exact(vector_length: int) -> bool:
+    """Whether the compiled normalize stores what the uncompiled one does. A vector's mean is
+    its sum times 1 / length, and the fused `x - sum * (1 / length)` of the outlier scores may
+    become one FMA where the fused kernel is built to allow it: MLX's CUDA JIT runs nvrtc with
+    its default --fmad=true (for this pattern nvcc emits mul.f32 / sub.f32 without .rn, which
+    ptxas may contract). That product is exact, so the FMA changes nothing, when the length is
+    a power of two (every kvquant group size; head_dim 64 or 128). MLX's fused CPU kernels are
+    built with g++ -O3 for baseline x86-64, which has no FMA."""
+    return mx.default_device() == mx.cpu or vector_length & (vector_length - 1) == 0
+
+
 @lru_cache(maxsize=None)
 def _compiled_normalize(count: int, axis: int, dtype: mx.Dtype):
+    return mx.compile(_normalize_function(count, axis, dtype))
+
+
+@lru_cache(maxsize=None)
+def _normalize_function(count: int, axis: int, dtype: mx.Dtype):
     """blocks (B, H, nb, G, D) -> (normalized float32, zero, scale[, positions, outlier values]):
     outliers taken out (holes filled with their vector's mean), then each vector (a channel over
     the block's tokens for axis -2, a token for -1) mapped to [-1, 1] by its mid-range and
@@ -258,7 +277,7 @@ def _compiled_normalize(count: int, axis: int, dtype: mx.Dtype):
             normalized = (dense - z32[..., None]) / s32[..., None]
         return (normalized, zero, scale, *sparse)
 
-    return mx.compile(normalize)
+    return normalize
 
 
 @lru_cache(maxsize=None)
