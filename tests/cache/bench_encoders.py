@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import mlx.core as mx
@@ -54,8 +56,10 @@ def main(argv=None) -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     rows = {}
+    load_before = os.getloadavg()
     for method in args.methods.split(","):
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(mx, dtype_name)
@@ -83,7 +87,20 @@ def main(argv=None) -> None:
                 ref, cur = (rows[case][k]["median_ms"] for k in ("reference", "current"))
                 rows[case]["speedup_of_medians"] = round(ref / cur, 2)
                 print(case, json.dumps(rows[case]), flush=True)
-    print(json.dumps({"shape": vars(args), "rows": rows}, indent=1))
+    result = {
+        "command": "python -m tests.cache.bench_encoders " + " ".join(sys.argv[1:] if argv is None else argv),
+        "ld_preload": os.environ.get("LD_PRELOAD"),
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "load_average_before_after": [load_before, os.getloadavg()],
+        "settings": vars(args),
+        "rows": rows,
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":
