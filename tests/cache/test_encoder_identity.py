@@ -108,3 +108,19 @@ def test_gear_encoder_with_a_subclass_s_own_centres_is_bit_identical():
     config = KVCacheConfig(method="gear")
     keys, values = _kv(1024 + 3, 3, 64, mx.float16, seed=5, real_shaped=True)
     _feed_and_compare(lambda: MagnitudeGEAR(config), lambda: ReferenceMagnitudeGEAR(config), keys, values, [512, 512, 1, 1, 1])
+
+
+def test_the_paths_cuda_takes_uncompiled_are_bit_identical_too(monkeypatch):
+    """On CUDA the power iteration runs uncompiled (gear_lowrank.COMPILE_ON_GPU) and so does
+    kvquant's normalize for a vector length that is not a power of two: force those paths here
+    (head_dim 80, as some models have) and compare with the reference."""
+    from veloxquant_mlx.cache import gear_lowrank, kvquant
+
+    monkeypatch.setattr(gear_lowrank, "_compile_here", lambda: False)
+    monkeypatch.setattr(kvquant, "_fusion_is_exact", lambda length: False)
+    keys, values = _kv(1024 + 3, 2, 64, mx.float16, seed=9, real_shaped=True)
+    config = KVCacheConfig(method="gear")
+    _feed_and_compare(lambda: GEARCache(config), lambda: ReferenceGEARCache(config), keys, values, [512, 512, 1, 1, 1])
+    keys, values = _kv(256 + 3, 2, 80, mx.float16, seed=9, real_shaped=True)
+    config = KVCacheConfig(method="kvquant")
+    _feed_and_compare(lambda: KVQuantCache(config), lambda: ReferenceKVQuantCache(config), keys, values, [128, 128, 1, 1, 1])

@@ -15,6 +15,12 @@ Attention never dequantizes the history: scores = quantized_matmul(q, K codes) +
 (q B_k) A_k^T + sparse; output = quantized_matmul(p, V codes) + (p A_v) B_v^T + sparse. On MLX's
 CUDA backend a decode step computes the same in two kernels (fused_decode_gear.py).
 
+The encoder (gear_encoder.py) runs in compiled stages around the argpartition, mx.quantize and
+the power iteration; it stores the same bits as the uncompiled ops did
+(tests/cache/test_encoder_identity.py). On the CPU that is hardly faster (1.02-1.06x for a
+2048-token chunk of one 8 x 128 layer: argpartition and mx.quantize dominate); on a GPU it
+removes kernel launches (unmeasured; see gear_encoder.py and gear_lowrank.COMPILE_ON_GPU).
+
 Rank setting: `gear_rank` (default 4) is the rank per block of BLOCK_TOKENS = 256 tokens per
 head, for keys and values alike. With head_dim 64, 2 bits, group 32, rank 4 and 1% outliers the
 accounting is 2 (codes) + 1 (scales, zeros) + 1 (A) + 0.25 (B) + 0.32 (S) = 4.57 bits per element,
