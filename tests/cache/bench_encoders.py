@@ -7,22 +7,30 @@ of a shared machine falls on both alike.
 
 Shape by default: the 8B model's one layer (8 KV heads x 128), a 2048-token chunk, random K/V;
 `first` is the cache's first chunk (kvquant also fits its codebooks then), `later` any other.
-Prints a JSON object: per case, median / min / max milliseconds for reference and current.
+Prints a JSON object: per case, median / min / max milliseconds for reference and current, and
+the size of each encoder's lazy graph for the chunk (mx.export_to_dot's nodes; "kernels" leaves
+out views -- reshape, broadcast, slice, squeeze, expand_dims, transpose -- so it approximates the
+kernel launches on a GPU, where mx.quantize / mx.dequantize are single kernels and on the CPU
+MLX builds them from elementwise ops, which count here).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
+import re
 import statistics
 import sys
 import time
+from collections import Counter
 
 import mlx.core as mx
 
 from tests.cache.encoder_reference import ReferenceGEARCache, ReferenceKVQuantCache
 from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache import gear_lowrank
 from veloxquant_mlx.cache.gear import GEARCache
 from veloxquant_mlx.cache.kvquant import KVQuantCache
 
@@ -46,6 +54,20 @@ def time_encode(cls, method, keys, values, first: bool) -> float:
     start = time.perf_counter()
     mx.eval(cache._encode(keys, values), cache.store)
     return time.perf_counter() - start
+
+
+VIEW_PRIMITIVES = {"Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose", "AsStrided"}
+
+
+def graph_size(cls, method, keys, values, first: bool) -> dict:
+    """Nodes of the lazy graph one `_encode` builds (the codebooks too on a first chunk)."""
+    cache = _ready_cache(cls, method, keys, values, first)
+    arrays = list(cache._encode(keys, values).values()) + list(cache.store.values())
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *arrays)
+    nodes = Counter(re.findall(r'label ?= ?"([A-Za-z_]+)"', dot.getvalue()))
+    kernels = {k: v for k, v in nodes.items() if k not in VIEW_PRIMITIVES}
+    return {"nodes": sum(nodes.values()), "kernels": sum(kernels.values())}
 
 
 def main(argv=None) -> None:
@@ -84,6 +106,14 @@ def main(argv=None) -> None:
                     }
                     for label, s in seconds.items()
                 }
+                for label, cls in zip(("reference", "current"), CLASSES[method]):
+                    rows[case][label]["graph"] = graph_size(cls, method, keys, values, first)
+                if method == "gear":  # as on CUDA, where the power iteration is not compiled
+                    compile_here, gear_lowrank._compile_here = gear_lowrank._compile_here, lambda: False
+                    rows[case]["current"]["graph_power_iteration_uncompiled"] = graph_size(
+                        CLASSES[method][1], method, keys, values, first
+                    )
+                    gear_lowrank._compile_here = compile_here
                 ref, cur = (rows[case][k]["median_ms"] for k in ("reference", "current"))
                 rows[case]["speedup_of_medians"] = round(ref / cur, 2)
                 print(case, json.dumps(rows[case]), flush=True)

@@ -107,7 +107,9 @@ def test_gear_encoder_with_a_subclass_s_own_centres_is_bit_identical():
 
     config = KVCacheConfig(method="gear")
     keys, values = _kv(1024 + 3, 3, 64, mx.float16, seed=5, real_shaped=True)
-    _feed_and_compare(lambda: MagnitudeGEAR(config), lambda: ReferenceMagnitudeGEAR(config), keys, values, [512, 512, 1, 1, 1])
+    _feed_and_compare(
+        lambda: MagnitudeGEAR(config), lambda: ReferenceMagnitudeGEAR(config), keys, values, [512, 512, 1, 1, 1]
+    )
 
 
 def test_the_paths_cuda_takes_uncompiled_are_bit_identical_too(monkeypatch):
@@ -123,4 +125,6 @@ def test_the_paths_cuda_takes_uncompiled_are_bit_identical_too(monkeypatch):
     _feed_and_compare(lambda: GEARCache(config), lambda: ReferenceGEARCache(config), keys, values, [512, 512, 1, 1, 1])
     keys, values = _kv(256 + 3, 2, 80, mx.float16, seed=9, real_shaped=True)
     config = KVCacheConfig(method="kvquant")
-    _feed_and_compare(lambda: KVQuantCache(config), lambda: ReferenceKVQuantCache(config), keys, values, [128, 128, 1, 1, 1])
+    _feed_and_compare(
+        lambda: KVQuantCache(config), lambda: ReferenceKVQuantCache(config), keys, values, [128, 128, 1, 1, 1]
+    )

@@ -1,11 +1,16 @@
 """GEAR's encoder (see gear.py for the method and its deviations), in compiled stages.
 
-The stages run through mx.compile: on a 2048-token chunk of one layer they were ~110 MLX ops per
-side, most of them elementwise passes over the chunk or tiny ops on one column of a block (the
-low rank's Gram-Schmidt); compiled, the elementwise runs between reductions fuse into single
-kernels. Every reduction, argpartition, scatter, quantize and matmul is the same op on the same
-array as in the uncompiled encoder, so the stored arrays are bit-identical (checked against
-the encoder of main 2e28496 by tests/cache/test_encoder_identity.py).
+The stages run through mx.compile, around what cannot fuse (reductions, the argpartition,
+mx.quantize / mx.dequantize, the matmuls): the elementwise runs between them, many of them on one
+column of every block (the low rank's Gram-Schmidt), become single kernels. For one 2048-token
+chunk of one layer (8 KV heads x 128, K and V) the encoder's lazy graph shrinks from 440
+non-view nodes to 292 (376 with the power iteration left uncompiled, as on CUDA: see
+gear_lowrank.COMPILE_ON_GPU); counted by `python -m tests.cache.bench_encoders` on the CPU, where
+mx.quantize is itself built from elementwise ops. CPU time hardly moves (1.02-1.06x; the
+argpartition and mx.quantize dominate there); on a GPU fewer launches should matter more, not
+yet measured. Every reduction, argpartition, scatter, quantize and matmul is the same op on the
+same array as in the uncompiled encoder, so the stored arrays are bit-identical (checked
+against the encoder of main 2e28496 by tests/cache/test_encoder_identity.py).
 """
 
 from __future__ import annotations

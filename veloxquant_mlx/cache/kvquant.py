@@ -237,10 +237,12 @@ class KVQuantCache(CompressedKVCache):
 
 # ---- the encoder's pure parts, through mx.compile ---------------------------------------------
 # One compiled function per setting (mx.compile traces again per input shape). Fusing the
-# elementwise ops around the reductions cuts the kernels per block of K or V from ~30 to ~10 and
-# the passes over the data with them; every reduction, argpartition and scatter is the same op on
-# the same array as before, so what is stored is bit-identical (tests/cache/
-# test_encoder_identity.py compares with the encoder of main 2e28496).
+# elementwise ops around the reductions shrinks the encoder's lazy graph for a 2048-token chunk
+# of one 8 x 128 layer from 108 non-view nodes to 60 (772 to 394 on the first chunk, with the
+# codebook fits; `python -m tests.cache.bench_encoders`), and the passes over the data with them;
+# every reduction, argpartition and scatter is the same op on the same array as before, so what
+# is stored is bit-identical (tests/cache/test_encoder_identity.py compares with the encoder of
+# main 2e28496).
 
 
 def _fusion_is_exact(vector_length: int) -> bool:
