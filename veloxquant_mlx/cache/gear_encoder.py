@@ -41,13 +41,15 @@ def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | N
     each entry's group mean."""
     with_centres = centres is not None
     dense_parts = _compiled_quantize(setting, with_centres)(blocks, *([centres] if with_centres else []))
-    codes, scales, zeros, approx, residual, *index = dense_parts
+    codes, scales, zeros, approx, *rest = dense_parts
     out = {"codes": codes, "scales": scales, "zeros": zeros}
     if setting.rank:
+        residual = rest[0]
         tokens, channels = low_rank_factors(residual, setting.rank)
         out["lr_tokens"], out["lr_channels"], approx = _compiled_low_rank_parts(setting)(tokens, channels, approx)
     if setting.outliers:
-        out["out_values"], out["out_index"] = _compiled_sparse_part(setting)(blocks, approx, index[0])
+        index = rest[-1]
+        out["out_values"], out["out_index"] = _compiled_sparse_part(setting)(blocks, approx, index)
     return out
 
 
@@ -79,8 +81,9 @@ def _compiled_quantize(setting: EncoderSetting, with_centres: bool):
             codes, scales, zeros = mx.quantize(dense, group_size=g, bits=bits)
             approx = dequantize(codes, scales, zeros, g, bits)
         approx = approx.reshape(blocks.shape)
-        residual = dense.astype(mx.float32).reshape(blocks.shape) - approx
-        return (codes, scales, zeros, approx, residual, *index)
+        # The residual D - Q(D) the low rank fits (not computed without one).
+        residual = [dense.astype(mx.float32).reshape(blocks.shape) - approx] if setting.rank else []
+        return (codes, scales, zeros, approx, *residual, *index)
 
     return mx.compile(quantize)
 
