@@ -85,6 +85,8 @@ def test_kvquant_encoder_is_bit_identical(heads, dim, dtype, bits, fraction, rea
         (8, 128, mx.float32, 4, 4, 0.01, False),
         (3, 64, mx.float16, 2, 4, 0.01, True),
         (3, 64, mx.float16, 3, 0, 0.0, True),
+        (3, 64, mx.float16, 2, 0, 0.01, True),  # outliers without a low rank
+        (3, 64, mx.bfloat16, 4, 2, 0.0, True),  # a low rank without outliers
         (3, 64, mx.float16, 2, 12, 0.02, False),  # rank > 8: the QR path
         (3, 64, mx.float16, 2, 4, 0.01, "degenerate"),
     ],
