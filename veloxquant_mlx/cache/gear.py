@@ -15,6 +15,12 @@ Attention never dequantizes the history: scores = quantized_matmul(q, K codes) +
 (q B_k) A_k^T + sparse; output = quantized_matmul(p, V codes) + (p A_v) B_v^T + sparse. On MLX's
 CUDA backend a decode step computes the same in two kernels (fused_decode_gear.py).
 
+The encoder (gear_encoder.py) runs in compiled stages around the argpartition, mx.quantize and
+the power iteration; it stores the same bits as the uncompiled ops did
+(tests/cache/test_encoder_identity.py). On the CPU that is hardly faster (1.02-1.06x for a
+2048-token chunk of one 8 x 128 layer: argpartition and mx.quantize dominate); on a GPU it
+removes kernel launches (unmeasured; see gear_encoder.py and gear_lowrank.COMPILE_ON_GPU).
+
 Rank setting: `gear_rank` (default 4) is the rank per block of BLOCK_TOKENS = 256 tokens per
 head, for keys and values alike. With head_dim 64, 2 bits, group 32, rank 4 and 1% outliers the
 accounting is 2 (codes) + 1 (scales, zeros) + 1 (A) + 0.25 (B) + 0.32 (S) = 4.57 bits per element,
@@ -51,8 +57,8 @@ import mlx.core as mx
 from veloxquant_mlx.cache import fused_decode_gear
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.gear_attention import scores_function, values_function
-from veloxquant_mlx.cache.gear_lowrank import low_rank_factors
-from veloxquant_mlx.cache.gear_outliers import block_positions, densify, index_dtype, select_outliers
+from veloxquant_mlx.cache.gear_encoder import EncoderSetting, dequantize, encode_side, group_means
+from veloxquant_mlx.cache.gear_outliers import block_positions, densify, index_dtype
 from veloxquant_mlx.errors import QuantizerConfigError
 
 # Tokens per low-rank / outlier block; also the base's encoding unit and growth step, so a
@@ -140,64 +146,31 @@ class GEARCache(CompressedKVCache):
     # ---- encoding ---------------------------------------------------------------------------
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
         out = {}
-        out.update(self._encode_side("k", keys.astype(mx.float32), per_channel=True))
-        out.update(self._encode_side("v", values.astype(mx.float32), per_channel=False))
+        out.update(self._encode_side("k", keys, per_channel=True))
+        out.update(self._encode_side("v", values, per_channel=False))
         return out
 
     def _group_means(self, blocks: mx.array, per_channel: bool, weights=None) -> mx.array:
         """Each entry's quantization-group mean (over `weights`-selected entries if given)."""
-        *lead, nb, d = blocks.shape
-        g = self.code_group
-        shape = (*lead, nb // g, g, d) if per_channel else (*lead, nb, d // g, g)
-        axis = -2 if per_channel else -1
-        x = blocks.reshape(shape)
-        if weights is None:
-            mean = mx.mean(x, axis=axis, keepdims=True)
-        else:
-            w = weights.reshape(shape)
-            mean = mx.sum(x * w, axis=axis, keepdims=True) / mx.maximum(mx.sum(w, axis=axis, keepdims=True), 1)
-        return mx.broadcast_to(mean, shape).reshape(blocks.shape)
+        return group_means(blocks, self.code_group, per_channel, weights)
 
     def _selection_centres(self, blocks: mx.array, per_channel: bool) -> mx.array:
         """What an outlier's distance is measured from: its quantization group's mean."""
         return self._group_means(blocks, per_channel)
 
     def _encode_side(self, s: str, x: mx.array, per_channel: bool) -> dict[str, mx.array]:
+        """One side's arrays, computed by gear_encoder.encode_side in compiled stages."""
         B, H, n, d = x.shape
-        n_blocks, side, g = n // self.block_tokens, self.side_dtype, self.code_group
-        blocks = x.reshape(B, H, n_blocks, self.block_tokens, d)
+        blocks = x.astype(mx.float32).reshape(B, H, n // self.block_tokens, self.block_tokens, d)
         count = self._outlier_count(d)
-        dense = blocks
-        if count:
-            index, mask = select_outliers(blocks, self._selection_centres(blocks, per_channel), count)
-            # Fill the holes with the mean of the rest of their group: inside its range, so a
-            # removed outlier no longer widens the group's scale.
-            fill = self._group_means(blocks, per_channel, weights=(~mask).astype(mx.float32))
-            dense = mx.where(mask, fill, blocks)
-        dense = dense.reshape(B, H, n, d).astype(side)
-        result = {}
-        if per_channel:
-            codes, scales, zeros = mx.quantize(dense.swapaxes(-1, -2), group_size=g, bits=self.code_bits)
-            approx = self._dequantize(codes, scales, zeros).swapaxes(-1, -2)
-            codes = codes.reshape(B, H, d, n // 32, self.code_bits)
-        else:
-            codes, scales, zeros = mx.quantize(dense, group_size=g, bits=self.code_bits)
-            approx = self._dequantize(codes, scales, zeros)
-        result[f"{s}_codes"], result[f"{s}_scales"], result[f"{s}_zeros"] = codes, scales, zeros
-        approx = approx.reshape(blocks.shape)
-        if self.rank:
-            residual = dense.astype(mx.float32).reshape(blocks.shape) - approx
-            tokens, channels = low_rank_factors(residual, self.rank)
-            tokens, channels = tokens.astype(side), channels.astype(side)
-            result[f"{s}_lr_tokens"] = tokens.reshape(B, H, n, self.rank)
-            result[f"{s}_lr_channels"] = channels
-            approx = approx + tokens.astype(mx.float32) @ channels.astype(mx.float32).swapaxes(-1, -2)
-        if count:
-            # The correction that makes Q(D) + A B^T + S return the original entry.
-            missing = (blocks - approx).reshape(B, H, n_blocks, self.block_tokens * d)
-            result[f"{s}_out_values"] = mx.take_along_axis(missing, index, axis=-1).astype(side)
-            result[f"{s}_out_index"] = index.astype(index_dtype(self.block_tokens * d))
-        return result
+        # A subclass's own centres (bench/ablations.py) are computed here and passed in; the
+        # default, the group means, is computed inside the compiled stage, fused.
+        own_centres = type(self)._selection_centres is not GEARCache._selection_centres
+        centres = self._selection_centres(blocks, per_channel) if count and own_centres else None
+        setting = EncoderSetting(
+            self.code_bits, self.code_group, self.rank, count, self.block_tokens, self.side_dtype, per_channel
+        )
+        return {f"{s}_{name}": array for name, array in encode_side(setting, blocks, centres).items()}
 
     # ---- decoding (unpatched path, trim, to_quantized) ----------------------------------------
     def _decode(self) -> tuple[mx.array, mx.array]:
@@ -216,10 +189,7 @@ class GEARCache(CompressedKVCache):
         return keys, values
 
     def _dequantize(self, codes, scales, zeros) -> mx.array:
-        # float32 scales: w * s + z computed exactly as quantized_matmul does, not rounded to fp16.
-        return mx.dequantize(
-            codes, scales.astype(mx.float32), zeros.astype(mx.float32), group_size=self.code_group, bits=self.code_bits
-        )
+        return dequantize(codes, scales, zeros, self.code_group, self.code_bits)
 
     def _add_residual(self, s: str, x: mx.array, n: int) -> mx.array:
         B, H, _, d = x.shape

@@ -16,6 +16,8 @@ residuals, where no low-rank structure exists to find). So we follow the paper.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 
 # Power-iteration steps. The residual of a uniform quantizer is close to noise; its leading
@@ -27,9 +29,33 @@ POWER_STEPS = 3
 
 def low_rank_factors(residual: mx.array, rank: int, steps: int = POWER_STEPS):
     """residual (..., n, d) float32 -> (A (..., n, r), B (..., d, r)) with residual ~ A @ B^T."""
-    n, d = residual.shape[-2:]
-    # A fixed start makes encoding deterministic (state round trips and tests repeat exactly).
+    start = start_matrix(residual.shape[-1], rank)
+    if rank <= GRAM_SCHMIDT_MAX_RANK and _compile_here():
+        return _compiled_iteration(rank, steps)(residual, start)
+    return _power_iteration(residual, rank, steps, start)
+
+
+def start_matrix(d: int, rank: int) -> mx.array:
+    """The power iteration's fixed (d, rank) start: a fixed start makes encoding deterministic
+    (state round trips and tests repeat exactly). Drawn once per shape and device and kept
+    (it used to be drawn again per call: a few random-bit ops per side of every chunk); per
+    device because the normal transform's last bits could differ between devices."""
+    # Keyed by the device's repr: mx.Device hashes by identity, and default_device() returns a
+    # new object per call.
+    return _start_matrix(d, rank, repr(mx.default_device()))
+
+
+@lru_cache(maxsize=None)
+def _start_matrix(d: int, rank: int, device: str) -> mx.array:
     start = mx.random.normal((d, rank), key=mx.random.key(0x6EA2))
+    mx.eval(start)
+    return start
+
+
+def _power_iteration(residual: mx.array, rank: int, steps: int, start: mx.array | None = None):
+    n, d = residual.shape[-2:]
+    if start is None:
+        start = start_matrix(d, rank)
     right = mx.broadcast_to(start, (*residual.shape[:-2], d, rank))
     left = None
     for _ in range(steps):
@@ -41,6 +67,25 @@ def low_rank_factors(residual: mx.array, rank: int, steps: int = POWER_STEPS):
 # Up to this rank the columns are orthonormalized by Gram-Schmidt in plain MLX ops (a few
 # batched elementwise ops per column, on any device); above it by LAPACK QR on the CPU stream.
 GRAM_SCHMIDT_MAX_RANK = 8
+
+# The power iteration runs through mx.compile on the CPU: uncompiled, Gram-Schmidt is ~45 ops on
+# one column of every block per step (~150 per side of a chunk at rank 4, each a pass or a
+# kernel launch); compiled, the elementwise ones between its reductions fuse. On the CPU that is
+# bit-identical (MLX builds its fused CPU kernels with g++ -O3 for baseline x86-64: no FMA).
+# On CUDA it is off until checked there: MLX's JIT compiles fused kernels with nvrtc's default
+# --fmad=true, and the projection v - c * <c, v> is the one product-then-add of the encoder
+# whose product is inexact, so a contracted FMA could change the factors' last bits. Set
+# COMPILE_ON_GPU = True and run tests/cache/test_encoder_identity.py on the GPU to check.
+COMPILE_ON_GPU = False
+
+
+def _compile_here() -> bool:
+    return COMPILE_ON_GPU or mx.default_device() == mx.cpu
+
+
+@lru_cache(maxsize=None)
+def _compiled_iteration(rank: int, steps: int):
+    return mx.compile(lambda residual, start: _power_iteration(residual, rank, steps, start))
 
 
 def _orthonormal(y: mx.array) -> mx.array:

@@ -29,9 +29,10 @@ def select_outliers(blocks: mx.array, group_means: mx.array, count: int):
     per-channel zero point already absorbs, and takes the entries that widen a group's range.
     """
     nb, d = blocks.shape[-2:]
-    flat = mx.abs(blocks - group_means).reshape(*blocks.shape[:-2], nb * d)
-    index = mx.argpartition(-flat, kth=count - 1, axis=-1)[..., :count]
-    mask = mx.zeros(flat.shape, mx.bool_)
+    # Negated before the reshape: under mx.compile (gear_encoder) it fuses with the distance.
+    negated = (-mx.abs(blocks - group_means)).reshape(*blocks.shape[:-2], nb * d)
+    index = mx.argpartition(negated, kth=count - 1, axis=-1)[..., :count]
+    mask = mx.zeros(negated.shape, mx.bool_)
     mask = mx.put_along_axis(mask, index, mx.array(True), axis=-1)
     return index.astype(mx.int32), mask.reshape(blocks.shape)
 

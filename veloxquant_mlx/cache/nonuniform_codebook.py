@@ -11,6 +11,8 @@ KV head): samples (..., N) and codebooks (..., K) with the same leading shape.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 
 # Enough samples for 16 levels to settle; more only costs time at the first flush.
@@ -23,12 +25,26 @@ def fit_codebook(samples: mx.array, n_levels: int, iterations: int = 20) -> mx.a
     Starts from the samples' quantiles (each level begins with an equal share of samples), which
     for 1-D data converges in a few iterations. A level that loses all its samples keeps its
     previous value, so the result always has n_levels finite entries.
+
+    Runs through mx.compile (one trace per setting and shape): the 20 unrolled iterations'
+    compares, one-hot and products fuse into a few kernels each instead of ~10 ops per
+    iteration. The reductions and sorts are the same ops on the same arrays as uncompiled, so
+    the levels are bit-identical (tests/cache/test_encoder_identity.py).
     """
     x = samples.astype(mx.float32)
     n = x.shape[-1]
     if n > MAX_FIT_SAMPLES:  # a strided subsample keeps every part of the block represented
         x = x[..., :: (n + MAX_FIT_SAMPLES - 1) // MAX_FIT_SAMPLES]
-        n = x.shape[-1]
+    return _compiled_lloyd(n_levels, iterations)(x)
+
+
+@lru_cache(maxsize=None)
+def _compiled_lloyd(n_levels: int, iterations: int):
+    return mx.compile(lambda x: _lloyd(x, n_levels, iterations))
+
+
+def _lloyd(x: mx.array, n_levels: int, iterations: int) -> mx.array:
+    n = x.shape[-1]
     ordered = mx.sort(x, axis=-1)
     picks = ((mx.arange(n_levels) + 0.5) * n / n_levels).astype(mx.int32)
     levels = mx.take(ordered, mx.minimum(picks, n - 1), axis=-1)
@@ -37,6 +53,8 @@ def fit_codebook(samples: mx.array, n_levels: int, iterations: int = 20) -> mx.a
         codes = nearest_level(x, levels)
         hits = (codes[..., None] == one).astype(mx.float32)  # (..., N, K)
         counts = hits.sum(axis=-2)
+        # The same (..., N, K) product reduced over N as ever: a sum in another order (a
+        # masked row sum per level) could differ in the last bit and move a level.
         sums = (hits * x[..., None]).sum(axis=-2)
         levels = mx.where(counts > 0, sums / mx.maximum(counts, 1.0), levels)
         levels = mx.sort(levels, axis=-1)
@@ -47,11 +65,23 @@ def nearest_level(x: mx.array, levels: mx.array) -> mx.array:
     """Index of the nearest level for each element: x (..., N), sorted levels (..., K) -> uint8.
 
     For sorted levels the nearest one is the number of midpoints below x, which needs K - 1
-    comparisons per element and no gather.
+    comparisons per element and no gather. They are counted one midpoint at a time into uint8
+    inside mx.compile, one fused elementwise pass over x; the former form, a (..., N, K - 1)
+    bool array summed over its last axis, wrote and re-read K - 1 bytes per element (measured
+    on the CPU, 8 heads x 2048 tokens x 128, 3 bits: 16.7 ms). Same counts, same codes.
     """
+    return _count_midpoints_below(x, levels)
+
+
+@mx.compile
+def _count_midpoints_below(x: mx.array, levels: mx.array) -> mx.array:
     mids = (levels[..., 1:] + levels[..., :-1]) * 0.5  # (..., K-1)
+    # (..., 1, ..., 1, K-1): one midpoint per leading index, broadcast over x's trailing axes.
     expand = mids.reshape(*mids.shape[:-1], *([1] * (x.ndim - mids.ndim + 1)), mids.shape[-1])
-    return (x[..., None] > expand).sum(axis=-1).astype(mx.uint8)
+    count = (x > expand[..., 0]).astype(mx.uint8)
+    for k in range(1, mids.shape[-1]):
+        count = count + (x > expand[..., k]).astype(mx.uint8)
+    return count
 
 
 def lookup(levels: mx.array, codes: mx.array) -> mx.array:

@@ -47,9 +47,12 @@ def select_outliers(blocks: mx.array, count: int, axis: int) -> mx.array:
     x = blocks.astype(mx.float32)
     mean = x.mean(axis=axis, keepdims=True)
     std = mx.sqrt(((x - mean) ** 2).mean(axis=axis, keepdims=True)) + 1e-6
-    score = (mx.abs(x - mean) / std).reshape(*x.shape[:-2], -1)
-    # argpartition puts the `count` largest last; their order does not matter.
-    top = mx.argpartition(-score, kth=count - 1, axis=-1)[..., :count]
+    # Negated before the reshape, so that under mx.compile (kvquant's encoder) the negation
+    # fuses with the score's other elementwise ops instead of costing a pass of its own.
+    negated = (-(mx.abs(x - mean) / std)).reshape(*x.shape[:-2], -1)
+    # argpartition puts the `count` smallest of -score (largest scores) first; their order
+    # does not matter to the method, but it is what is stored: keep this exact call.
+    top = mx.argpartition(negated, kth=count - 1, axis=-1)[..., :count]
     return top.astype(mx.uint16)
 
 
@@ -72,8 +75,11 @@ def replace_with_vector_mean(blocks: mx.array, positions: mx.array, axis: int) -
     so they no longer stretch the dense quantizer's range (the paper zeroes them; after
     per-vector normalization a vector's mean is the neutral value, zero is not)."""
     x = blocks.astype(mx.float32)
-    hole = scatter_entries(mx.ones_like(x), positions, mx.zeros(positions.shape))
-    kept = (x * hole).sum(axis=axis, keepdims=True)
-    n_kept = mx.maximum(hole.sum(axis=axis, keepdims=True), 1.0)
+    # The holes as a bool scatter (a quarter of the bytes of a float one); cast to 0.0 / 1.0 the
+    # products and counts below are exactly those of a float mask.
+    keep = scatter_entries(mx.ones(x.shape, mx.bool_), positions, mx.zeros(positions.shape, mx.bool_))
+    weight = keep.astype(mx.float32)
+    kept = (x * weight).sum(axis=axis, keepdims=True)
+    n_kept = mx.maximum(weight.sum(axis=axis, keepdims=True), 1.0)
     fill = mx.broadcast_to(kept / n_kept, x.shape)
-    return mx.where(hole > 0, x, fill)
+    return mx.where(keep, x, fill)

@@ -1,0 +1,136 @@
+"""GEAR's encoder (see gear.py for the method and its deviations), in compiled stages.
+
+The stages run through mx.compile, around what cannot fuse (reductions, the argpartition,
+mx.quantize / mx.dequantize, the matmuls): the elementwise runs between them, many of them on one
+column of every block (the low rank's Gram-Schmidt), become single kernels. For one 2048-token
+chunk of one layer (8 KV heads x 128, K and V) the encoder's lazy graph shrinks from 440
+non-view nodes to 292 (376 with the power iteration left uncompiled, as on CUDA: see
+gear_lowrank.COMPILE_ON_GPU); counted by `python -m tests.cache.bench_encoders` on the CPU, where
+mx.quantize is itself built from elementwise ops. CPU time hardly moves (1.02-1.06x; the
+argpartition and mx.quantize dominate there); on a GPU fewer launches should matter more, not
+yet measured. Every reduction, argpartition, scatter, quantize and matmul is the same op on the
+same array as in the uncompiled encoder, so the stored arrays are bit-identical (checked
+against the encoder of main 2e28496 by tests/cache/test_encoder_identity.py).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from veloxquant_mlx.cache.gear_lowrank import low_rank_factors
+from veloxquant_mlx.cache.gear_outliers import index_dtype, select_outliers
+
+
+class EncoderSetting(NamedTuple):
+    bits: int
+    group: int
+    rank: int
+    outliers: int  # per block of `block_tokens` x dim entries; 0: no sparse part
+    block_tokens: int
+    side_dtype: mx.Dtype
+    per_channel: bool  # keys: groups along tokens; values: along the head dim
+
+
+def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | None = None) -> dict[str, mx.array]:
+    """blocks (B, H, n_blocks, block_tokens, d) float32 -> GEAR's arrays for them, by name
+    without the side prefix ("codes", "scales", "zeros", "lr_tokens", "lr_channels",
+    "out_values", "out_index"); `centres`: what outlier distances are measured from, None for
+    each entry's group mean."""
+    with_centres = centres is not None
+    dense_parts = _compiled_quantize(setting, with_centres)(blocks, *([centres] if with_centres else []))
+    codes, scales, zeros, approx, *rest = dense_parts
+    out = {"codes": codes, "scales": scales, "zeros": zeros}
+    if setting.rank:
+        residual = rest[0]
+        tokens, channels = low_rank_factors(residual, setting.rank)
+        out["lr_tokens"], out["lr_channels"], approx = _compiled_low_rank_parts(setting)(tokens, channels, approx)
+    if setting.outliers:
+        index = rest[-1]
+        out["out_values"], out["out_index"] = _compiled_sparse_part(setting)(blocks, approx, index)
+    return out
+
+
+@lru_cache(maxsize=None)
+def _compiled_quantize(setting: EncoderSetting, with_centres: bool):
+    """Stage 1: outliers out (holes filled with the mean of the rest of their group), Q(D)
+    with mx.quantize, its dequantized value and the residual D - Q(D) the low rank fits."""
+    bits, g, count, side = setting.bits, setting.group, setting.outliers, setting.side_dtype
+
+    def quantize(blocks: mx.array, centres: mx.array | None = None):
+        B, H, n_blocks, nb, d = blocks.shape
+        n = n_blocks * nb
+        dense, index = blocks, []
+        if count:
+            if centres is None:
+                centres = group_means(blocks, g, setting.per_channel)
+            selected, mask = select_outliers(blocks, centres, count)
+            index = [selected]
+            # Fill the holes with the mean of the rest of their group: inside its range, so a
+            # removed outlier no longer widens the group's scale.
+            fill = group_means(blocks, g, setting.per_channel, weights=(~mask).astype(mx.float32))
+            dense = mx.where(mask, fill, blocks)
+        dense = dense.reshape(B, H, n, d).astype(side)
+        if setting.per_channel:
+            codes, scales, zeros = mx.quantize(dense.swapaxes(-1, -2), group_size=g, bits=bits)
+            approx = dequantize(codes, scales, zeros, g, bits).swapaxes(-1, -2)
+            codes = codes.reshape(B, H, d, n // 32, bits)
+        else:
+            codes, scales, zeros = mx.quantize(dense, group_size=g, bits=bits)
+            approx = dequantize(codes, scales, zeros, g, bits)
+        approx = approx.reshape(blocks.shape)
+        # The residual D - Q(D) the low rank fits (not computed without one).
+        residual = [dense.astype(mx.float32).reshape(blocks.shape) - approx] if setting.rank else []
+        return (codes, scales, zeros, approx, *residual, *index)
+
+    return mx.compile(quantize)
+
+
+@lru_cache(maxsize=None)
+def _compiled_low_rank_parts(setting: EncoderSetting):
+    """Stage 2 (after low_rank_factors): the factors as stored and Q(D) + A B^T."""
+    side = setting.side_dtype
+
+    def parts(tokens: mx.array, channels: mx.array, approx: mx.array):
+        tokens, channels = tokens.astype(side), channels.astype(side)
+        B, H, n_blocks, nb, _ = approx.shape
+        approx = approx + tokens.astype(mx.float32) @ channels.astype(mx.float32).swapaxes(-1, -2)
+        return tokens.reshape(B, H, n_blocks * nb, setting.rank), channels, approx
+
+    return mx.compile(parts)
+
+
+@lru_cache(maxsize=None)
+def _compiled_sparse_part(setting: EncoderSetting):
+    """Stage 3: the corrections that make Q(D) + A B^T + S return each outlier's entry."""
+
+    def sparse(blocks: mx.array, approx: mx.array, index: mx.array):
+        B, H, n_blocks, nb, d = blocks.shape
+        missing = (blocks - approx).reshape(B, H, n_blocks, nb * d)
+        values = mx.take_along_axis(missing, index, axis=-1).astype(setting.side_dtype)
+        return values, index.astype(index_dtype(nb * d))
+
+    return mx.compile(sparse)
+
+
+def group_means(blocks: mx.array, group: int, per_channel: bool, weights=None) -> mx.array:
+    """Each entry of blocks (..., nb, d) replaced by its quantization group's mean (over the
+    `weights`-selected entries if given): groups of `group` tokens per channel (keys) or of
+    `group` channels per token (values)."""
+    *lead, nb, d = blocks.shape
+    shape = (*lead, nb // group, group, d) if per_channel else (*lead, nb, d // group, group)
+    axis = -2 if per_channel else -1
+    x = blocks.reshape(shape)
+    if weights is None:
+        mean = mx.mean(x, axis=axis, keepdims=True)
+    else:
+        w = weights.reshape(shape)
+        mean = mx.sum(x * w, axis=axis, keepdims=True) / mx.maximum(mx.sum(w, axis=axis, keepdims=True), 1)
+    return mx.broadcast_to(mean, shape).reshape(blocks.shape)
+
+
+def dequantize(codes, scales, zeros, group: int, bits: int) -> mx.array:
+    # float32 scales: w * s + z computed exactly as quantized_matmul does, not rounded to fp16.
+    return mx.dequantize(codes, scales.astype(mx.float32), zeros.astype(mx.float32), group_size=group, bits=bits)
