@@ -112,7 +112,7 @@ def variant_kernel(mode: str):
     from veloxquant_mlx.cache import fused_decode as fd
 
     return mx.fast.cuda_kernel(
-        name=f"vq_probe_{mode}", input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "meta"],
+        name=f"vq_probe_{mode}", input_names=list(fd.PARTIALS_INPUTS),
         output_names=["part_o", "part_m", "part_l"], source=variant_source(mode), header=fd._HEADER)
 
 
