@@ -5,7 +5,8 @@ layer (quantized_matmul for the scores, masking, softmax, a split quantized_matm
 the window, concatenations); on the H200 that made KIVI decode at 0.59x the fp16 cache's speed at
 32K tokens although it reads 5x fewer bytes (results/gpu_speed_h200.json). These kernels read the
 packed codes once: the first produces, per block of consecutive history tokens (and one block
-for the exact window) and per query row, the flash-decoding partials
+for the exact tokens: an optional exact sink, then the window) and per query row, the
+flash-decoding partials
   m = max score, l = sum exp(score - m), o = sum exp(score - m) * value,
 and the second merges them into the output row (weights exp(m - max m)), in float32.
 
@@ -14,8 +15,11 @@ Layout read (the one KIVICache and XQuantCache store, MLX's mx.quantize stream):
          along tokens; scales/zeros (B, H, D, capacity / G): element = scale * code + zero;
   values per token: codes (B, H, capacity, DV * VB / 32), stream along channels;
          scales/zeros (B, H, capacity, DV / G).
+Exact tokens: the window (B, H, W, D / DV) and a sink (B, H, S, D / DV, e.g. KIVI's first token,
+whose codes in the history are a placeholder the kernel skips), both in the queries' dtype; the
+sink is an input of its own (sk, sv), so a step with a sink launches the two kernels and no copy.
 Blocks of 4 warps per (batch*kv-head, range of tokens); GQA query rows share the codes they read;
-the work split is described above _PARTIALS. GEARCache's store is this layout plus a low-rank
+the work split, the inputs and the shared-memory layout are described above _PARTIALS. GEARCache's store is this layout plus a low-rank
 and a sparse term: fused_decode_gear.py builds its kernel from this one's source with code at
 its hook lines (partials_source), and launches it through affine_partials and merge_partials.
 
@@ -75,8 +79,9 @@ __device__ __forceinline__ float vq_warp_sum(float x) {
 # are exact tokens the last block attends before the window (1-element dummies at n_sink = 0).
 # Blocks [0, n_hist_blocks) read the compressed history, the last block the exact sink + window.
 # Why the sink is an input of its own: concatenated to the window it cost two copy kernels per
-# layer and step (0.017 ms at 32K on the H200, results/kernel_probe_step_h200_s4.json, against
-# 0.086 ms for this kernel); here it costs one pointer select per exact token a lane reads.
+# layer and step, 0.017 ms on the H200 (bench.kernel_probe's step at 2K tokens,
+# results/kernel_probe_step_h200_s4.json; this kernel 0.037 ms there, 0.086 ms at 32K); here it
+# costs a select per exact token a lane reads (the exact block only). Not yet timed on a GPU.
 # A warp takes tiles of 128 tokens: scoring, lane i holds tokens 4i..4i+3 (one code word slice
 # per channel: the warp's 32 lanes read one contiguous run of each channel's codes); weighing
 # values, LPT lanes share a token (whole code words each, or a half / quarter word at many
