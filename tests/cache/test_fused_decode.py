@@ -100,8 +100,9 @@ def test_meta_is_rebuilt_only_when_its_values_change():
     first = meta.get(640, 128, 5, 0.125)
     assert meta.get(640, 128, 5, 0.125) is first
     assert meta.get(672, 128, 6, 0.125).tolist()[:3] == [672, 128, 6]
-    assert meta.get(672, 128, 6, 0.125, 1).tolist()[4:] == [1, 0]  # n_skip, n_sink
-    assert meta.get(672, 128, 6, 0.125, 1, 1).tolist()[4:] == [1, 1]
+    assert meta.get(672, 128, 6, 0.125, 1).tolist()[4:] == [1]  # n_skip (the other kernels' meta)
+    assert meta.get(672, 128, 6, 0.125, 1, 1).tolist()[4:] == [1, 1]  # n_skip, n_sink (this kernel's)
+    assert meta.get(672, 128, 6, 0.125, 1, 0).tolist()[4:] == [1, 0]
 
 
 def test_skip_must_leave_the_first_tile_a_token():

@@ -552,21 +552,23 @@ def shared_bytes(head_dim: int, value_dim: int, rows: int) -> int:
 
 
 def _meta(n_valid: int, per_block: int, n_hist_blocks: int, scale: float, n_skip: int,
-          n_sink: int) -> mx.array:
+          n_sink: int | None) -> mx.array:
     scale_bits = int(np.array([scale], dtype=np.float32).view(np.int32)[0])
-    return mx.array([n_valid, per_block, n_hist_blocks, scale_bits, n_skip, n_sink], dtype=mx.int32)
+    tail = [] if n_sink is None else [n_sink]
+    return mx.array([n_valid, per_block, n_hist_blocks, scale_bits, n_skip, *tail], dtype=mx.int32)
 
 
 class FusedDecodeMeta:
     """The small int32 argument array of one cache, rebuilt only when the history or the scale
-    changes (every block flush), not at every decode step."""
+    changes (every block flush), not at every decode step. Five entries; a sixth (n_sink) where
+    given: this module's partials kernel reads it, the other kernels sharing the class do not."""
 
     def __init__(self):
         self._key = None
         self._value = None
 
     def get(self, n_valid: int, per_block: int, n_hist_blocks: int, scale: float,
-            n_skip: int = 0, n_sink: int = 0) -> mx.array:
+            n_skip: int = 0, n_sink: int | None = None) -> mx.array:
         key = (n_valid, per_block, n_hist_blocks, scale, n_skip, n_sink)
         if key != self._key:
             self._key, self._value = key, _meta(*key)
