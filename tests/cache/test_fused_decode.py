@@ -80,10 +80,12 @@ def test_supported_shapes():
     assert not fused_decode.supports(128, 128, 16, 2, 2)  # a 32-token tile spans two groups
     assert fused_decode.supports(128, 128, 32, 2, 2, rows=16)
     assert not fused_decode.supports(128, 128, 32, 2, 2, rows=32)  # shared memory
-    # 20 rows of (96 + 4 * 128 + 8) floats = 49,280 bytes: over 48 KB once red_m / red_l count
-    # (the emulation reads the kernel's static shared memory: tests/cache/cuda_emulation.py)
+    # 20 rows of (96 + 4 * 132 + 8) floats = 50,560 bytes: over 48 KB (132: the tile's
+    # probability slots, TILE_SLOTS); 19 rows 48,032 (the emulation reads the kernel's static
+    # shared memory: tests/cache/cuda_emulation.py)
     assert not fused_decode.supports(96, 128, 32, 2, 2, rows=20)
     assert fused_decode.supports(96, 128, 32, 2, 2, rows=19)
+    assert fused_decode.shared_bytes(96, 128, 19) == 48_032 and fused_decode.TILE_SLOTS == 132
     assert fused_decode.supports(64, 64, 32, 2, 2)  # 4 words per value token: 4 lanes
     assert not fused_decode.supports(96, 96, 32, 2, 2)  # 6 words: 2 lanes of 48 channels > G
     # One row: whole words per lane (the largest power of two up to 8 dividing the words)
@@ -98,7 +100,9 @@ def test_meta_is_rebuilt_only_when_its_values_change():
     first = meta.get(640, 128, 5, 0.125)
     assert meta.get(640, 128, 5, 0.125) is first
     assert meta.get(672, 128, 6, 0.125).tolist()[:3] == [672, 128, 6]
-    assert meta.get(672, 128, 6, 0.125, 1).tolist()[4] == 1  # n_skip
+    assert meta.get(672, 128, 6, 0.125, 1).tolist()[4:] == [1]  # n_skip (the other kernels' meta)
+    assert meta.get(672, 128, 6, 0.125, 1, 1).tolist()[4:] == [1, 1]  # n_skip, n_sink (this kernel's)
+    assert meta.get(672, 128, 6, 0.125, 1, 0).tolist()[4:] == [1, 0]
 
 
 def test_skip_must_leave_the_first_tile_a_token():
@@ -122,6 +126,9 @@ KERNEL_CASES = [
     ("kivi-4/2 fp16 hd64 batch2 mha", _kivi(key_bits=4, value_bits=2), mx.float16, 64, 2, 1),
     ("kivi-8 fp32 hd128 gqa8", _kivi(bit_width_inlier=8), mx.float32, 128, 1, 8),
     ("kivi-2 fp16 hd128 gqa8 half-word lanes", _kivi(bit_width_inlier=2), mx.float16, 128, 1, 8),
+    # the default config at the 8B shape (the template of the kivi-2 bf16 case: no new compile);
+    # its exact sink goes in as the partials kernel's sk / sv inputs
+    ("kivi default bf16 hd128 gqa4 sink inputs", lambda: KIVICache(KVCacheConfig(method="kivi")), mx.bfloat16, 128, 1, 4),
     ("xquant-2 bf16 hd128 gqa4", lambda: XQuantCache(KVCacheConfig(method="xquant", bit_width_inlier=2,
                                                                    xquant_residual_length=32)),
      mx.bfloat16, 128, 1, 4),
@@ -197,13 +204,12 @@ def test_decode_step_hands_the_kernels_the_caches_arrays(monkeypatch, name, make
     assert cache._fused_decode(q_heads, 0.5) == "kernel output"
     args, kwargs = seen["args"], seen["kwargs"]
     assert args[0] is q_heads and args[1] == 0.5
-    if cache.method == "kivi":  # its exact sink (token 0) goes in before the window, skipped in the codes
+    assert args[8] is cache.window_keys and args[9] is cache.window_values  # nothing concatenated
+    if cache.method == "kivi":  # its exact sink (token 0): skipped in the codes, inputs of its own
         assert kwargs["skip"] == 1
-        assert mx.array_equal(args[8], mx.concatenate([cache.sink_keys, cache.window_keys], axis=2)).item()
-        assert mx.array_equal(args[9], mx.concatenate([cache.sink_values, cache.window_values], axis=2)).item()
+        assert kwargs["sink"][0] is cache.sink_keys and kwargs["sink"][1] is cache.sink_values
     else:
-        assert kwargs["skip"] == 0
-        assert args[8] is cache.window_keys and args[9] is cache.window_values
+        assert kwargs["skip"] == 0 and kwargs["sink"] is None
     assert kwargs["n_valid"] == cache.n_compressed == 640 and kwargs["n_kv_heads"] == 2
     assert kwargs["meta_cache"] is cache._fused_meta
     s = cache.store
@@ -218,16 +224,43 @@ def test_decode_step_hands_the_kernels_the_caches_arrays(monkeypatch, name, make
     assert cache._fused_decode(q_heads, 0.5) is None
 
 
-def test_decode_step_puts_an_exact_prefix_before_the_window(monkeypatch):
+def test_decode_step_hands_an_exact_prefix_in_as_the_kernels_sink(monkeypatch):
+    # The prefix is not concatenated to the window (two copy kernels per step): the partials
+    # kernel takes it as its sink inputs (sk, sv), attended before the window.
     cache = _filled(_kivi(bit_width_inlier=2)(), 700, D=128, Dv=128)
     q_heads = _decode_step(cache, D=128, Dv=128)
     seen = {}
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
     monkeypatch.setattr(fused_decode, "affine_decode_attention", lambda *a, **k: seen.update(args=a, kwargs=k))
     keys, values = cache._decode()
+    prefix = (keys[:, :, :1], values[:, :, :1])
     fused_decode.decode_step(cache, q_heads, 0.5, lambda: (None,) * 6, group_size=32, key_bits=2,
-                             value_bits=2, skip=1, exact_prefix=(keys[:, :, :1], values[:, :, :1]))
-    wk, wv = seen["args"][8:10]
-    assert wk.shape[2] == cache.window_keys.shape[2] + 1 and seen["kwargs"]["skip"] == 1
-    assert mx.array_equal(wk[:, :, :1], keys[:, :, :1]).item() and mx.array_equal(wk[:, :, 1:], cache.window_keys).item()
-    assert mx.array_equal(wv[:, :, :1], values[:, :, :1]).item() and mx.array_equal(wv[:, :, 1:], cache.window_values).item()
+                             value_bits=2, skip=1, exact_prefix=prefix)
+    assert seen["args"][8] is cache.window_keys and seen["args"][9] is cache.window_values
+    assert seen["kwargs"]["skip"] == 1 and seen["kwargs"]["sink"] is prefix
+
+
+def test_partials_launch_gets_the_sink_or_dummies_and_its_length_in_meta(monkeypatch):
+    cache = _filled(_kivi(bit_width_inlier=2)(), 700, D=128, Dv=128)
+    q = _decode_step(cache, D=128, Dv=128)
+    arrays = [cache.store[k] for k in ("key_codes", "key_scales", "key_biases", "value_codes", "value_scales", "value_biases")]
+    launches = []
+
+    def kernel(**kw):
+        launches.append(kw)
+        return "partials"
+
+    launch = lambda **kw: fused_decode.affine_partials(  # noqa: E731
+        q, 0.1, *arrays, cache.window_keys, cache.window_values, n_valid=640, group_size=32, key_bits=2,
+        value_bits=2, n_kv_heads=2, meta_cache=fused_decode.FusedDecodeMeta(), kernel=kernel, **kw)
+    launch(skip=1, sink=(cache.sink_keys, cache.sink_values))
+    launch()
+    names = fused_decode.PARTIALS_INPUTS
+    with_sink, without = ({n: a for n, a in zip(names, k["inputs"])} for k in launches)
+    assert mx.array_equal(with_sink["sk"], cache.sink_keys).item() and with_sink["sk"].shape == (1, 2, 1, 128)
+    assert mx.array_equal(with_sink["sv"], cache.sink_values).item()
+    assert with_sink["wk"].shape == cache.window_keys.shape  # the window alone
+    assert with_sink["meta"].tolist()[4:] == [1, 1] and without["meta"].tolist()[4:] == [0, 0]
+    assert without["sk"].shape == without["sv"].shape == (1,) and without["sk"].dtype == q.dtype
+    with pytest.raises(QuantizerConfigError, match=r"sink keys \(1, 2, 1, 64\).*allowed are \(B, H, S, D\)"):
+        launch(sink=(cache.sink_keys[..., :64], cache.sink_values))

@@ -3,11 +3,12 @@ by the thread-level emulation (tests/cache/cuda_emulation.py), against the porta
 
 The emulation stands in for mx.fast.cuda_kernel and the kernels are reported active, so a cache's
 decode step goes the way it goes on CUDA: KIVICache._fused_decode / XQuantCache._fused_decode ->
-decode_step (the exact sink as skip + exact prefix) -> affine_decode_attention (blocks, meta,
-template constants, grid) -> the two kernel sources, as written. Expected: the same step with the
+decode_step (the exact sink as skip + the partials kernel's sink inputs sk / sv) ->
+affine_decode_attention (blocks, meta, template constants, grid) -> the two kernel sources, as
+written. Expected: the same step with the
 kernels off (the CPU default: CompressedKVCache's portable attention over quantized_matmul).
 turboquant_rvq's step (fused_decode_rotated's partials kernel + this merge kernel) goes the same
-way in ROTATED_CASES (8 query rows per kv head among them). Corrupted sources (in memory: two of
+way in ROTATED_CASES (8 query rows per kv head among them). Corrupted sources (in memory: four of
 fused_decode's, one of the rotated kernel's) show that the comparison fails.
 What the emulation cannot check is listed in its docstring (nvrtc, speed, lock-step races).
 """
@@ -93,10 +94,15 @@ CASES = [
 
 
 # A corrupted kernel must fail the comparison: one index changed in each kernel (in memory;
-# fused_decode.py is untouched). The partials one is subtle: the attention sink, handed in
-# exactly with the window, is also attended from its compressed codes (0.0013 off).
+# fused_decode.py is untouched). Two partials ones are subtle: the attention sink, handed in
+# exactly as sk / sv, is also attended from its compressed codes (0.0013 off); or the sink
+# inputs are ignored (the exact block attends the window alone, token 0 is not attended).
 MUTATIONS = [
     ("partials: skip ignored", "_PARTIALS", "const int lo = window ? 0 : n_skip;", "const int lo = 0;"),
+    ("partials: sink inputs ignored", "_PARTIALS", "const int n_sink = meta[5];", "const int n_sink = 0;"),
+    # the history's value loop reading the probabilities where the old layout kept them
+    ("partials: probability slots", "_PARTIALS", "const int pslot = (tile_slot((b0 + k) * TPR) + slot_tl) * R;\n          float pj[R];",
+     "const int pslot = ((b0 + k) * TPR + tl) * R;\n          float pj[R];"),
     ("merge: block stride", "_MERGE", "po[(size_t)b * R * DV]", "po[(size_t)b * DV]"),
 ]
 
@@ -193,6 +199,55 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
 
 
 
+class _Recorded:
+    """An emulated kernel that keeps the inputs of each launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __call__(self, **kwargs):
+        self.launches.append(kwargs["inputs"])
+        return self.kernel(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "fp32"])
+def test_kivis_default_sink_is_attended_through_the_partials_kernels_sink_inputs(monkeypatch, dtype):
+    # KIVI's default config at the 8B head shape (GQA 4, head_dim 128, residual 128): its exact
+    # sink (token 0) reaches the partials kernel as sk / sv with n_sink = 1 in meta, the window
+    # as the cache's window alone (no concatenation: the step is the two kernels), and the
+    # output is the portable attention's (where the sink's exact K/V replace its codes).
+    # (Template constants as in CASES: the programs are built by the module's fixture.)
+    cache = KIVICache(KVCacheConfig(method="kivi"))
+    q_heads = _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=dtype)
+    assert cache.residual_length == 128 and cache._sink_length() == 1
+    expected = np.array(cache.attention(q_heads.astype(mx.float32), scale=128**-0.5))
+    recorded = []
+    real = cuda_emulation.cuda_kernel
+    monkeypatch.setattr(cuda_emulation, "cuda_kernel", lambda *a, **k: recorded.append(_Recorded(real(*a, **k))) or recorded[-1])
+    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    assert [k.name for k in made] == ["vq_affine_decode_partials", "vq_affine_decode_merge"]
+    assert [len(k.launches) for k in made] == [1, 1]
+    inputs = dict(zip(fused_decode.PARTIALS_INPUTS, made[0].launches[0]))
+    assert mx.array_equal(inputs["sk"], cache.sink_keys).item() and inputs["sk"].shape == (1, 2, 1, 128)
+    assert mx.array_equal(inputs["sv"], cache.sink_values).item()
+    assert mx.array_equal(inputs["wk"], cache.window_keys).item() and mx.array_equal(inputs["wv"], cache.window_values).item()
+    assert inputs["meta"].tolist()[4:] == [1, 1]  # n_skip, n_sink
+    got = np.array(got.astype(mx.float32))
+    print(f"kivi default {dtype}: max |kernel - portable| = {np.abs(got - expected).max():.2e}")
+    tol = {mx.float32: 2e-5, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
+    assert np.allclose(got, expected, atol=tol, rtol=tol), np.abs(got - expected).max()
+    if dtype == mx.float32:
+        # The comparison sees the sink: token 0 read from its placeholder codes instead of its
+        # exact K/V moves the output by far more than the tolerance (in bf16 it would not).
+        cache.sink_keys = cache.sink_values = None
+        placeholder = np.array(cache.attention(q_heads, scale=128**-0.5))
+        print(f"kivi default fp32: max |exact sink - placeholder codes| = {np.abs(placeholder - expected).max():.2e}")
+        assert np.abs(placeholder - expected).max() > 10 * tol
+
+
 @pytest.mark.parametrize("name, bits, dtype, D, B, rep, n", ROTATED_CASES, ids=[c[0] for c in ROTATED_CASES])
 def test_the_emulated_rotated_step_is_the_portable_attention(monkeypatch, name, bits, dtype, D, B, rep, n):
     cache = _rotated(bits)
@@ -235,4 +290,5 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, attr,
     _mutated(monkeypatch, attr, old, new)
     got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
     assert [k.calls for k in made] == [1, 1]
+    print(f"{name}: max |corrupted kernel - portable| = {np.abs(np.array(got) - expected).max():.2e}")
     assert np.abs(np.array(got) - expected).max() > 1e-4  # 5x the tolerance above, at least

@@ -47,7 +47,8 @@ def test_supported_shapes():
     assert fused_decode.supports(256, 256, 32, 2, 2, rows=8)
     assert not fused_decode_gear.supports(256, 256, 32, 2, 4, 256, 8, True)
     assert fused_decode_gear.supports(256, 256, 32, 2, 4, 256, 8, False)
-    assert fused_decode_gear.shared_bytes(128, 128, 4, True) == 4 * (4 * (128 + 4 * 128 + 8) + 4 * 4 * 128)
+    # 132 = fused_decode.TILE_SLOTS: the tile's probability slots per warp (tile_slot)
+    assert fused_decode_gear.shared_bytes(128, 128, 4, True) == 4 * (4 * (128 + 4 * 132 + 8) + 4 * 4 * 128)
 
 
 def _spy(monkeypatch):

@@ -83,10 +83,10 @@ CASES = [
 # TARGET_WARPS or None). The rescale of the sparse value sums matters only when a warp walks
 # several tiles: one block per head there.
 MUTATIONS = [
-    ("key outliers dropped", "atomicAdd(&p_tile[t * R + r], qs[c * R + r] * val);", ";", None),
+    ("key outliers dropped", "atomicAdd(&p_tile[tile_slot(t) * R + r], qs[c * R + r] * val);", ";", None),
     ("key low rank dropped", "s[i][r] = fmaf(qb[r][j], a, s[i][r]);", ";", None),
     ("value low rank dropped", "acc[r][c] = fmaf(uj[r], b, acc[r][c]);", ";", None),
-    ("value outliers dropped", "atomicAdd(&vsp_w[r * DV + c], p_tile[t * R + r] * val);", ";", None),
+    ("value outliers dropped", "atomicAdd(&vsp_w[r * DV + c], p_tile[tile_slot(t) * R + r] * val);", ";", None),
     ("value outliers not rescaled", "vsp_w[r * DV + c] *= al[r];", ";", 1),
 ]
 

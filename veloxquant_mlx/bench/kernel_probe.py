@@ -21,7 +21,9 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
 - `step`: at each of `--contexts`, one layer's whole decode step for each of `--methods` (the
   new token's update plus the attention; the fp16 KVCache with mlx-lm's attention), 30 steps
   enqueued per eval so block flushes are amortised as in generation; and for kivi the pieces
-  outside its partials kernel (the exact sink's two concatenations, the merge kernel). Tells
+  outside its partials kernel (the merge kernel; and the exact sink's two concatenations, which
+  the step paid until the sink became the partials kernel's own inputs sk / sv: a reference
+  for the saving, no longer part of the step). Tells
   the fixed per-step cost apart from the kernel's per-token cost (short contexts show it).
 The kernel variants are derived from the shipped source by cutting marked spans: a change to
 that source that moves the markers fails loudly (`variant_source`).
@@ -112,7 +114,7 @@ def variant_kernel(mode: str):
     from veloxquant_mlx.cache import fused_decode as fd
 
     return mx.fast.cuda_kernel(
-        name=f"vq_probe_{mode}", input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "meta"],
+        name=f"vq_probe_{mode}", input_names=list(fd.PARTIALS_INPUTS),
         output_names=["part_o", "part_m", "part_l"], source=variant_source(mode), header=fd._HEADER)
 
 

@@ -5,7 +5,8 @@ layer (quantized_matmul for the scores, masking, softmax, a split quantized_matm
 the window, concatenations); on the H200 that made KIVI decode at 0.59x the fp16 cache's speed at
 32K tokens although it reads 5x fewer bytes (results/gpu_speed_h200.json). These kernels read the
 packed codes once: the first produces, per block of consecutive history tokens (and one block
-for the exact window) and per query row, the flash-decoding partials
+for the exact tokens: an optional exact sink, then the window) and per query row, the
+flash-decoding partials
   m = max score, l = sum exp(score - m), o = sum exp(score - m) * value,
 and the second merges them into the output row (weights exp(m - max m)), in float32.
 
@@ -14,8 +15,11 @@ Layout read (the one KIVICache and XQuantCache store, MLX's mx.quantize stream):
          along tokens; scales/zeros (B, H, D, capacity / G): element = scale * code + zero;
   values per token: codes (B, H, capacity, DV * VB / 32), stream along channels;
          scales/zeros (B, H, capacity, DV / G).
+Exact tokens: the window (B, H, W, D / DV) and a sink (B, H, S, D / DV, e.g. KIVI's first token,
+whose codes in the history are a placeholder the kernel skips), both in the queries' dtype; the
+sink is an input of its own (sk, sv), so a step with a sink launches the two kernels and no copy.
 Blocks of 4 warps per (batch*kv-head, range of tokens); GQA query rows share the codes they read;
-the work split is described above _PARTIALS. GEARCache's store is this layout plus a low-rank
+the work split, the inputs and the shared-memory layout are described above _PARTIALS. GEARCache's store is this layout plus a low-rank
 and a sparse term: fused_decode_gear.py builds its kernel from this one's source with code at
 its hook lines (partials_source), and launches it through affine_partials and merge_partials.
 
@@ -69,15 +73,30 @@ __device__ __forceinline__ float vq_warp_sum(float x) {
 # Kernel 1: partials. Template constants: D, DV (key / value head dims), R (query rows per kv
 # head), G (group), KB, VB (bits), LPT (lanes per value token, lanes_per_token), QT (query
 # dtype: also the window's), ST (side-data dtype).
-# meta = [n_valid, tokens per block, blocks over the history, scale as float bits, n_skip]:
-# history tokens [0, n_skip) are ignored (a cache that reads them exactly, e.g. the attention
-# sink, hands them in with the window).
-# Blocks [0, n_hist_blocks) read the compressed history, the last block the exact window.
+# meta = [n_valid, tokens per block, blocks over the history, scale as float bits, n_skip,
+# n_sink]: history tokens [0, n_skip) are ignored (a cache that reads them exactly, e.g. KIVI's
+# attention sink, hands them in as sk / sv); sk, sv (B, H, n_sink, D / DV) in the queries' dtype
+# are exact tokens the last block attends before the window (1-element dummies at n_sink = 0).
+# Blocks [0, n_hist_blocks) read the compressed history, the last block the exact sink + window.
+# Why the sink is an input of its own: concatenated to the window it cost two copy kernels per
+# layer and step, 0.017 ms on the H200 (bench.kernel_probe's step at 2K tokens,
+# results/kernel_probe_step_h200_s4.json; this kernel 0.037 ms there, 0.086 ms at 32K); here it
+# costs a select per exact token a lane reads (the exact block only). Not yet timed on a GPU.
 # A warp takes tiles of 128 tokens: scoring, lane i holds tokens 4i..4i+3 (one code word slice
 # per channel: the warp's 32 lanes read one contiguous run of each channel's codes); weighing
 # values, LPT lanes share a token (whole code words each, or a half / quarter word at many
 # rows) and TPR tokens go per round, reading the tile's probabilities from shared memory.
+# The tile's probabilities: token t's R floats at p_tile[tile_slot(t) * R], tile_slot(t) =
+# (t % 4) * 33 + t / 4 (scoring lane i's token k at slot k * 33 + i). The R floats of a token
+# are contiguous, so each lane stores and loads them as one vector (128-bit at R = 4, as the
+# value loop already loaded them); the scoring lanes' stores of one k then hit 32 consecutive
+# slots (8 lanes per 128-bit phase: 8 distinct bank quads), and the value loop's TPR consecutive
+# tokens fall 33 slots apart when they share a scoring lane (distinct bank quads) or are one
+# token broadcast to its LPT lanes. Before, token t sat at t * R with one store per row: a
+# 16-float lane stride at R = 4, 16-way bank conflicts on each of a tile's 16 stores per lane.
+# Conflict-free at R = 1, 2, 4; at R = 8 (two 128-bit stores per token) stores are 2-way.
 TILE = 128
+TILE_SLOTS = TILE // 32 * 33  # p_tile's slots per warp (tile_slot: 4 runs of 32, one spare each)
 WARPS_PER_BLOCK = 4
 TARGET_WARPS = 4096  # ~31 warps per SM on an H200 (132 SMs)
 _PARTIALS_TEMPLATE = r"""
@@ -93,6 +112,8 @@ _PARTIALS_TEMPLATE = r"""
   constexpr int WV = DV * VB / 32;    // code words per value token
   constexpr int GV = DV / G;          // value groups per token
   constexpr int DMAX = D > DV ? D : DV;
+  constexpr int SLOTS = TPL * 33;     // tile_slot's range: 4 runs of 32 slots, one spare each
+  constexpr int PS = (SLOTS > DMAX ? SLOTS : DMAX) * R;  // a warp's probabilities, later its partial
   const float neg_inf = __int_as_float(0xff800000);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -106,16 +127,22 @@ _PARTIALS_TEMPLATE = r"""
   const int n_hist_blocks = meta[2];
   const float scale = __int_as_float(meta[3]);
   const int n_skip = meta[4];
+  const int n_sink = meta[5];
   const bool window = blockIdx.x >= n_hist_blocks;
   const int n_window = wk_shape[2];
   const int cap = vc_shape[2];
   const int wk_words = kc_shape[3];
   const int gk = ks_shape[3];
+  // A tile token's slot in p_tile (see above): one constant per unrolled round plus one per lane.
+  const auto tile_slot = [](int t) { return (t % TPL) * 33 + t / TPL; };
+  // The value loop's token C + tl (C a multiple of TPR, a power of two; tl < TPR) is at
+  // tile_slot(C) + tile_slot(tl): C and tl never carry into each other's part of the slot.
+  const int slot_tl = tile_slot(tl);
 
-  // Shared: queries [d][r] (scaled), each warp's tile probabilities [token][r], and at the end
-  // the warps' partials (reusing the probabilities' space).
+  // Shared: queries [d][r] (scaled), each warp's tile probabilities [tile_slot(token)][r], and
+  // at the end the warps' partials (reusing the probabilities' space).
   __shared__ __align__(16) float qs[D * R];
-  __shared__ __align__(16) float ps[NW][(TILE > DMAX ? TILE : DMAX) * R];
+  __shared__ __align__(16) float ps[NW][PS];
   __shared__ float red_m[NW][R];
   __shared__ float red_l[NW][R];
   for (int i = threadIdx.x; i < R * D; i += 32 * NW) {
@@ -132,6 +159,17 @@ _PARTIALS_TEMPLATE = r"""
   const ST* vz_bh = vz + (size_t)bh * cap * GV;
   const QT* wk_bh = wk + (size_t)bh * n_window * D;
   const QT* wv_bh = wv + (size_t)bh * n_window * DV;
+  // The exact block's token t: sink row t below n_sink, else window row t - n_sink; at R = 4
+  // written as a base chosen per token plus t rows (the window's base moved back by n_sink rows,
+  // never read there), at other R as whole row pointers selected. Why: ptxas's register counts
+  // (sm_90, nvcc 13.0), which the two forms move by up to 14 with no other change: at R = 4 (the
+  // 8B shape) 96 registers in 16-bit (5 blocks per SM) where row pointers take 104-112 (4
+  // blocks; 106 before the sink was an input); at R = 8 and 1 row pointers keep the counts from
+  // before (168, 72) where the based form takes 178, 80.
+  const QT* sk_bh = sk + (size_t)bh * n_sink * D;
+  const QT* sv_bh = sv + (size_t)bh * n_sink * DV;
+  const QT* wk_exact = wk_bh - (size_t)n_sink * D;
+  const QT* wv_exact = wv_bh - (size_t)n_sink * DV;
   float* p_tile = ps[warp];
   //@declare
 
@@ -146,7 +184,8 @@ _PARTIALS_TEMPLATE = r"""
 
   const int first = window ? 0 : blockIdx.x * per_block;
   const int lo = window ? 0 : n_skip;  // tokens before lo are not attended
-  const int last = window ? n_window : min(first + per_block, n_valid);
+  // The exact block: the sink's n_sink tokens (sk, sv), then the window's.
+  const int last = window ? n_sink + n_window : min(first + per_block, n_valid);
   for (int base = first + warp * TILE; base < last; base += TILE * NW) {
     //@tile
     // ---- scores of the lane's TPL tokens t0 .. t0 + TPL - 1 ----
@@ -163,7 +202,9 @@ _PARTIALS_TEMPLATE = r"""
       // unrolled, so a lane's loads along its token rows are in flight together.
       #pragma unroll
       for (int i = 0; i < TPL; ++i) {
-        const QT* krow = wk_bh + (size_t)min(t0 + i, last - 1) * D;
+        const int t = min(t0 + i, last - 1);
+        const QT* krow = R == 4 ? (t < n_sink ? sk_bh : wk_exact) + (size_t)t * D
+                         : t < n_sink ? sk_bh + (size_t)t * D : wk_bh + (size_t)(t - n_sink) * D;
         #pragma unroll 16
         for (int d = 0; d < D; ++d) {
           const float kv = vq_f32(krow[d]);
@@ -194,6 +235,9 @@ _PARTIALS_TEMPLATE = r"""
       }
     }
     // ---- online softmax over the tile; probabilities to shared memory ----
+    // A row at a time (its warp max and sum); s[i][r] becomes the probability, stored after
+    // the last row so that a token's R floats go out as vector stores (one 128-bit store at
+    // R = 4; one store per row instead: 106 registers against 96 at the 8B shape, ptxas sm_90).
     #pragma unroll
     for (int r = 0; r < R; ++r) {
       float tile_max = neg_inf;
@@ -210,7 +254,7 @@ _PARTIALS_TEMPLATE = r"""
       #pragma unroll
       for (int i = 0; i < TPL; ++i) {
         const float p = t0 + i < last && t0 + i >= lo ? expf(s[i][r] - m_new) : 0.f;
-        p_tile[(lane * TPL + i) * R + r] = p;
+        s[i][r] = p;
         sum += p;
       }
       l[r] = l[r] * alpha + vq_warp_sum(sum);
@@ -218,6 +262,11 @@ _PARTIALS_TEMPLATE = r"""
       for (int c = 0; c < CPL; ++c) acc[r][c] *= alpha;
       m[r] = m_new;
       //@rescaled
+    }
+    #pragma unroll
+    for (int i = 0; i < TPL; ++i) {
+      #pragma unroll
+      for (int r = 0; r < R; ++r) p_tile[(i * 33 + lane) * R + r] = s[i][r];  // tile_slot(lane * TPL + i)
     }
     __syncwarp();
     //@probs
@@ -230,17 +279,19 @@ _PARTIALS_TEMPLATE = r"""
         float v[WBATCH][CPL];
         #pragma unroll
         for (int k = 0; k < WBATCH; ++k) {
-          const size_t tj = (size_t)min(base + (b0 + k) * TPR + tl, last - 1);
+          const int tj = min(base + (b0 + k) * TPR + tl, last - 1);
+          const QT* vrow = R == 4 ? (tj < n_sink ? sv_bh : wv_exact) + (size_t)tj * DV
+                     : tj < n_sink ? sv_bh + (size_t)tj * DV : wv_bh + (size_t)(tj - n_sink) * DV;
           #pragma unroll
-          for (int c = 0; c < CPL; ++c) v[k][c] = vq_f32(wv_bh[tj * DV + ch0 + c]);
+          for (int c = 0; c < CPL; ++c) v[k][c] = vq_f32(vrow[ch0 + c]);
         }
         #pragma unroll
         for (int k = 0; k < WBATCH; ++k) {
-          const int j = (b0 + k) * TPR + tl;
+          const int pslot = (tile_slot((b0 + k) * TPR) + slot_tl) * R;
           #pragma unroll
           for (int c = 0; c < CPL; ++c) {
             #pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(p_tile[j * R + r], v[k][c], acc[r][c]);
+            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(p_tile[pslot + r], v[k][c], acc[r][c]);
           }
         }
       }
@@ -260,10 +311,11 @@ _PARTIALS_TEMPLATE = r"""
         }
         #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
-          const int j = (b0 + k) * TPR + tl;
+          // Token (b0 + k) * TPR + tl: a constant slot (the loop is unrolled) + the lane's.
+          const int pslot = (tile_slot((b0 + k) * TPR) + slot_tl) * R;
           float pj[R];
           #pragma unroll
-          for (int r = 0; r < R; ++r) pj[r] = p_tile[j * R + r];
+          for (int r = 0; r < R; ++r) pj[r] = p_tile[pslot + r];
           #pragma unroll
           for (int c = 0; c < CPL; ++c) {
             const unsigned code = (words[k][(c * VB) >> 5] >> (((c * VB) & 31) + sub)) & ((1u << VB) - 1u);
@@ -416,7 +468,7 @@ def _on_cuda() -> bool:
 
 
 # Kernel 1's inputs, in launch order (a kernel built on it by partials_source appends its own).
-PARTIALS_INPUTS = ("q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "meta")
+PARTIALS_INPUTS = ("q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "sk", "sv", "meta")
 
 
 @lru_cache(maxsize=None)
@@ -485,29 +537,36 @@ def supports(head_dim: int, value_dim: int, group_size: int, key_bits: int, valu
     lanes = lanes_per_token(value_dim, value_bits, rows)
     if lanes is None or group_size % (value_dim // lanes) or value_dim % 32:
         return False  # the merge kernel reduces over whole warps of value channels
-    # Shared memory, 4-byte floats, under 48 KB: the queries, per warp a tile's probabilities
-    # (later the warp's partial), and per warp and row its max and sum (red_m, red_l).
-    widest = max(head_dim, value_dim, TILE)
-    floats = rows * (head_dim + WARPS_PER_BLOCK * widest + 2 * WARPS_PER_BLOCK)
-    return 1 <= head_dim <= 256 and floats * 4 <= 48 * 1024
+    return 1 <= head_dim <= 256 and shared_bytes(head_dim, value_dim, rows) <= 48 * 1024
 
 
-def _meta(n_valid: int, per_block: int, n_hist_blocks: int, scale: float, n_skip: int) -> mx.array:
+def shared_bytes(head_dim: int, value_dim: int, rows: int) -> int:
+    """The partials kernel's static shared memory (4-byte floats): the queries, per warp a
+    tile's probabilities in TILE_SLOTS slots of `rows` floats (later the warp's partial), and per
+    warp and row its max and sum (red_m, red_l)."""
+    widest = max(head_dim, value_dim, TILE_SLOTS)
+    return 4 * rows * (head_dim + WARPS_PER_BLOCK * widest + 2 * WARPS_PER_BLOCK)
+
+
+def _meta(n_valid: int, per_block: int, n_hist_blocks: int, scale: float, n_skip: int,
+          n_sink: int | None) -> mx.array:
     scale_bits = int(np.array([scale], dtype=np.float32).view(np.int32)[0])
-    return mx.array([n_valid, per_block, n_hist_blocks, scale_bits, n_skip], dtype=mx.int32)
+    tail = [] if n_sink is None else [n_sink]
+    return mx.array([n_valid, per_block, n_hist_blocks, scale_bits, n_skip, *tail], dtype=mx.int32)
 
 
 class FusedDecodeMeta:
     """The small int32 argument array of one cache, rebuilt only when the history or the scale
-    changes (every block flush), not at every decode step."""
+    changes (every block flush), not at every decode step. Five entries; a sixth (n_sink) where
+    given: this module's partials kernel reads it, the other kernels sharing the class do not."""
 
     def __init__(self):
         self._key = None
         self._value = None
 
     def get(self, n_valid: int, per_block: int, n_hist_blocks: int, scale: float,
-            n_skip: int = 0) -> mx.array:
-        key = (n_valid, per_block, n_hist_blocks, scale, n_skip)
+            n_skip: int = 0, n_sink: int | None = None) -> mx.array:
+        key = (n_valid, per_block, n_hist_blocks, scale, n_skip, n_sink)
         if key != self._key:
             self._key, self._value = key, _meta(*key)
         return self._value
@@ -519,39 +578,39 @@ def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bi
     not active (off CUDA, switched off, a shape supports() refuses): the cache then takes the
     portable path. `arrays()` gives (key codes, scales, zeros, value codes, scales, zeros); it is
     only called when the kernels run. The window, history length and heads come from `cache`.
-    `skip`: leading compressed tokens to ignore; `exact_prefix`: (keys, values) attended exactly
-    with the window (a cache holding its first tokens exactly passes both)."""
+    `skip`: leading compressed tokens to ignore; `exact_prefix`: (keys, values) (B, H, S, D /
+    DV) attended exactly before the window (a cache holding its first tokens exactly passes
+    both): kernel inputs of their own (sk, sv), not concatenated to the window, so the step
+    launches the two kernels and nothing else."""
     rows = queries.shape[1] // cache.n_kv_heads
     if not kernels_enabled() or not supports(
         cache.head_dim, cache.value_dim, group_size, key_bits, value_bits, rows
     ):
         return None
-    window_keys, window_values = cache.window_keys, cache.window_values
-    if exact_prefix is not None:
-        window_keys = mx.concatenate([exact_prefix[0].astype(window_keys.dtype), window_keys], axis=2)
-        window_values = mx.concatenate([exact_prefix[1].astype(window_values.dtype), window_values], axis=2)
     # The meta array belongs to the cache (it changes with its history), made on first use.
     meta_cache = cache.__dict__.setdefault("_fused_meta", FusedDecodeMeta())
     return affine_decode_attention(
-        queries, scale, *arrays(), window_keys, window_values,
+        queries, scale, *arrays(), cache.window_keys, cache.window_values,
         n_valid=cache.n_compressed, group_size=group_size, key_bits=key_bits,
         value_bits=value_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache, skip=skip,
+        sink=exact_prefix,
     )
 
 
 def affine_decode_attention(
     queries, scale: float, key_codes, key_scales, key_zeros, value_codes, value_scales,
     value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
-    value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0,
+    value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0, sink=None,
 ):
     """softmax(q K^T * scale) V for one query row per head, queries (B, Hq, 1, D), over the
-    compressed tokens [skip, n_valid) and the exact window (B, H, W, D), W >= 1 -> (B, Hq, 1, DV)
-    in the queries' dtype. Only call when kernels_enabled() and supports(...): decode_step checks."""
+    compressed tokens [skip, n_valid), the exact sink `sink` = (keys, values) (B, H, S, D / DV;
+    None: none) and the exact window (B, H, W, D), W >= 1 -> (B, Hq, 1, DV) in the queries'
+    dtype. Only call when kernels_enabled() and supports(...): decode_step checks."""
     partials = affine_partials(
         queries, scale, key_codes, key_scales, key_zeros, value_codes,
         value_scales, value_zeros, window_keys, window_values, n_valid=n_valid,
         group_size=group_size, key_bits=key_bits, value_bits=value_bits, n_kv_heads=n_kv_heads,
-        meta_cache=meta_cache, skip=skip,
+        meta_cache=meta_cache, skip=skip, sink=sink,
     )
     return merge_partials(*partials, queries)
 
@@ -559,14 +618,15 @@ def affine_decode_attention(
 def affine_partials(
     queries, scale: float, key_codes, key_scales, key_zeros, value_codes, value_scales,
     value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
-    value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0, kernel=None,
-    extra_inputs=(), extra_template=(),
+    value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0, sink=None,
+    kernel=None, extra_inputs=(), extra_template=(),
 ):
     """Kernel 1's launch (the checks, block split, meta and template) -> (part_o, part_m,
-    part_l); `kernel`: the shipped partials kernel when None, else a variant of its source
-    (bench.kernel_probe times some) or a kernel built on it by partials_source (GEAR's), taken
-    after the checks; `extra_inputs` / `extra_template`: what such a kernel takes beyond this
-    one's inputs (after `meta`) and template constants."""
+    part_l); `sink`: (keys, values) (B, H, S, D / DV) the exact block attends before the window
+    (None: dummies, S = 0); `kernel`: the shipped partials kernel when None, else a variant of
+    its source (bench.kernel_probe times some) or a kernel built on it by partials_source
+    (GEAR's), taken after the checks; `extra_inputs` / `extra_template`: what such a kernel
+    takes beyond this one's inputs (after `meta`) and template constants."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -591,12 +651,14 @@ def affine_partials(
             f"fused decode: {n_valid} history tokens need {n_blocks} blocks, more than the merge "
             f"kernel's {MAX_BLOCKS}; set {ENV_SWITCH}=0 to use the portable path"
         )
-    meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip)
     dtype = queries.dtype
+    sink_keys, sink_values, n_sink = _sink_inputs(sink, queries, window_keys, window_values, DV)
+    meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip, n_sink)
     partials = _kernels()[0] if kernel is None else kernel
     return partials(
         inputs=[queries, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
-                window_keys.astype(dtype), window_values.astype(dtype), meta, *extra_inputs],
+                window_keys.astype(dtype), window_values.astype(dtype), sink_keys, sink_values,
+                meta, *extra_inputs],
         template=[("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                   ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits, R)), ("QT", dtype),
                   ("ST", side), *extra_template],
@@ -605,6 +667,31 @@ def affine_partials(
         output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
+
+
+@lru_cache(maxsize=None)
+def _dummy(dtype) -> mx.array:
+    """A one-element stand-in for an absent sink (the kernel reads none of it at n_sink = 0)."""
+    return mx.zeros((1,), dtype=dtype)
+
+
+def _sink_inputs(sink, queries, window_keys, window_values, value_dim: int):
+    """(sk, sv, n_sink) for the partials kernel: the sink in the queries' dtype (the kernel
+    reads it through the window's pointer type; astype is free when the dtypes agree, as they
+    do for a model's caches), or dummies and 0."""
+    dtype = queries.dtype
+    if sink is None:
+        return _dummy(dtype), _dummy(dtype), 0
+    keys, values = sink
+    B, H, _, D = window_keys.shape
+    S = keys.shape[2] if keys.ndim == 4 else 0
+    if S < 1 or keys.shape != (B, H, S, D) or values.shape != (B, H, S, value_dim):
+        raise QuantizerConfigError(
+            f"fused decode: sink keys {keys.shape} / values {values.shape} do not fit the window "
+            f"{window_keys.shape} / {window_values.shape}; allowed are (B, H, S, D) / (B, H, S, DV) "
+            f"= ({B}, {H}, S, {D}) / ({B}, {H}, S, {value_dim}) with S >= 1"
+        )
+    return keys.astype(dtype), values.astype(dtype), S
 
 
 def merge_partials(part_o, part_m, part_l, queries):

@@ -144,7 +144,10 @@ _SCORE_INIT = r"""
         // Sparse key terms q[c] * value into the tile's score slots (the probability buffer,
         // free until the softmax writes it; each lane zeroes its own tokens' slots).
         #pragma unroll
-        for (int i = 0; i < TPL * R; ++i) p_tile[lane * TPL * R + i] = 0.f;
+        for (int i = 0; i < TPL; ++i) {
+          #pragma unroll
+          for (int r = 0; r < R; ++r) p_tile[(i * 33 + lane) * R + r] = 0.f;  // tile_slot(lane * TPL + i)
+        }
         __syncwarp();
         const KIT* oi = koi_bh + (size_t)gb * KCNT;
         const ST* ov = kov_bh + (size_t)gb * KCNT;
@@ -155,14 +158,14 @@ _SCORE_INIT = r"""
             const int c = idx - (idx / D) * D;
             const float val = vq_f32(ov[e]);
             #pragma unroll
-            for (int r = 0; r < R; ++r) atomicAdd(&p_tile[t * R + r], qs[c * R + r] * val);
+            for (int r = 0; r < R; ++r) atomicAdd(&p_tile[tile_slot(t) * R + r], qs[c * R + r] * val);
           }
         }
         __syncwarp();
         #pragma unroll
         for (int i = 0; i < TPL; ++i) {
           #pragma unroll
-          for (int r = 0; r < R; ++r) s[i][r] += p_tile[(lane * TPL + i) * R + r];
+          for (int r = 0; r < R; ++r) s[i][r] += p_tile[(i * 33 + lane) * R + r];
         }
       }
     }
@@ -192,7 +195,7 @@ _PROBS = r"""
           for (int j = 0; j < RK; ++j) {
             const float a = vq_f32(vat_bh[(size_t)(ta + i) * RANK + j]);
             #pragma unroll
-            for (int r = 0; r < R; ++r) u[r][j] = fmaf(p_tile[(lane * TPL + i) * R + r], a, u[r][j]);
+            for (int r = 0; r < R; ++r) u[r][j] = fmaf(p_tile[(i * 33 + lane) * R + r], a, u[r][j]);
           }
         }
         #pragma unroll
@@ -246,7 +249,7 @@ _PROBS = r"""
             const int c = idx - (idx / DV) * DV;
             const float val = vq_f32(ov[e]);
             #pragma unroll
-            for (int r = 0; r < R; ++r) atomicAdd(&vsp_w[r * DV + c], p_tile[t * R + r] * val);
+            for (int r = 0; r < R; ++r) atomicAdd(&vsp_w[r * DV + c], p_tile[tile_slot(t) * R + r] * val);
           }
         }
       }
@@ -282,11 +285,9 @@ def _partials_kernel():
 def shared_bytes(head_dim: int, value_dim: int, rows: int, value_outliers: bool) -> int:
     """Static shared memory of the kernel: fused_decode's (queries, per warp a tile's
     probabilities or partial, per warp and row max and sum) plus the sparse value sums."""
-    widest = max(head_dim, value_dim, fused_decode.TILE)
     warps = fused_decode.WARPS_PER_BLOCK
-    floats = rows * (head_dim + warps * widest + 2 * warps)
-    floats += warps * (rows * value_dim if value_outliers else 1)
-    return 4 * floats
+    return fused_decode.shared_bytes(head_dim, value_dim, rows) + 4 * warps * (
+        rows * value_dim if value_outliers else 1)
 
 
 def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rank: int,
