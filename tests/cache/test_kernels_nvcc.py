@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(NVCC is None, reason="needs n
 # took 8 channels per lane above 4 rows (fused_decode_rotated.channels_per_lane: 130 registers).
 CASES = [
     pytest.param(method, dtype, rep, id=f"{method}-{str(dtype).split('.')[-1]}-r{rep}")
-    for method in ("kivi", "xquant", "turboquant_rvq", "gear")
+    for method in ("kivi", "xquant", "turboquant_rvq", "gear", "kvquant")  # minicache: its own nvcc test (pairs)
     for dtype, rep in ((mx.bfloat16, 4), (mx.float16, 8), (mx.float32, 1))
 ]
 

@@ -68,6 +68,37 @@ __device__ __forceinline__ float vq_warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
+
+// The block's NW warps' partials merged into the block's one (flash-decoding's merge inside a
+// block): warp w left its unnormalised sums for rows x channels in ps_w = ps + w * ps_stride
+// ([r * DV + c]) and its running max and sum per row in red_m / red_l ([w * R + r]). Called by
+// every thread of the block after a __syncthreads; writes part_o / part_m / part_l at out_row.
+template <int R, int DV, int NW>
+__device__ __forceinline__ void vq_block_partial(const float* ps, int ps_stride, const float* red_m,
+                                                 const float* red_l, float* part_o, float* part_m,
+                                                 float* part_l, size_t out_row) {
+  const float neg_inf = __int_as_float(0xff800000);
+  for (int i = threadIdx.x; i < R * DV; i += 32 * NW) {
+    const int r = i / DV;
+    float top = neg_inf;
+    #pragma unroll
+    for (int w = 0; w < NW; ++w) top = fmaxf(top, red_m[w * R + r]);
+    float o = 0.f, den = 0.f;
+    if (top != neg_inf) {
+      #pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float e = red_m[w * R + r] == neg_inf ? 0.f : expf(red_m[w * R + r] - top);
+        o = fmaf(e, ps[(size_t)w * ps_stride + i], o);
+        den = fmaf(e, red_l[w * R + r], den);
+      }
+    }
+    part_o[out_row * DV + i] = o;
+    if (i % DV == 0) {
+      part_m[out_row + r] = top;
+      part_l[out_row + r] = den;
+    }
+  }
+}
 """
 
 # Kernel 1: partials. Template constants: D, DV (key / value head dims), R (query rows per kv
@@ -357,26 +388,8 @@ _PARTIALS_TEMPLATE = r"""
   __syncthreads();
   // The block's four warps merged into one partial.
   const size_t out_row = ((size_t)bh * gridDim.x + blockIdx.x) * R;
-  for (int i = threadIdx.x; i < R * DV; i += 32 * NW) {
-    const int r = i / DV;
-    float top = neg_inf;
-    #pragma unroll
-    for (int w = 0; w < NW; ++w) top = fmaxf(top, red_m[w][r]);
-    float o = 0.f, den = 0.f;
-    if (top != neg_inf) {
-      #pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        const float e = red_m[w][r] == neg_inf ? 0.f : expf(red_m[w][r] - top);
-        o = fmaf(e, ps[w][i], o);
-        den = fmaf(e, red_l[w][r], den);
-      }
-    }
-    part_o[out_row * DV + i] = o;
-    if (i % DV == 0) {
-      part_m[out_row + r] = top;
-      part_l[out_row + r] = den;
-    }
-  }
+  vq_block_partial<R, DV, NW>(&ps[0][0], sizeof(ps[0]) / sizeof(float), &red_m[0][0], &red_l[0][0],
+                              part_o, part_m, part_l, out_row);
 """
 
 # Hook lines (`//@name`) mark where a kernel built on this one (fused_decode_gear.py: GEAR's

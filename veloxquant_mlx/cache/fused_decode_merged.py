@@ -594,26 +594,8 @@ _PARTIALS = r"""
   __syncthreads();
   // The block's warps merged into one partial.
   const size_t out_row = ((size_t)bh * gridDim.x + blockIdx.x) * R;
-  for (int i = threadIdx.x; i < R * DV; i += 32 * NW) {
-    const int r = i / DV;
-    float top = neg_inf;
-    #pragma unroll
-    for (int w = 0; w < NW; ++w) top = fmaxf(top, red_m[w][r]);
-    float o = 0.f, den = 0.f;
-    if (top != neg_inf) {
-      #pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        const float e = red_m[w][r] == neg_inf ? 0.f : expf(red_m[w][r] - top);
-        o = fmaf(e, ps[w][i], o);
-        den = fmaf(e, red_l[w][r], den);
-      }
-    }
-    part_o[out_row * DV + i] = o;
-    if (i % DV == 0) {
-      part_m[out_row + r] = top;
-      part_l[out_row + r] = den;
-    }
-  }
+  vq_block_partial<R, DV, NW>(&ps[0][0], sizeof(ps[0]) / sizeof(float), &red_m[0][0], &red_l[0][0],
+                              part_o, part_m, part_l, out_row);
 """
 
 _INPUTS = ["q", "dk", "dv", "dks", "dkb", "dvs", "dvb", "mk", "mv", "rk", "rv", "pk", "pv", "wk", "wv", "meta"]
