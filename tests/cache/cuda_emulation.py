@@ -615,3 +615,56 @@ def merge(part_o, part_m, part_l) -> np.ndarray:
     top = part_m.max(axis=1, keepdims=True)
     w = np.where(np.isneginf(part_m), 0.0, np.exp(part_m - top))
     return (w[..., None] * part_o).sum(1) / (w * part_l).sum(1)[..., None]
+
+
+def kernel_builders() -> list:
+    """The lru-cached kernel factories of every veloxquant_mlx.cache.fused_decode* module (each
+    builds its mx.fast.cuda_kernel objects once): emptied, they build anew with whatever
+    mx.fast.cuda_kernel is at the time."""
+    import importlib
+    import pkgutil
+
+    import veloxquant_mlx.cache as package
+
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name.startswith("fused_decode"):
+            module = importlib.import_module(f"veloxquant_mlx.cache.{info.name}")
+            found += [f for f in vars(module).values() if callable(f) and hasattr(f, "cache_clear")]
+    return found
+
+
+@contextmanager
+def emulated_kernels():
+    """Within: our caches' CUDA kernels are on (fused_decode.kernels_enabled) and built by this
+    emulation (the module's `cuda_kernel`, looked up at build time so a test may wrap it); the
+    kernel factories are emptied before and after, so no emulated kernel outlives the block.
+    Yields the list of kernels built inside (a test checks which ran)."""
+    from veloxquant_mlx.cache import fused_decode
+
+    made = []
+
+    def build(*args, **kwargs):
+        made.append(cuda_kernel(*args, **kwargs))
+        return made[-1]
+
+    builders = kernel_builders()
+    saved = mx.fast.cuda_kernel, fused_decode.kernels_enabled
+    for built in builders:
+        built.cache_clear()
+    mx.fast.cuda_kernel, fused_decode.kernels_enabled = build, (lambda: True)
+    try:
+        yield made
+    finally:
+        mx.fast.cuda_kernel, fused_decode.kernels_enabled = saved
+        for built in builders:
+            built.cache_clear()
+
+
+def emulated_decode_step(cache, q_heads, scale):
+    """`cache.attention` for one decode step with the kernels on and emulated -> (output
+    evaluated, the kernels built)."""
+    with emulated_kernels() as made:
+        out = cache.attention(q_heads, scale=scale)
+        mx.eval(out)
+    return out, made

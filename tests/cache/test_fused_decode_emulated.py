@@ -50,29 +50,7 @@ def _filled(cache, n, *, B, H, rep, D, dtype, seed=0):
     return (2 * mx.random.normal((B, rep * H, 1, D))).astype(dtype)
 
 
-def _emulated_step(monkeypatch, cache, q_heads, scale):
-    """The decode step with fused_decode's kernels active and run by the emulation; also the
-    emulated kernels (to check that they ran)."""
-    made = []
-
-    def cuda_kernel(*args, **kwargs):
-        made.append(cuda_emulation.cuda_kernel(*args, **kwargs))
-        return made[-1]
-
-    # The kernels are built anew with the emulation, and dropped again after.
-    caches = (fused_decode._kernels, fused_decode_rotated._partials_kernel)
-    for built in caches:
-        built.cache_clear()
-    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
-    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    try:
-        out = cache.attention(q_heads, scale=scale)
-        mx.eval(out)
-    finally:
-        for built in caches:
-            built.cache_clear()
-    return out, made
-
+_emulated_step = cuda_emulation.emulated_decode_step
 
 # (name, cache factory, dtype, head dim, batch, GQA rows, prefill tokens, TARGET_WARPS or None)
 CASES = [
@@ -143,23 +121,23 @@ def _programs_built_in_parallel():
     """Every program the tests below compile, built up front one per core: the signatures are
     captured from small caches of the same shapes (a cold run pays the compiler ~1 s each)."""
     captured = []
-    with pytest.MonkeyPatch.context() as mp, cuda_emulation.signatures_only() as captured:
+    with cuda_emulation.signatures_only() as captured:
         for name, make, dtype, D, B, rep, n, warps in CASES:
             cache = make()
             q_heads = _filled(cache, 100, B=B, H=2, rep=rep, D=D, dtype=dtype)
-            _emulated_step(mp, cache, q_heads, D**-0.5)
+            _emulated_step(cache, q_heads, D**-0.5)
         for name, bits, dtype, D, B, rep, n in ROTATED_CASES:
             cache = _rotated(bits)  # 100 tokens would all be in its exact window: no kernel call
-            _emulated_step(mp, cache, _filled(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
+            _emulated_step(cache, _filled(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
         with pytest.MonkeyPatch.context() as mutated:
             _mutated_rotated(mutated)
             cache = _rotated(4)
-            _emulated_step(mp, cache, _filled(cache, 300, B=1, H=2, rep=8, D=128, dtype=mx.float32), 128**-0.5)
+            _emulated_step(cache, _filled(cache, 300, B=1, H=2, rep=8, D=128, dtype=mx.float32), 128**-0.5)
         for name, attr, old, new in MUTATIONS:
             with pytest.MonkeyPatch.context() as mutated:
                 _mutated(mutated, attr, old, new)
                 cache = CASES[0][1]()
-                _emulated_step(mp, cache, _filled(cache, 100, B=1, H=2, rep=4, D=128, dtype=mx.float32), 128**-0.5)
+                _emulated_step(cache, _filled(cache, 100, B=1, H=2, rep=4, D=128, dtype=mx.float32), 128**-0.5)
     cuda_emulation.prebuild_captured(captured)
 
 
@@ -180,7 +158,7 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
     mx.eval(expected)
     assert (cache.n_compressed, cache.window_keys.shape[2]) == (n_valid, window)  # nothing flushed
 
-    got, made = _emulated_step(monkeypatch, cache, q_heads, D**-0.5)
+    got, made = _emulated_step(cache, q_heads, D**-0.5)
     assert [k.calls for k in made] == [1, 1], "the decode step did not run both kernels"
     assert got.dtype == dtype and got.shape == q_heads.shape
 
@@ -227,7 +205,7 @@ def test_kivis_default_sink_is_attended_through_the_partials_kernels_sink_inputs
     recorded = []
     real = cuda_emulation.cuda_kernel
     monkeypatch.setattr(cuda_emulation, "cuda_kernel", lambda *a, **k: recorded.append(_Recorded(real(*a, **k))) or recorded[-1])
-    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    got, made = _emulated_step(cache, q_heads, 128**-0.5)
     assert [k.name for k in made] == ["vq_affine_decode_partials", "vq_affine_decode_merge"]
     assert [len(k.launches) for k in made] == [1, 1]
     inputs = dict(zip(fused_decode.PARTIALS_INPUTS, made[0].launches[0]))
@@ -254,7 +232,7 @@ def test_the_emulated_rotated_step_is_the_portable_attention(monkeypatch, name, 
     q_heads = _filled(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
     assert cache.n_compressed > 0 and cache.sink_deltas is not None  # the exact sink is in play
     expected = np.array(cache.attention(q_heads.astype(mx.float32), scale=D**-0.5))
-    got, made = _emulated_step(monkeypatch, cache, q_heads, D**-0.5)
+    got, made = _emulated_step(cache, q_heads, D**-0.5)
     assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_rotated_decode_partials"]
     assert got.dtype == dtype and got.shape == q_heads.shape
     tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
@@ -273,9 +251,9 @@ def test_a_corrupted_rotated_kernel_source_fails_the_comparison(monkeypatch):
     cache = _rotated(4)
     q_heads = _filled(cache, 300, B=1, H=2, rep=8, D=128, dtype=mx.float32)
     expected = np.array(cache.attention(q_heads, scale=128**-0.5))
-    good, _ = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    good, _ = _emulated_step(cache, q_heads, 128**-0.5)
     _mutated_rotated(monkeypatch)
-    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    got, made = _emulated_step(cache, q_heads, 128**-0.5)
     assert [k.calls for k in made if k.calls] == [1, 1]
     good_err, bad_err = np.abs(np.array(good) - expected).max(), np.abs(np.array(got) - expected).max()
     print(f"rotated, 8 rows: max |kernel - portable| {good_err:.3g}, corrupted {bad_err:.3g}")
@@ -288,7 +266,7 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, attr,
     q_heads = _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
     expected = np.array(cache.attention(q_heads, scale=128**-0.5))
     _mutated(monkeypatch, attr, old, new)
-    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    got, made = _emulated_step(cache, q_heads, 128**-0.5)
     assert [k.calls for k in made] == [1, 1]
     print(f"{name}: max |corrupted kernel - portable| = {np.abs(np.array(got) - expected).max():.2e}")
     assert np.abs(np.array(got) - expected).max() > 1e-4  # 5x the tolerance above, at least

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from tests.cache import cuda_emulation
-from tests.cache.test_fused_decode_emulated import _emulated_step as affine_emulated_step
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import fused_decode, fused_decode_gear
 from veloxquant_mlx.cache.gear import GEARCache
@@ -46,16 +45,7 @@ def _filled(cache, n, *, B, H, rep, D, dtype, seed=0):
     return (2 * mx.random.normal((B, rep * H, 1, D))).astype(dtype)
 
 
-def _emulated_step(monkeypatch, cache, q_heads, scale):
-    """The decode step with the kernels active and run by the emulation (fused_decode's test
-    helper, which builds fused_decode's kernels anew and drops them after; the same here for
-    GEAR's partials kernel); also the emulated kernels (to check which ran)."""
-    fused_decode_gear._partials_kernel.cache_clear()
-    try:
-        return affine_emulated_step(monkeypatch, cache, q_heads, scale)
-    finally:
-        fused_decode_gear._partials_kernel.cache_clear()
-
+_emulated_step = cuda_emulation.emulated_decode_step
 
 # (name, cache factory, dtype, head dim, batch, GQA rows, prefill tokens, TARGET_WARPS or None)
 CASES = [
@@ -101,15 +91,15 @@ def _mutated(monkeypatch, old, new):
 def _programs_built_in_parallel():
     """Every program the tests below compile, built up front one per core: the signatures are
     captured from small caches of the same shapes (a cold build costs ~1 s each)."""
-    with pytest.MonkeyPatch.context() as mp, cuda_emulation.signatures_only() as captured:
+    with cuda_emulation.signatures_only() as captured:
         for name, make, dtype, D, B, rep, n, warps in CASES:
             cache = make()
-            _emulated_step(mp, cache, _filled(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
+            _emulated_step(cache, _filled(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
         for name, old, new, warps in MUTATIONS:
             with pytest.MonkeyPatch.context() as mutated:
                 _mutated(mutated, old, new)
                 cache = CASES[0][1]()
-                _emulated_step(mp, cache, _filled(cache, 300, B=1, H=2, rep=4, D=128, dtype=mx.float32), 128**-0.5)
+                _emulated_step(cache, _filled(cache, 300, B=1, H=2, rep=4, D=128, dtype=mx.float32), 128**-0.5)
     cuda_emulation.prebuild_captured(captured)
 
 
@@ -135,7 +125,7 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
     assert fused_decode_gear.supports(D, D, 32, cache.code_bits, cache.rank, 256, rep, outliers)
     expected = _portable(cache, q_heads, D)
 
-    got, made = _emulated_step(monkeypatch, cache, q_heads, D**-0.5)
+    got, made = _emulated_step(cache, q_heads, D**-0.5)
     # fused_decode builds its own partials kernel with the merge one; it must not run
     assert sorted((k.name, k.calls) for k in made if k.calls) == [("vq_affine_decode_merge", 1), ("vq_gear_decode_partials", 1)]
     assert got.dtype == dtype and got.shape == q_heads.shape
@@ -162,7 +152,7 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, 
     q_heads = _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
     expected = _portable(cache, q_heads, 128)
     _mutated(monkeypatch, old, new)
-    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    got, made = _emulated_step(cache, q_heads, 128**-0.5)
     assert sorted(k.name for k in made if k.calls == 1) == ["vq_affine_decode_merge", "vq_gear_decode_partials"]
     diff = np.abs(np.array(got) - expected).max()
     print(f"{name}: max |corrupted kernel - portable| = {diff:.2e}")
@@ -173,10 +163,10 @@ def test_supports_counts_the_kernels_shared_memory():
     # The static __shared__ bytes of the compiled programs (from their symbol tables) are what
     # shared_bytes() counts for the 48 KB limit supports() applies (the programs are built
     # already: the module's fixture).
-    with pytest.MonkeyPatch.context() as mp, cuda_emulation.signatures_only() as captured:
+    with cuda_emulation.signatures_only() as captured:
         for name, make, dtype, D, B, rep, n, warps in CASES:
             cache = make()
-            _emulated_step(mp, cache, _filled(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
+            _emulated_step(cache, _filled(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
     checked = 0
     for kernel, sig in captured:
         if kernel.name != "vq_gear_decode_partials":
@@ -204,6 +194,6 @@ def test_after_a_trim_the_kernel_ignores_the_stale_blocks(monkeypatch):
     q_heads = 2 * mx.random.normal((1, 8, 1, 128))
     assert (cache.n_compressed, cache.capacity, cache.window_keys.shape[2]) == (768, 1024, 34)
     expected = _portable(cache, q_heads, 128)
-    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    got, made = _emulated_step(cache, q_heads, 128**-0.5)
     assert "vq_gear_decode_partials" in [k.name for k in made if k.calls == 1]
     assert np.allclose(np.array(got), expected, atol=2e-5, rtol=2e-5), np.abs(np.array(got) - expected).max()

@@ -42,28 +42,7 @@ def _filled(cache, n, *, B, H, rep, D, dtype, seed=0):
     return (2 * mx.random.normal((B, rep * H, 1, D))).astype(dtype)
 
 
-def _emulated_step(monkeypatch, cache, q_heads, scale):
-    """The decode step with the kernels active and run by the emulation; also the emulated
-    kernels (to check that they ran)."""
-    made = []
-
-    def cuda_kernel(*args, **kwargs):
-        made.append(cuda_emulation.cuda_kernel(*args, **kwargs))
-        return made[-1]
-
-    built = (fused_decode._kernels, fused_decode_codebook._partials_kernel)
-    for b in built:
-        b.cache_clear()
-    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
-    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    try:
-        out = cache.attention(q_heads, scale=scale)
-        mx.eval(out)
-    finally:
-        for b in built:
-            b.cache_clear()
-    return out, made
-
+_emulated_step = cuda_emulation.emulated_decode_step
 
 # (name, cache factory, dtype, head dim, batch, GQA rows, prefill tokens, TARGET_WARPS or None)
 CASES = [
@@ -111,15 +90,15 @@ def _mutated(monkeypatch, old, new):
 def _programs_built_in_parallel():
     """Every program the tests below compile, built up front one per core: the signatures are
     captured from small caches of the same shapes."""
-    with pytest.MonkeyPatch.context() as mp, cuda_emulation.signatures_only() as captured:
+    with cuda_emulation.signatures_only() as captured:
         for name, make, dtype, D, B, rep, n, warps in CASES:
             cache = make()
-            _emulated_step(mp, cache, _filled(cache, 100, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
+            _emulated_step(cache, _filled(cache, 100, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
         for name, old, new in MUTATIONS:
             with pytest.MonkeyPatch.context() as mutated:
                 _mutated(mutated, old, new)
                 cache = CASES[0][1]()
-                _emulated_step(mp, cache, _filled(cache, 100, B=1, H=2, rep=4, D=128, dtype=mx.float32), 128**-0.5)
+                _emulated_step(cache, _filled(cache, 100, B=1, H=2, rep=4, D=128, dtype=mx.float32), 128**-0.5)
     cuda_emulation.prebuild_captured(captured)
 
 
@@ -140,7 +119,7 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
     mx.eval(expected)
     assert (cache.n_compressed, cache.window_keys.shape[2]) == (n_valid, window)  # nothing flushed
 
-    got, made = _emulated_step(monkeypatch, cache, q_heads, D**-0.5)
+    got, made = _emulated_step(cache, q_heads, D**-0.5)
     assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_codebook_decode_partials"]
     assert got.dtype == dtype and got.shape == q_heads.shape
 
@@ -164,7 +143,7 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, 
     q_heads = _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
     expected = np.array(cache.attention(q_heads, scale=128**-0.5))
     _mutated(monkeypatch, old, new)
-    got, made = _emulated_step(monkeypatch, cache, q_heads, 128**-0.5)
+    got, made = _emulated_step(cache, q_heads, 128**-0.5)
     assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_codebook_decode_partials"]
     diff = np.abs(np.array(got) - expected).max()
     print(f"mutation {name!r}: max |kernel - portable| = {diff:.3g}")

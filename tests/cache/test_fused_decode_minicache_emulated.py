@@ -26,30 +26,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _emulated_step(cache, q_heads, scale):
-    """The decode step with the kernels active and run by the emulation (switched back off
-    after, with the emulated kernels dropped); also the emulated kernels (to check that they
-    ran)."""
-    made = []
-
-    def cuda_kernel(*args, **kwargs):
-        made.append(cuda_emulation.cuda_kernel(*args, **kwargs))
-        return made[-1]
-
-    caches = (fused_decode._kernels, fused_decode_merged._partials_kernel)
-    for built in caches:
-        built.cache_clear()
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(mx.fast, "cuda_kernel", cuda_kernel)
-            mp.setattr(fused_decode, "kernels_enabled", lambda: True)
-            out = cache.attention(q_heads, scale=scale)
-            mx.eval(out)
-    finally:
-        for built in caches:
-            built.cache_clear()
-    return out, made
-
+_emulated_step = cuda_emulation.emulated_decode_step
 
 # (name, dtype, head dim, batch, GQA rows, prefill tokens, config fields, TARGET_WARPS or None)
 # (PREFETCH_FIRST_VALUES is on, the default, except in the case that says otherwise)

@@ -19,7 +19,6 @@ import mlx.core as mx
 import pytest
 
 from tests.cache import cuda_emulation
-from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.factory import KVCacheFactory
 from veloxquant_mlx.config import KVCacheConfig
 
@@ -46,33 +45,9 @@ def _captured(method: str, dtype, rep: int) -> list:
     cache.update_and_fetch(k, k)
     cache.attention(mx.random.normal((1, H * rep, 700, D)).astype(dtype), scale=D**-0.5)  # flush
     cache.update_and_fetch(k[:, :, :1], k[:, :, :1])
-    with pytest.MonkeyPatch.context() as mp, cuda_emulation.signatures_only() as captured:
-        mp.setattr(mx.fast, "cuda_kernel", cuda_emulation.cuda_kernel)
-        mp.setattr(fused_decode, "_on_cuda", lambda: True)
-        builders = _kernel_builders()
-        for built in builders:
-            built.cache_clear()
-        try:
-            cache.attention(mx.random.normal((1, H * rep, 1, D)).astype(dtype), scale=D**-0.5)
-        finally:
-            for built in builders:
-                built.cache_clear()
+    with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
+        cache.attention(mx.random.normal((1, H * rep, 1, D)).astype(dtype), scale=D**-0.5)
     return list(captured)
-
-
-def _kernel_builders():
-    """The lru-cached kernel factories of every fused_decode* module (built anew under the patch)."""
-    import importlib
-    import pkgutil
-
-    import veloxquant_mlx.cache as package
-
-    found = []
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.name.startswith("fused_decode"):
-            module = importlib.import_module(f"veloxquant_mlx.cache.{info.name}")
-            found += [f for f in vars(module).values() if callable(f) and hasattr(f, "cache_clear")]
-    return found
 
 
 def _compile(source: str, tmp_path, index: int) -> str:
