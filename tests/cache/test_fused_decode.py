@@ -264,3 +264,13 @@ def test_partials_launch_gets_the_sink_or_dummies_and_its_length_in_meta(monkeyp
     assert without["sk"].shape == without["sv"].shape == (1,) and without["sk"].dtype == q.dtype
     with pytest.raises(QuantizerConfigError, match=r"sink keys \(1, 2, 1, 64\).*allowed are \(B, H, S, D\)"):
         launch(sink=(cache.sink_keys[..., :64], cache.sink_values))
+
+
+def test_history_blocks_split_and_their_limit(monkeypatch):
+    # 1100 tokens, 2 heads: 18 tiles, far below TARGET_WARPS, so one tile per warp: blocks of 512
+    assert fused_decode.history_blocks(1100, 2, "k") == (512, 3, 4)
+    # another kernel's split (e.g. 32-token tiles) is honoured
+    assert fused_decode.history_blocks(1100, 2, "k", lambda n, h: 128) == (128, 9, 10)
+    monkeypatch.setattr(fused_decode, "MAX_BLOCKS", 3)
+    with pytest.raises(QuantizerConfigError, match="k: 1100 history tokens need 4 blocks, more than the merge kernel's 3"):
+        fused_decode.history_blocks(1100, 2, "k")

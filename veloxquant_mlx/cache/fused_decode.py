@@ -522,6 +522,23 @@ MAX_LANE_ACCUMULATORS = 32
 MAX_LANES_PER_TOKEN = 16
 
 
+def history_blocks(tokens: int, n_heads: int, label: str, split=None) -> tuple[int, int, int]:
+    """(tokens per block, history blocks, all blocks) of a partials launch over `tokens` history
+    tokens per head: `split`'s tokens per block (a kernel's own tokens_per_block; default this
+    module's) plus the one block of exact tokens, checked against the merge kernel's MAX_BLOCKS
+    (beyond millions of tokens per head: not reached in practice). `label` names the kernel in
+    the error."""
+    per_block = (split or tokens_per_block)(tokens, n_heads)
+    n_hist_blocks = -(-tokens // per_block)
+    n_blocks = n_hist_blocks + 1
+    if n_blocks > MAX_BLOCKS:
+        raise QuantizerConfigError(
+            f"{label}: {tokens} history tokens need {n_blocks} blocks, more than the merge "
+            f"kernel's {MAX_BLOCKS}; set {ENV_SWITCH}=0 to use the portable path"
+        )
+    return per_block, n_hist_blocks, n_blocks
+
+
 def lanes_per_token(value_dim: int, value_bits: int, rows: int = 4) -> int | None:
     """Lanes that share one value token, or None when a token is not whole words. Each lane
     reads whole code words (the largest power of two up to 8 dividing the token's words); with
@@ -656,14 +673,7 @@ def affine_partials(
             f"fused decode: skip={skip} leading tokens of {n_valid}; allowed is 0 <= skip < "
             f"min(history, {TILE})"
         )
-    per_block = tokens_per_block(n_valid, BH)
-    n_hist_blocks = -(-n_valid // per_block)
-    n_blocks = n_hist_blocks + 1  # + the window's block
-    if n_blocks > MAX_BLOCKS:  # beyond ~8M tokens per head (64 tiles per warp): not reached
-        raise QuantizerConfigError(
-            f"fused decode: {n_valid} history tokens need {n_blocks} blocks, more than the merge "
-            f"kernel's {MAX_BLOCKS}; set {ENV_SWITCH}=0 to use the portable path"
-        )
+    per_block, n_hist_blocks, n_blocks = history_blocks(n_valid, BH, "fused decode")
     dtype = queries.dtype
     sink_keys, sink_values, n_sink = _sink_inputs(sink, queries, window_keys, window_values, DV)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip, n_sink)

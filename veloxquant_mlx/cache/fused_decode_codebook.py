@@ -72,12 +72,10 @@ import mlx.core as mx
 from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.fused_decode import (
     _HEADER,
-    MAX_BLOCKS,
     TILE,
     WARPS_PER_BLOCK,
     FusedDecodeMeta,
     merge_partials,
-    tokens_per_block,
 )
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -649,14 +647,7 @@ def codebook_partials(
             f"codebook fused decode: a sink of {skip} tokens in a history of {n_valid}; allowed "
             f"is fewer than min(history, {TILE}) sink tokens"
         )
-    per_block = tokens_per_block(n_valid, BH)
-    n_hist_blocks = -(-n_valid // per_block)
-    n_blocks = n_hist_blocks + 1  # + the exact tokens' block
-    if n_blocks > MAX_BLOCKS:  # beyond ~8M tokens per head: not reached
-        raise QuantizerConfigError(
-            f"codebook fused decode: {n_valid} history tokens need {n_blocks} blocks, more than "
-            f"the merge kernel's {MAX_BLOCKS}; set {fused_decode.ENV_SWITCH}=0 to use the portable path"
-        )
+    per_block, n_hist_blocks, n_blocks = fused_decode.history_blocks(n_valid, BH, "codebook fused decode")
     outliers = []
     counts = []
     for prefix in ("key", "value"):

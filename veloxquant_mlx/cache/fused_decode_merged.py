@@ -713,15 +713,8 @@ def merged_decode_attention(
         retained = (_dummy(mx.float16), _dummy(mx.float16), _dummy(mx.int32), _dummy(mx.int32))
     if direction_side is None:
         direction_side = (_dummy(mx.float16),) * 4
-    per_block = tokens_per_block(n_valid, BH)
-    n_hist_blocks = -(-n_valid // per_block)
-    n_blocks = n_hist_blocks + 1  # + the window's block
-    if n_blocks > fused_decode.MAX_BLOCKS:  # beyond ~67M tokens per head: not reached
-        raise QuantizerConfigError(
-            f"merged fused decode: {n_valid} history tokens need {n_blocks} blocks, more than "
-            f"the merge kernel's {fused_decode.MAX_BLOCKS}; set {fused_decode.ENV_SWITCH}=0 to "
-            "use the portable path"
-        )
+    per_block, n_hist_blocks, n_blocks = fused_decode.history_blocks(
+        n_valid, BH, "merged fused decode", tokens_per_block)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale))
     dtype = queries.dtype
     part_o, part_m, part_l = _partials_kernel()(

@@ -92,7 +92,6 @@ from functools import lru_cache
 import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
-from veloxquant_mlx.errors import QuantizerConfigError
 
 TILE = 32  # tokens per warp tile: one per lane when scoring
 WARPS_PER_BLOCK = 4
@@ -590,15 +589,9 @@ def rotated_decode_attention(
     DV = window_values.shape[-1]
     n_sink = 0 if sink is None else sink[0].shape[2]
     sk, sv = (_dummy(mx.float32), _dummy(mx.float32)) if sink is None else sink
-    per_block = tokens_per_block(max(n_valid - n_sink, 1), BH)
-    n_hist_blocks = -(-(n_valid - n_sink) // per_block)
-    n_blocks = n_hist_blocks + 1  # + the exact block
-    if n_blocks > fused_decode.MAX_BLOCKS:  # beyond ~67M tokens per head: not reached
-        raise QuantizerConfigError(
-            f"rotated fused decode: {n_valid} history tokens need {n_blocks} blocks, more than the "
-            f"merge kernel's {fused_decode.MAX_BLOCKS}; set {fused_decode.ENV_SWITCH}=0 to use the "
-            "portable path"
-        )
+    # The history blocks split the compressed tokens after the sink.
+    per_block, n_hist_blocks, n_blocks = fused_decode.history_blocks(
+        n_valid - n_sink, BH, "rotated fused decode", tokens_per_block)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), n_sink)
     dtype = queries.dtype
     part_o, part_m, part_l = _partials_kernel()(
