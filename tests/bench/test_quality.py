@@ -24,3 +24,20 @@ def test_quality_rows_and_plot(tiny_model, tmp_path):
     assert by["mlx-q2:group_size=32"]["bytes_ratio_vs_fp16"] < by["mlx-q8"]["bytes_ratio_vs_fp16"]
     path = report.plot_quality({"quality": rows}, tmp_path / "q.png")
     assert path is not None and path.stat().st_size > 1000
+
+
+def test_report_redraw_refuses_what_is_not_a_result(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as missing:
+        report.main([str(tmp_path / "missing.json")])
+    assert missing.value.code == 2 and "missing.json" in capsys.readouterr().err
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(SystemExit):
+        report.main([str(listed)])
+    assert "allowed is a bench result object" in capsys.readouterr().err
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    assert report.main([str(empty)]) == 0
+    assert "nothing to draw" in capsys.readouterr().err

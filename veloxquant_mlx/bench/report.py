@@ -209,14 +209,26 @@ def plot_all(result: dict, json_path: str | os.PathLike) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        print("usage: python -m veloxquant_mlx.bench.report RESULT.json [...]", file=sys.stderr)
-        return 2
-    for name in argv:
-        result = json.loads(Path(name).read_text(encoding="utf-8"))
-        for made in plot_all(result, name):
-            print(made)
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m veloxquant_mlx.bench.report",
+        description="Redraw the PNG plots of result files (FILE_speed.png, FILE_quality.png beside each).")
+    p.add_argument("results", nargs="+", metavar="RESULT.json", help="result files written by the bench modules")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    for name in args.results:
+        try:
+            result = json.loads(Path(name).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            p.error(f"{name}: {exc}; allowed is a JSON result file of the bench modules")
+        if not isinstance(result, dict):
+            p.error(f"{name}: a JSON {type(result).__name__}; allowed is a bench result object")
+        made = plot_all(result, name)
+        if not made:
+            print(f"{name}: no speed cases with a decode median and no quality rows: nothing to draw",
+                  file=sys.stderr)
+        for path in made:
+            print(path)
     return 0
 
 
