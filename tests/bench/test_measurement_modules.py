@@ -48,6 +48,14 @@ def test_attention_tiny(tmp_path):
     assert rows["kivi:kivi_residual_length=0"]["cache_nbytes"] < rows["fp16"]["cache_nbytes"]
 
 
+def test_attention_times_minicaches_upper_layer_and_says_which_kind(tmp_path):
+    rows = _run("attention", ["--context", "200", "--rounds", "2", "--methods",
+                              "minicache,minicache:minicache_start_fraction=0"], tmp_path)
+    assert rows["minicache"]["layer_timed"] == "plain (unpaired)"  # layer 1 of 2 at start 0.5
+    assert rows["minicache:minicache_start_fraction=0"]["layer_timed"] == "paired (upper)"
+    assert all("error" not in row and row["microseconds"]["n"] == 2 for row in rows.values())
+
+
 def test_attention_kernels_both_adds_portable_rows(tmp_path):
     rows = _run("attention", ["--context", "96", "--rounds", "1", "--kernels", "both", "--methods",
                               "fp16,kivi:kivi_residual_length=0"], tmp_path)

@@ -1,6 +1,7 @@
 """MiniCache's paired layers and fused_decode_merged's CUDA kernel: what the kernel is handed,
 which shapes it takes, the portable path it is checked against, and (on CUDA only) the kernel
-against that path plus a one-layer timing.
+against that path (one layer's timing: python -m veloxquant_mlx.bench.attention with
+`minicache:minicache_start_fraction=0`, which times a paired layer).
 
 On the CPU the kernel itself runs under the emulation (test_fused_decode_minicache_emulated.py);
 here the wiring is checked with the kernel replaced by a recorder, and the portable path (the
@@ -8,7 +9,6 @@ reference of both) against a reconstruction of the stored history in numpy. The 
 where MLX's CUDA backend is the default device (the H200 through the device tool).
 """
 
-import time
 
 import mlx.core as mx
 import numpy as np
@@ -209,50 +209,3 @@ def test_kernel_with_many_tiles_per_warp_matches_the_portable_step(monkeypatch):
     lower, upper, queries = _pair(5000, B=1, H=2, rep=4, D=128, dtype=mx.bfloat16)
     assert upper.n_compressed == 4992 < fused_decode_merged.tokens_per_block(4992, 2) == 32 * 4 * 256
     _kernel_against_portable(monkeypatch, lower, upper, queries, 128, mx.bfloat16)
-
-
-def _median_ms(call, rounds=30, warmup=3, per_eval=1):
-    """Median [p10, p90] milliseconds of one call: `per_eval` lazy calls are built first (Python,
-    not timed) and evaluated together (timed), so per_eval > 1 measures the device's time per call
-    without the host's graph building and one synchronisation per call; per_eval = 1 is a call
-    and its eval, as bench.attention times."""
-    for _ in range(warmup):
-        mx.eval(call())
-    times = []
-    for _ in range(rounds):
-        outs = [call() for _ in range(per_eval)]
-        start = time.perf_counter()
-        mx.eval(outs)
-        times.append((time.perf_counter() - start) / per_eval)
-    times = np.array(times) * 1e3
-    return np.median(times), np.percentile(times, 10), np.percentile(times, 90)
-
-
-@cuda_only
-@pytest.mark.slow
-@pytest.mark.parametrize("context", [32768, 131072])
-def test_timing_one_paired_layer_at_the_8b_shape(monkeypatch, context):
-    # Not a check: the figures for issue 5 (one layer, 8 kv heads x 4 query rows, head_dim 128,
-    # bf16, defaults), printed with -s: the upper layer (reads its partner's directions) through
-    # the kernel (PREFETCH_FIRST_VALUES on and off), through the portable path, and mx.fast
-    # attention over fp16-cache-shaped K/V (bf16, the same tokens).
-    lower, upper, queries = _pair(context, B=1, H=8, rep=4, D=128, dtype=mx.bfloat16)
-    q = queries[1]
-    keys = mx.random.normal((1, 8, context + 1, 128)).astype(mx.bfloat16)
-    values = mx.random.normal((1, 8, context + 1, 128)).astype(mx.bfloat16)
-    mx.eval(keys, values)
-    calls = {"fp16 sdpa": (None, True, lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=128**-0.5))}
-    for label, switch, prefetch in (("kernel", "1", True), ("kernel without value prefetch", "1", False),
-                                    ("portable", "0", True)):
-        calls[label] = (switch, prefetch, lambda: upper.attention(q, scale=128**-0.5))
-    for per_eval in (1, 20):
-        figures = {}
-        for label, (switch, prefetch, call) in calls.items():
-            if switch is not None:
-                monkeypatch.setenv(fused_decode.ENV_SWITCH, switch)
-            monkeypatch.setattr(fused_decode_merged, "PREFETCH_FIRST_VALUES", prefetch)
-            figures[label] = _median_ms(call, per_eval=per_eval)
-        for label, (median, p10, p90) in figures.items():
-            print(f"{context} tokens, {per_eval} call(s) per eval, {label}: median {median:.3f} ms "
-                  f"[p10 {p10:.3f}, p90 {p90:.3f}] = {median / figures['fp16 sdpa'][0]:.2f}x fp16 sdpa's time")
-    assert upper.n_compressed == context // 32 * 32

@@ -14,7 +14,9 @@ Reported per spec in microseconds: min, quartiles, median, max of wall time
 figure on a shared CPU; run with OPENBLAS_NUM_THREADS=1), and the bytes one call adds to MLX's
 peak memory (`peak_added_bytes`). The minimum is the least load-disturbed wall figure on a
 shared CPU; the median is what a loaded machine gives.
-On MLX's CUDA backend our kivi/xquant caches run fused kernels (cache/fused_decode.py);
+minicache: the upper layer of a pair is timed (see _prepared_minicache_pair; the row's
+`layer_timed` says whether it was paired: pass `minicache:minicache_start_fraction=0`).
+On MLX's CUDA backend our caches run fused kernels (cache/fused_decode*.py);
 `--kernels both` also times each of our specs with VELOXQUANT_CUDA_KERNELS=0 (the portable
 path), as "<spec> (portable)". For the H200 figures:
     python -m veloxquant_mlx.bench.attention --context 131072 --q-heads 32 --kv-heads 8 \
@@ -51,6 +53,8 @@ def prepared_call(spec, q, k, v, scale: float):
     from veloxquant_mlx.cache.base import CompressedKVCache
 
     cache = spec.make()
+    if getattr(cache, "method", None) == "minicache":
+        return _prepared_minicache_pair(spec, q, k, v, scale)
     if isinstance(cache, CompressedKVCache):
         cache.update_and_fetch(k[:, :, :-1], v[:, :, :-1])
         cache.attention(q, scale=scale)  # flushes: the history is encoded as a prefill leaves it
@@ -60,6 +64,33 @@ def prepared_call(spec, q, k, v, scale: float):
     keys, values = cache.update_and_fetch(k, v)
     mx.eval(keys, values)
     return cache, lambda: scaled_dot_product_attention(q, keys, values, cache=cache, scale=scale, mask=None)
+
+
+def _prepared_minicache_pair(spec, q, k, v, scale: float):
+    """MiniCache merges a layer with its neighbour: a pair (layers 0 and 1 of 2) is filled, the
+    upper layer with k, v plus a quarter of independent noise (cosine ~0.97 to the lower's: every
+    token merges), and the upper layer's attention is timed (it reads the pair's directions held
+    by the lower). With the default minicache_start_fraction 0.5 layer 1 of 2 is left unpaired
+    (a plain layer: mx.fast attention over its exact K/V); `minicache:minicache_start_fraction=0`
+    times a paired layer. Returns (upper, call) like prepared_call."""
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench.drive import cache_arrays
+    from veloxquant_mlx.cache.minicache import MiniCacheCache
+
+    lower, upper = MiniCacheCache.build_layers(spec._config(), 2)
+    noise = mx.random.split(mx.random.key(7), 2)
+    layers = [(lower, k, v),
+              (upper, (k + 0.25 * mx.random.normal(k.shape, key=noise[0])).astype(k.dtype),
+               (v + 0.25 * mx.random.normal(v.shape, key=noise[1])).astype(v.dtype))]
+    for cache, kk, vv in layers:  # the prompt, in layer order (the upper layer merges the pair)
+        cache.update_and_fetch(kk[:, :, :-1], vv[:, :, :-1])
+        cache.attention(q, scale=scale)
+    for cache, kk, vv in layers:
+        cache.update_and_fetch(kk[:, :, -1:], vv[:, :, -1:])
+    mx.eval(cache_arrays([lower, upper]))
+    upper.bench_role = "paired (upper)" if upper.n_compressed else "plain (unpaired)"
+    return upper, lambda: upper.attention(q, scale=scale)
 
 
 def _with_kernels(call, switch: str):
@@ -136,6 +167,8 @@ def run(args) -> dict:
             cache, calls[spec.name] = prepared_call(spec, q, k, v, scale)
             held.append(cache)
             rows[spec.name]["cache_nbytes"] = int(cache.nbytes)
+            if hasattr(cache, "bench_role"):  # minicache: which kind of layer was timed
+                rows[spec.name]["layer_timed"] = cache.bench_role
         except Exception as exc:  # noqa: BLE001 - recorded; the other specs still run
             rows[spec.name]["error"] = _error_text(exc)
     if args.kernels == "both":

@@ -68,8 +68,10 @@ decode path, against its portable attention (float32 / fp16 / bf16, GQA and MHA,
 bit directions, 0..16 slots, several blocks and tiles per warp, a ragged window);
 tests/cache/test_fused_decode_minicache_nvcc.py compiles it with nvcc 13.0 for sm_90 (the 8B
 shape: 222 registers with the value prefetch, 170 without, 208 with 4-bit directions, no spills;
-fused_decode's kivi kernel takes 184). Not yet run or timed on a GPU: the CUDA tests and the
-one-layer timing are in tests/cache/test_fused_decode_minicache.py.
+fused_decode's kivi kernel takes 184). On the H200 (session 4) 3 of its CUDA tests passed (the
+8B shape bf16, fp16 MHA without slots, float32 GQA 8 with 16 slots) and minicache decoded at 1.12x
+fp16 at 32K (results/gpu_speed_h200_s4.json); one layer's timing: python -m
+veloxquant_mlx.bench.attention --methods fp16,minicache:minicache_start_fraction=0 ...
 """
 
 from __future__ import annotations
@@ -89,8 +91,8 @@ MAX_SLOTS = 16
 HEAD_DIMS = (64, 128, 256)  # 8 lanes x 8-channel chunks per key token, 8 channels per value lane
 DIRECTION_BITS = (2, 4, 8)  # minicache_bits whose codes never straddle a 32-bit word
 # Load a history tile's first 8 value rounds (fp16 directions) before its scores: more bytes in
-# flight per warp at no occupancy cost (see PV in the kernel). Not measured on a GPU yet: the
-# one-layer timing in tests/cache/test_fused_decode_minicache.py times both settings.
+# flight per warp at no occupancy cost (see PV in the kernel). On in the H200 run of session 4;
+# not yet compared against off there.
 PREFETCH_FIRST_VALUES = True
 PREFETCH_MAX_ROWS = 4  # 8 rows spill with it (1128 bytes at float32, 16 slots; 604 without)
 
