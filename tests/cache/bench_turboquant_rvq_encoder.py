@@ -9,8 +9,12 @@ falls on both alike.
 Shape by default: the 8B model's one layer (8 KV heads x 128), bf16, random K/V; `encode first`
 is the cache's first 2048-token chunk (it also takes the key mean and the sink deltas), `encode
 later` any other; `prefill decode` is one chunk's decode of a `--history`-token compressed
-history into K/V (16 MiB float32 pieces: 4096 tokens each at this shape). Prints a JSON object:
-per case, median / min / max milliseconds for reference and current, and the size of each lazy
+history into K/V (`--piece-mib` of float32 per piece, 16 by default, the cache's
+prefill_decode_bytes: 4096 tokens each at this shape; each piece is one mx.eval, a sync on a
+GPU, so a list such as 16,64,256 measures the syncs against the peak memory they bound).
+Prints a JSON object: per case, median / min / max milliseconds for reference and current
+(and, for the prefill decode, the largest peak memory it added, result included), and the size
+of each lazy
 graph (mx.export_to_dot's nodes; "kernels" leaves out views, so it approximates the kernel
 launches on a GPU, where mx.quantize / mx.dequantize are single kernels; on the CPU MLX builds
 them from elementwise ops, which count here).
@@ -83,10 +87,18 @@ def filled_cache(cls, bits, keys, values, history: int):
     return cache
 
 
-def time_prefill_decode(cache, queries) -> float:
+def time_prefill_decode(cache, queries, peaks=None) -> float:
+    """Seconds of one prefill decode; appends the peak memory it added (bytes over the active
+    memory before it, its result included) to `peaks` when given."""
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
     start = time.perf_counter()
-    mx.eval(*cache._prefill_keys_values(queries))
-    return time.perf_counter() - start
+    result = cache._prefill_keys_values(queries)
+    mx.eval(*result)
+    seconds = time.perf_counter() - start
+    if peaks is not None:
+        peaks.append(mx.get_peak_memory() - before)
+    return seconds
 
 
 def _row(seconds):
@@ -108,6 +120,8 @@ def main(argv=None) -> None:
     p.add_argument("--history", type=int, default=16384, help="compressed tokens the prefill decode reads")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--piece-mib", default="16",
+                   help="prefill_decode_bytes to time the prefill decode at (MiB of float32 per piece, comma list)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
@@ -133,27 +147,30 @@ def main(argv=None) -> None:
                 for label, cls in CLASSES.items():
                     rows[case][label]["graph"] = encode_graph(cls, bits, keys, values, first)
                 _finish(rows, case)
-            case = f"prefill decode {dtype_name} {bits}-bit {args.history} history tokens"
             caches = {label: filled_cache(cls, bits, keys, values, args.history) for label, cls in CLASSES.items()}
             queries = mx.zeros((1, 4 * args.heads, args.tokens, args.dim), dtype)
-            seconds = {label: [] for label in CLASSES}
-            for cache in caches.values():
-                time_prefill_decode(cache, queries)
-            for _ in range(args.rounds):
-                for label, cache in caches.items():
-                    seconds[label].append(time_prefill_decode(cache, queries))
-            rows[case] = _row(seconds)
-            for label, cache in caches.items():
-                # One piece's graph (the prefill evaluates one piece at a time).
-                stop = min(cache.n_compressed, 4096)
-                if label == "reference":
-                    piece = cache._ref_decode_range(0, stop, "k")
-                else:
-                    piece = cache._decode_range(0, stop, "k")  # the same ops, uncompiled
-                rows[case][label]["compressed_tokens"] = cache.n_compressed
-                if label == "reference":
-                    rows[case][label]["graph_of_a_key_piece"] = _graph_size([piece])
-            _finish(rows, case)
+            for mib in (float(m) for m in args.piece_mib.split(",")):
+                case = f"prefill decode {dtype_name} {bits}-bit {args.history} history tokens, {mib:g} MiB pieces"
+                for cache in caches.values():
+                    cache.prefill_decode_bytes = int(mib * (1 << 20))
+                    time_prefill_decode(cache, queries)
+                seconds = {label: [] for label in CLASSES}
+                peaks = {label: [] for label in CLASSES}
+                for _ in range(args.rounds):
+                    for label, cache in caches.items():
+                        seconds[label].append(time_prefill_decode(cache, queries, peaks[label]))
+                rows[case] = _row(seconds)
+                rows[case]["compressed_tokens"] = caches["current"].n_compressed
+                for label in CLASSES:
+                    rows[case][label]["peak_added_mib_max"] = round(max(peaks[label]) / (1 << 20), 1)
+                _finish(rows, case)
+            # One 4096-token key piece's lazy graph (the prefill evaluates one piece at a time).
+            cache = caches["current"]
+            stop = min(cache.n_compressed, 4096)
+            rows[f"prefill decode {dtype_name} {bits}-bit graph of a {stop}-token key piece"] = {
+                "uncompiled": _graph_size([cache._decode_range(0, stop, "k")]),
+                "compiled": _graph_size([cache._compiled_decode_range(0, stop, 0)]),
+            }
     result = {
         "command": "python -m tests.cache.bench_turboquant_rvq_encoder "
         + " ".join(sys.argv[1:] if argv is None else argv),

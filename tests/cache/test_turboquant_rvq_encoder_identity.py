@@ -120,3 +120,32 @@ def test_a_subclass_s_stage_split_is_bit_identical():
     keys, values = _kv(512 + 3, 2, 64, mx.bfloat16, seed=12)
     _compare(lambda: UniformRVQCache(config), lambda: ReferenceUniform(config),
              keys, values, [256, 256, 1, 1, 1], 128 * 2 * 64 * 4)
+
+
+def test_without_the_fast_transform_the_encoder_is_bit_identical_too(monkeypatch):
+    """A backend without mx.hadamard_transform rotates by a matmul (hadamard.py); on a GPU the
+    encoder then runs uncompiled for d = 128 (`_encoder_fusion_is_exact`) and compiled for
+    d = 64. Force the matmul form here and check both the compiled encoder (the CPU compiles
+    it) and the uncompiled one against the reference."""
+    from veloxquant_mlx.cache import hadamard, turboquant_rvq
+
+    monkeypatch.setattr(hadamard, "fast_transform_available", lambda: False)
+    monkeypatch.setattr(turboquant_rvq, "fast_transform_available", lambda: False)
+    for compiled in (True, False):
+        monkeypatch.setattr(turboquant_rvq, "_encoder_fusion_is_exact", lambda *dims: compiled)
+        for dim in (128, 64):
+            config = KVCacheConfig(method="turboquant_rvq", bit_width_inlier=4)
+            keys, values = _kv(512 + 3, 2, dim, mx.bfloat16, seed=13)
+            _compare(lambda: TurboQuantRVQCache(config), lambda: ReferenceTurboQuantRVQCache(config),
+                     keys, values, [256, 256, 1, 1, 1], 128 * 2 * dim * 4)
+
+
+def test_the_compiled_encoder_is_skipped_only_where_its_fusion_could_round_differently(monkeypatch):
+    from veloxquant_mlx.cache import turboquant_rvq
+
+    assert turboquant_rvq._encoder_fusion_is_exact(128, 128)  # the CPU: no FMA
+    monkeypatch.setattr(turboquant_rvq, "fast_transform_available", lambda: False)
+    monkeypatch.setattr(turboquant_rvq.mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert not turboquant_rvq._encoder_fusion_is_exact(128, 128)
+    assert not turboquant_rvq._encoder_fusion_is_exact(64, 32)
+    assert turboquant_rvq._encoder_fusion_is_exact(64, 256)

@@ -242,11 +242,11 @@ class TurboQuantRVQCache(CompressedKVCache):
             self.key_mean = mx.mean(keys.astype(mx.float32), axis=2, keepdims=True).astype(keys.dtype)
         key_stages, value_stages = tuple(self._stages(self.key_bits)), tuple(self._stages(self.value_bits))
         names = stage_names("k", key_stages) + stage_names("v", value_stages)
-        fast_transform_available()  # its probe evaluates: done before mx.compile traces
-        encode = _compiled_encoder(
-            key_stages, self._group(self.head_dim), value_stages, self._group(self.value_dim),
-            str(mx.default_device()),
-        )
+        args = (key_stages, self._group(self.head_dim), value_stages, self._group(self.value_dim))
+        if _encoder_fusion_is_exact(self.head_dim, self.value_dim):
+            encode = _compiled_encoder(*args, _backend())
+        else:
+            encode = _encoder_function(*args)
         out = dict(zip(names, encode(keys, self.key_mean, self._signs[0], values, self._signs[1])))
         sink = min(self.exact_sink_tokens, keys.shape[2])
         if self.n_compressed == 0 and sink > 0:
@@ -352,7 +352,6 @@ class TurboQuantRVQCache(CompressedKVCache):
         piece = max(1, blocks) * self.block_size
         out = []
         parts = ((self.head_dim, self.window_keys), (self.value_dim, self.window_values))
-        fast_transform_available()  # its probe evaluates: done before mx.compile traces
         for which, (dim, window_part) in enumerate(parts):
             full = mx.zeros((B, H, n + w, dim), dtype)
             for start in range(0, n, piece):
@@ -381,7 +380,7 @@ class TurboQuantRVQCache(CompressedKVCache):
             if sink:
                 extra.append(delta[:, :, start : start + sink])
         decode = _compiled_decoder(
-            stages, self._group(dim), which == 0, sink, self.dtype, str(mx.default_device())
+            stages, self._group(dim), which == 0, sink, self.dtype, _backend()
         )
         return decode(self._signs[which], arrays, extra)
 
@@ -498,9 +497,11 @@ class TurboQuantRVQCache(CompressedKVCache):
 # so the FMA rounds as the two ops did. mx.quantize / mx.dequantize (the affine kernels' a * w +
 # b) are single primitives on the GPU, not fused; on the CPU MLX builds them from elementwise
 # ops, which do fuse, but its fused CPU kernels are built for baseline x86-64 (no FMA). With the
-# matmul form of the Hadamard transform (a backend without mx.hadamard_transform) the encoder's
-# (x H) * scale feeds mx.quantize and, through it, the residual's subtract, so it is
-# materialized before that subtract and no contraction spans them.
+# matmul form of the Hadamard transform (a backend without mx.hadamard_transform) the decode's
+# ((y H) * scale) * s + mean still contracts exactly (s = +-1); the encoder's (x H) * scale
+# feeds mx.quantize and the residual's subtract, and should the fusion recompute it inside the
+# subtract's kernel, (x H) * scale - stage1 could become an FMA: there the encoder runs
+# uncompiled unless d^-1/2 is a power of two (`_encoder_fusion_is_exact`).
 
 
 def stage_names(p: str, stages) -> list[str]:
@@ -557,11 +558,29 @@ def decode_rotated(arrays, stages, group: int) -> mx.array:
     return y
 
 
+def _backend() -> tuple[str, bool]:
+    """Keys the compiled functions' caches: the device and whether the Hadamard transform is
+    MLX's primitive there or the matmul (the traced graph differs). The probe evaluates, so it
+    runs here, before any trace."""
+    return str(mx.default_device()), fast_transform_available()
+
+
+def _encoder_fusion_is_exact(*dims: int) -> bool:
+    """Whether the compiled encoder stores what the uncompiled one does. It does wherever the
+    rotation is mx.hadamard_transform (a single primitive), and on the CPU (no FMA in MLX's
+    fused CPU kernels). A backend without that transform rotates by (x @ H) * d^-1/2, whose
+    product could be contracted with the residual's subtract, y - stage1(y), into one FMA if
+    the fusion recomputed it there; that FMA is exact only where d^-1/2 is a power of two (d =
+    4^k). The probe evaluates, so it runs here, before any trace."""
+    if fast_transform_available() or mx.default_device() == mx.cpu:
+        return True
+    return all(d & 0x55555555 and is_power_of_two(d) for d in dims)
+
+
 @lru_cache(maxsize=None)
-def _compiled_encoder(key_stages, key_group: int, value_stages, value_group: int, device: str):
+def _encoder_function(key_stages, key_group: int, value_stages, value_group: int):
     """(keys, key mean, key signs, values, value signs) -> the key stages' arrays then the value
-    stages' (stage_names order). `device` only keys the cache: the Hadamard transform's form
-    depends on the backend."""
+    stages' (stage_names order)."""
 
     def encode(keys, key_mean, key_signs, values, value_signs):
         k = keys.astype(mx.float32) - key_mean.astype(mx.float32)
@@ -570,11 +589,18 @@ def _compiled_encoder(key_stages, key_group: int, value_stages, value_group: int
             *encode_rotated(rotate(values.astype(mx.float32), value_signs), value_stages, value_group),
         )
 
-    return mx.compile(encode)
+    return encode
 
 
 @lru_cache(maxsize=None)
-def _compiled_decoder(stages, group: int, centered: bool, sink: int, dtype: mx.Dtype, device: str):
+def _compiled_encoder(key_stages, key_group: int, value_stages, value_group: int, backend: tuple):
+    """`_encoder_function` through mx.compile. `backend` only keys the cache: the Hadamard
+    transform's form depends on the backend (`_backend`)."""
+    return mx.compile(_encoder_function(key_stages, key_group, value_stages, value_group))
+
+
+@lru_cache(maxsize=None)
+def _compiled_decoder(stages, group: int, centered: bool, sink: int, dtype: mx.Dtype, backend: tuple):
     """(signs, stage arrays of some tokens, [key mean if centered] + [sink deltas of the first
     `sink` of those tokens if sink]) -> those tokens decoded to `dtype`: what
     TurboQuantRVQCache._decode_range computes."""
