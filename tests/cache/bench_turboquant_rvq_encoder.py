@@ -13,7 +13,8 @@ history into K/V (`--piece-mib` of float32 per piece, 16 by default, the cache's
 prefill_decode_bytes: 4096 tokens each at this shape; each piece is one mx.eval, a sync on a
 GPU, so a list such as 16,64,256 measures the syncs against the peak memory they bound).
 Prints a JSON object: per case, median / min / max milliseconds for reference and current
-(and, for the prefill decode, the largest peak memory it added, result included), and the size
+(for `_encode` also current_uncompiled: the current code with mx.compile off), the order
+rotating per round (and, for the prefill decode, the largest peak memory it added, result included), and the size
 of each lazy
 graph (mx.export_to_dot's nodes; "kernels" leaves out views, so it approximates the kernel
 launches on a GPU, where mx.quantize / mx.dequantize are single kernels; on the CPU MLX builds
@@ -36,6 +37,7 @@ import mlx.core as mx
 
 from tests.cache.turboquant_rvq_reference import ReferenceTurboQuantRVQCache
 from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache import turboquant_rvq
 from veloxquant_mlx.cache.turboquant_rvq import TurboQuantRVQCache
 
 CLASSES = {"reference": ReferenceTurboQuantRVQCache, "current": TurboQuantRVQCache}
@@ -55,11 +57,19 @@ def _ready_cache(cls, bits, keys, values, first: bool):
     return cache
 
 
-def time_encode(cls, bits, keys, values, first: bool) -> float:
+def time_encode(cls, bits, keys, values, first: bool, compiled: bool = True) -> float:
+    """Seconds of one `_encode`; compiled False runs the current encoder's function uncompiled
+    (the same ops as the reference, rebuilt: separates what mx.compile does from the code)."""
     cache = _ready_cache(cls, bits, keys, values, first)
-    start = time.perf_counter()
-    mx.eval(cache._encode(keys, values), cache.key_mean, cache.sink_deltas)
-    return time.perf_counter() - start
+    fusion_is_exact = turboquant_rvq._encoder_fusion_is_exact
+    if not compiled:
+        turboquant_rvq._encoder_fusion_is_exact = lambda *dims: False
+    try:
+        start = time.perf_counter()
+        mx.eval(cache._encode(keys, values), cache.key_mean, cache.sink_deltas)
+        return time.perf_counter() - start
+    finally:
+        turboquant_rvq._encoder_fusion_is_exact = fusion_is_exact
 
 
 def encode_graph(cls, bits, keys, values, first: bool) -> dict:
@@ -137,12 +147,20 @@ def main(argv=None) -> None:
         for bits in (int(b) for b in args.bits.split(",")):
             for first in (True, False):
                 case = f"encode {dtype_name} {bits}-bit {'first' if first else 'later'} chunk"
-                seconds = {label: [] for label in CLASSES}
-                for cls in CLASSES.values():  # warm-up: traces, compiles, allocator
-                    time_encode(cls, bits, keys, values, first)
-                for _ in range(args.rounds):
-                    for label, cls in CLASSES.items():
-                        seconds[label].append(time_encode(cls, bits, keys, values, first))
+                runs = {  # label -> (class, compiled)
+                    "reference": (CLASSES["reference"], True),
+                    "current": (CLASSES["current"], True),
+                    "current_uncompiled": (CLASSES["current"], False),
+                }
+                seconds = {label: [] for label in runs}
+                for cls, compiled in runs.values():  # warm-up: traces, compiles, allocator
+                    time_encode(cls, bits, keys, values, first, compiled)
+                for r in range(args.rounds):
+                    # The order rotates per round: whichever runs first after a cache is built
+                    # measured a few ms faster on the CPU.
+                    labels = list(runs)[r % 3 :] + list(runs)[: r % 3]
+                    for label in labels:
+                        seconds[label].append(time_encode(*runs[label][:1], bits, keys, values, first, runs[label][1]))
                 rows[case] = _row(seconds)
                 for label, cls in CLASSES.items():
                     rows[case][label]["graph"] = encode_graph(cls, bits, keys, values, first)
@@ -156,9 +174,9 @@ def main(argv=None) -> None:
                     time_prefill_decode(cache, queries)
                 seconds = {label: [] for label in CLASSES}
                 peaks = {label: [] for label in CLASSES}
-                for _ in range(args.rounds):
-                    for label, cache in caches.items():
-                        seconds[label].append(time_prefill_decode(cache, queries, peaks[label]))
+                for r in range(args.rounds):
+                    for label in list(caches)[r % 2 :] + list(caches)[: r % 2]:
+                        seconds[label].append(time_prefill_decode(caches[label], queries, peaks[label]))
                 rows[case] = _row(seconds)
                 rows[case]["compressed_tokens"] = caches["current"].n_compressed
                 for label in CLASSES:
