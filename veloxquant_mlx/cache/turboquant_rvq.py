@@ -72,26 +72,25 @@ history tokens (8 kv heads, d 128); its H200 time was not measured (no device th
 
 Encoding and the prefill decode run through mx.compile (`_compiled_encoder`,
 `_compiled_decoder`, module end): the elementwise work between mx.quantize, mx.dequantize, the
-Hadamard transform and the reductions fuses (why that is exact on every backend: the comment
-above `stage_names`), and the stored bits and decoded K/V are those of the uncompiled ops of
-main 714de0c (tests/cache/test_turboquant_rvq_encoder_identity.py against
-tests/cache/turboquant_rvq_reference.py). Lazy graph of a 2048-token chunk's `_encode`, one
-layer of 8 kv heads x d 128, 4 bits: 58 -> 38 non-view nodes (160 -> 140 on the first chunk,
-which also takes the key mean and the sink deltas); one 4096-token key piece of the prefill
-decode: 87 -> 71 (3 bits: 141 -> 110). On the CPU most of those nodes are MLX's elementwise
-build of mx.dequantize; on a GPU, where quantize / dequantize / the transform are single
-kernels, what fuses is the side data's casts, the sign plane's affine terms, the residual
-and |r|, and the decode's stage sum, sign multiply, key mean, sink correction and cast. CPU
-time is dominated by those primitives and barely moves (tests/cache/bench_turboquant_rvq_encoder.py,
-9 interleaved rounds, bf16, medians, 2-core machine under load 25-40, ms before -> after):
-`_encode` of a later 2048-token chunk 95.6 -> 92.2 (4 bits), 65.3 -> 63.0 (3 bits); of the
-first chunk 94.0 -> 99.0 and 63.9 -> 64.6 (within the spread: max 134 / 142 ms); the prefill
-decode of 16320 compressed tokens 827 -> 783 (4 bits), 464 -> 450 (3 bits)
-(results/turboquant_rvq_encoder_cpu_s4.json); bench.encode's fill of 2 layers x 8192 tokens
-1.44 -> 1.26 s, medians of 3 alternating runs (results/turboquant_rvq_encode_fill_cpu_s4.json),
-where bench.prefill_peak's layer peaks were unchanged (154.9 / 186.9 MiB at 8K / 16K). The
-mx.eval per prefill piece (a GPU sync each) is unchanged; what the compiled forms save on the
-H200 was not measured (no device this session).
+Hadamard transform and the reductions fuses (why that is exact, and the one case left
+uncompiled on a GPU: the comment above `stage_names`), and the stored bits and decoded K/V are
+those of the uncompiled ops of main 714de0c (tests/cache/test_turboquant_rvq_encoder_identity.py
+against tests/cache/turboquant_rvq_reference.py). Lazy graph, one layer of 8 kv heads x d 128,
+bf16, non-view nodes before -> after: a later 2048-token chunk's `_encode` 58 -> 38 (4 bits),
+112 -> 62 (3 bits); the first chunk's (also the key mean and the sink deltas) 160 -> 140, 268
+-> 218; one 4096-token key piece of the prefill decode 44 -> 28, 71 -> 40. On the CPU many of
+those nodes are MLX's elementwise build of mx.dequantize; on a GPU, where quantize, dequantize
+and the transform are single kernels, what fuses is the side data's casts, the sign plane's
+affine terms, the residual and |r|, and the decode's stage sum, sign multiply, key mean, sink
+correction and cast. CPU time does not move (tests/cache/bench_turboquant_rvq_encoder.py, 15
+rounds in rotating order, 2-core machine under load 6-21, medians ms, reference of 714de0c ->
+compiled; results/turboquant_rvq_encoder_cpu_s4.json): later chunk's `_encode` 88.6 -> 89.0 (4
+bits), 63.2 -> 61.8 (3 bits); first chunk's 81.9 -> 90.3 and 62.6 -> 67.3 (slower: the same
+code uncompiled took 82.0 / 62.6; not understood, once per layer and sequence); prefill decode
+of 16320 tokens 640 -> 639 and 420 -> 417, its peak unchanged (186.9 / 152.9 MiB). bench.encode's
+fill, 2 layers x 8192 tokens, 1.44 -> 1.26 s (medians of 3 alternating runs under load 22-44,
+results/turboquant_rvq_encode_fill_cpu_s4.json). Each prefill piece is still one mx.eval (a GPU
+sync); what the compiled forms save on the H200 was not measured (no device this session).
 
 Deviations from the paper:
   * randomized Hadamard instead of a dense random rotation (the paper allows any random
