@@ -70,6 +70,28 @@ decode (every op acts per token; tests/cache/test_turboquant_rvq_prefill_peak.py
 mx.eval per piece and one for the queries: on a GPU a sync each, 9 per layer per chunk at 16K
 history tokens (8 kv heads, d 128); its H200 time was not measured (no device this session).
 
+Encoding and the prefill decode run through mx.compile (`_compiled_encoder`,
+`_compiled_decoder`, module end): the elementwise work between mx.quantize, mx.dequantize, the
+Hadamard transform and the reductions fuses (why that is exact, and the one case left
+uncompiled on a GPU: the comment above `stage_names`), and the stored bits and decoded K/V are
+those of the uncompiled ops of main 714de0c (tests/cache/test_turboquant_rvq_encoder_identity.py
+against tests/cache/turboquant_rvq_reference.py). Lazy graph, one layer of 8 kv heads x d 128,
+bf16, non-view nodes before -> after: a later 2048-token chunk's `_encode` 58 -> 38 (4 bits),
+112 -> 62 (3 bits); the first chunk's (also the key mean and the sink deltas) 160 -> 140, 268
+-> 218; one 4096-token key piece of the prefill decode 44 -> 28, 71 -> 40. On the CPU many of
+those nodes are MLX's elementwise build of mx.dequantize; on a GPU, where quantize, dequantize
+and the transform are single kernels, what fuses is the side data's casts, the sign plane's
+affine terms, the residual and |r|, and the decode's stage sum, sign multiply, key mean, sink
+correction and cast. CPU time does not move (tests/cache/bench_turboquant_rvq_encoder.py, 15
+rounds in rotating order, 2-core machine under load 6-21, medians ms, reference of 714de0c ->
+compiled; results/turboquant_rvq_encoder_cpu_s4.json): later chunk's `_encode` 88.6 -> 89.0 (4
+bits), 63.2 -> 61.8 (3 bits); first chunk's 81.9 -> 90.3 and 62.6 -> 67.3 (slower: the same
+code uncompiled took 82.0 / 62.6; not understood, once per layer and sequence); prefill decode
+of 16320 tokens 640 -> 639 and 420 -> 417, its peak unchanged (186.9 / 152.9 MiB). bench.encode's
+fill, 2 layers x 8192 tokens, 1.44 -> 1.26 s (medians of 3 alternating runs under load 22-44,
+results/turboquant_rvq_encode_fill_cpu_s4.json). Each prefill piece is still one mx.eval (a GPU
+sync); what the compiled forms save on the H200 was not measured (no device this session).
+
 Deviations from the paper:
   * randomized Hadamard instead of a dense random rotation (the paper allows any random
     rotation; this one is O(d log d) and needs no d x d matrix);
@@ -111,12 +133,13 @@ Deviations from the paper:
 
 from __future__ import annotations
 
+from functools import lru_cache
 
 import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode_rotated
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
-from veloxquant_mlx.cache.hadamard import is_power_of_two, random_signs, rotate, unrotate
+from veloxquant_mlx.cache.hadamard import fast_transform_available, is_power_of_two, random_signs, rotate, unrotate
 from veloxquant_mlx.cache.packing import pack_codes
 from veloxquant_mlx.cache.sign_plane import compute_dtype, sign_scores, sign_values, sign_weighted_sum
 from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
@@ -216,10 +239,14 @@ class TurboQuantRVQCache(CompressedKVCache):
             self._make_signs()
         if self.key_mean is None:
             self.key_mean = mx.mean(keys.astype(mx.float32), axis=2, keepdims=True).astype(keys.dtype)
-        out = {}
-        k = keys.astype(mx.float32) - self.key_mean.astype(mx.float32)
-        out.update(self._encode_part("k", rotate(k, self._signs[0]), self.key_bits))
-        out.update(self._encode_part("v", rotate(values.astype(mx.float32), self._signs[1]), self.value_bits))
+        key_stages, value_stages = tuple(self._stages(self.key_bits)), tuple(self._stages(self.value_bits))
+        names = stage_names("k", key_stages) + stage_names("v", value_stages)
+        args = (key_stages, self._group(self.head_dim), value_stages, self._group(self.value_dim))
+        if _encoder_fusion_is_exact(self.head_dim, self.value_dim):
+            encode = _compiled_encoder(*args, _backend())
+        else:
+            encode = _encoder_function(*args)
+        out = dict(zip(names, encode(keys, self.key_mean, self._signs[0], values, self._signs[1])))
         sink = min(self.exact_sink_tokens, keys.shape[2])
         if self.n_compressed == 0 and sink > 0:
             # This block starts the sequence: keep what its first tokens' codes miss.
@@ -231,40 +258,18 @@ class TurboQuantRVQCache(CompressedKVCache):
         return out
 
     def _encode_part(self, p: str, y: mx.array, total: int) -> dict[str, mx.array]:
-        out = {}
-        residual = y
+        """The stages of rotated vectors y (uncompiled; `_encode` runs the same ops compiled)."""
         stages = self._stages(total)
-        for i, b in stages:
-            if b == 1:
-                # Sign code with the least-squares magnitude mean |r| (1-bit min/max affine
-                # codes would put both levels at the extremes).
-                out[f"{p}_codes{i}"] = pack_codes(residual >= 0, 1)
-                out[f"{p}_scale{i}"] = mx.mean(mx.abs(residual), axis=-1, keepdims=True).astype(SIDE_DTYPE)
-            else:
-                codes, scales, zeros = mx.quantize(residual, group_size=self._group(y.shape[-1]), bits=b)
-                out[f"{p}_codes{i}"] = codes
-                out[f"{p}_scales{i}"] = scales.astype(SIDE_DTYPE)
-                out[f"{p}_zeros{i}"] = zeros.astype(SIDE_DTYPE)
-            if (i, b) != stages[-1]:
-                # What the next stage quantizes: the residual against what will really be read
-                # back (fp16 side data).
-                residual = residual - self._stage_values(p, i, b, y.shape[-1], store=out)
-        return out
+        return dict(zip(stage_names(p, stages), encode_rotated(y, stages, self._group(y.shape[-1]))))
 
     def _stage_values(self, p: str, i: int, b: int, dim: int, store=None, n=None,
                       start: int = 0) -> mx.array:
         """One stage read back in float32 (rotated domain), over tokens [start, n) (n None: to
-        the end). A sign stage is a * (2 bits - 1), read at a supported width
-        (cache/sign_plane.py: MLX's CUDA backend has no 1-bit dequantize)."""
+        the end); see `stage_values`."""
         store = self.store if store is None else store
         cut = (lambda a: a) if n is None and start == 0 else (lambda a: a[:, :, start:n])
-        codes = cut(store[f"{p}_codes{i}"])
-        if b == 1:
-            return sign_values(codes, cut(store[f"{p}_scale{i}"]))
-        # float32 side data: dequantize returns the scales' dtype, and fp16 would round.
-        scales = cut(store[f"{p}_scales{i}"]).astype(mx.float32)
-        zeros = cut(store[f"{p}_zeros{i}"]).astype(mx.float32)
-        return mx.dequantize(codes, scales, zeros, group_size=self._group(dim), bits=b)
+        arrays = [cut(store[name]) for name in stage_names(p, [(i, b)])]
+        return stage_values(b, self._group(dim), arrays)
 
     def _decode_part(self, p: str, dim: int, total: int, n: int, store=None, start: int = 0) -> mx.array:
         y = None
@@ -350,12 +355,37 @@ class TurboQuantRVQCache(CompressedKVCache):
             full = mx.zeros((B, H, n + w, dim), dtype)
             for start in range(0, n, piece):
                 stop = min(n, start + piece)
-                full[:, :, start:stop] = self._decode_range(start, stop, "kv"[which]).astype(dtype)
+                full[:, :, start:stop] = self._compiled_decode_range(start, stop, which).astype(dtype)
                 mx.eval(full)
             if w:
                 full[:, :, n:] = window_part.astype(dtype)
             out.append(full)
         return out[0], out[1]
+
+    def _compiled_decode_range(self, start: int, stop: int, which: int) -> mx.array:
+        """`_decode_range(start, stop, "kv"[which])` through one compiled function (the same
+        ops, bit for bit; tests/cache/test_turboquant_rvq_encoder_identity.py). Only the prefill
+        uses it: its pieces have one or two lengths per chunk, while `_decode` (the lazily
+        decoded K/V of every update_and_fetch) sees a new length every block, and mx.compile
+        traces again per input shape."""
+        p, dim, total = self._parts()[which]
+        stages = tuple(self._stages(total))
+        arrays = [a[:, :, start:stop] for a in self._stage_arrays(p, stages)]
+        extra = [self.key_mean] if which == 0 else []
+        sink = 0
+        if self.sink_deltas is not None:
+            delta = self.sink_deltas[which]
+            sink = max(0, min(delta.shape[2], stop) - start)
+            if sink:
+                extra.append(delta[:, :, start : start + sink])
+        decode = _compiled_decoder(
+            stages, self._group(dim), which == 0, sink, self.dtype, _backend()
+        )
+        return decode(self._signs[which], arrays, extra)
+
+    def _stage_arrays(self, p: str, stages) -> list[mx.array]:
+        """The store's arrays of part p's stages, in `stage_names` order."""
+        return [self.store[name] for name in stage_names(p, stages)]
 
     # ---- attention over the compressed form ---------------------------------------------------
     def _products(self, p: str, x: mx.array, dim: int, total: int, transpose: bool) -> mx.array:
@@ -449,3 +479,137 @@ class TurboQuantRVQCache(CompressedKVCache):
         deltas = extra[1:]
         self.sink_deltas = deltas if len(deltas) == 2 and deltas[0] is not None else None
         CompressedKVCache.state.fset(self, base)
+
+
+# ---- the encoder's and the prefill decode's pure parts, through mx.compile --------------------
+# One compiled function per setting (mx.compile traces again per input shape). What fuses is
+# the elementwise work between mx.quantize / mx.dequantize / the Hadamard transform / the
+# reductions: the centering, the sign multiply, the side data's casts, the residual, the sign
+# test and the shifts of the sign packing, |r|, and in the decode the stage sum, the sign
+# multiply, the key mean, the sink correction and the cast. Every one of those non-fusable ops
+# is the same op on the same values as uncompiled, so the stored bits and the decoded K/V are
+# identical (tests/cache/test_turboquant_rvq_encoder_identity.py against the frozen encoder of
+# main 714de0c, tests/cache/turboquant_rvq_reference.py).
+# Why this holds on the GPU too, where nvrtc may contract a fused a * b + c into one FMA
+# (s4-encspeed's finding): in these graphs no rounded product feeds an add or subtract inside
+# one fused kernel except (H y) * s + mean in the decode, where s = +-1 makes the product exact,
+# so the FMA rounds as the two ops did. mx.quantize / mx.dequantize (the affine kernels' a * w +
+# b) are single primitives on the GPU, not fused; on the CPU MLX builds them from elementwise
+# ops, which do fuse, but its fused CPU kernels are built for baseline x86-64 (no FMA). With the
+# matmul form of the Hadamard transform (a backend without mx.hadamard_transform) the decode's
+# ((y H) * scale) * s + mean still contracts exactly (s = +-1); the encoder's (x H) * scale
+# feeds mx.quantize and the residual's subtract, and should the fusion recompute it inside the
+# subtract's kernel, (x H) * scale - stage1 could become an FMA: there the encoder runs
+# uncompiled unless d^-1/2 is a power of two (`_encoder_fusion_is_exact`).
+
+
+def stage_names(p: str, stages) -> list[str]:
+    """Store names of part p's stages, in the order encode_rotated returns their arrays."""
+    names = []
+    for i, b in stages:
+        side = [f"{p}_scale{i}"] if b == 1 else [f"{p}_scales{i}", f"{p}_zeros{i}"]
+        names += [f"{p}_codes{i}", *side]
+    return names
+
+
+def stage_values(b: int, group: int, arrays) -> mx.array:
+    """One stage read back in float32 (rotated domain) from its arrays (codes, magnitudes) or
+    (codes, scales, zeros). A sign stage is a * (2 bits - 1), read at a supported width
+    (cache/sign_plane.py: MLX's CUDA backend has no 1-bit dequantize)."""
+    if b == 1:
+        return sign_values(*arrays)
+    codes, scales, zeros = arrays
+    # float32 side data: dequantize returns the scales' dtype, and fp16 would round.
+    return mx.dequantize(codes, scales.astype(mx.float32), zeros.astype(mx.float32), group_size=group, bits=b)
+
+
+def encode_rotated(y: mx.array, stages, group: int) -> list[mx.array]:
+    """Rotated float32 vectors y (..., d) -> every stage's arrays, in stage_names order."""
+    out = []
+    residual = y
+    for i, b in stages:
+        if b == 1:
+            # Sign code with the least-squares magnitude mean |r| (1-bit min/max affine
+            # codes would put both levels at the extremes).
+            arrays = [
+                pack_codes(residual >= 0, 1),
+                mx.mean(mx.abs(residual), axis=-1, keepdims=True).astype(SIDE_DTYPE),
+            ]
+        else:
+            codes, scales, zeros = mx.quantize(residual, group_size=group, bits=b)
+            arrays = [codes, scales.astype(SIDE_DTYPE), zeros.astype(SIDE_DTYPE)]
+        out += arrays
+        if (i, b) != stages[-1]:
+            # What the next stage quantizes: the residual against what will really be read
+            # back (fp16 side data).
+            residual = residual - stage_values(b, group, arrays)
+    return out
+
+
+def decode_rotated(arrays, stages, group: int) -> mx.array:
+    """The stages' arrays (stage_names order) -> their sum, float32 in the rotated domain."""
+    y, k = None, 0
+    for _, b in stages:
+        n = 2 if b == 1 else 3
+        part = stage_values(b, group, arrays[k : k + n])
+        k += n
+        y = part if y is None else y + part
+    return y
+
+
+def _backend() -> tuple[str, bool]:
+    """Keys the compiled functions' caches: the device and whether the Hadamard transform is
+    MLX's primitive there or the matmul (the traced graph differs). The probe evaluates, so it
+    runs here, before any trace."""
+    return str(mx.default_device()), fast_transform_available()
+
+
+def _encoder_fusion_is_exact(*dims: int) -> bool:
+    """Whether the compiled encoder stores what the uncompiled one does. It does wherever the
+    rotation is mx.hadamard_transform (a single primitive), and on the CPU (no FMA in MLX's
+    fused CPU kernels). A backend without that transform rotates by (x @ H) * d^-1/2, whose
+    product could be contracted with the residual's subtract, y - stage1(y), into one FMA if
+    the fusion recomputed it there; that FMA is exact only where d^-1/2 is a power of two (d =
+    4^k). The probe evaluates, so it runs here, before any trace."""
+    if fast_transform_available() or mx.default_device() == mx.cpu:
+        return True
+    return all(d & 0x55555555 and is_power_of_two(d) for d in dims)
+
+
+@lru_cache(maxsize=None)
+def _encoder_function(key_stages, key_group: int, value_stages, value_group: int):
+    """(keys, key mean, key signs, values, value signs) -> the key stages' arrays then the value
+    stages' (stage_names order)."""
+
+    def encode(keys, key_mean, key_signs, values, value_signs):
+        k = keys.astype(mx.float32) - key_mean.astype(mx.float32)
+        return (
+            *encode_rotated(rotate(k, key_signs), key_stages, key_group),
+            *encode_rotated(rotate(values.astype(mx.float32), value_signs), value_stages, value_group),
+        )
+
+    return encode
+
+
+@lru_cache(maxsize=None)
+def _compiled_encoder(key_stages, key_group: int, value_stages, value_group: int, backend: tuple):
+    """`_encoder_function` through mx.compile. `backend` only keys the cache: the Hadamard
+    transform's form depends on the backend (`_backend`)."""
+    return mx.compile(_encoder_function(key_stages, key_group, value_stages, value_group))
+
+
+@lru_cache(maxsize=None)
+def _compiled_decoder(stages, group: int, centered: bool, sink: int, dtype: mx.Dtype, backend: tuple):
+    """(signs, stage arrays of some tokens, [key mean if centered] + [sink deltas of the first
+    `sink` of those tokens if sink]) -> those tokens decoded to `dtype`: what
+    TurboQuantRVQCache._decode_range computes."""
+
+    def decode(signs, arrays, extra):
+        x = unrotate(decode_rotated(arrays, stages, group), signs)
+        if centered:
+            x = x + extra[0].astype(mx.float32)
+        if sink:
+            x = mx.concatenate([x[:, :, :sink] + extra[-1], x[:, :, sink:]], axis=2)
+        return x.astype(dtype)
+
+    return mx.compile(decode)
