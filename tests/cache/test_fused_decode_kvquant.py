@@ -6,9 +6,6 @@ emulation of mx.fast.cuda_kernel). The CUDA tests run where MLX's CUDA backend i
 device (the H200 through the device tool); each case JIT-compiles its own kernel (~10 s).
 """
 
-import re
-import shutil
-import subprocess
 
 import mlx.core as mx
 import pytest
@@ -184,50 +181,5 @@ def test_kernel_with_many_tiles_per_warp_matches_the_portable_step(monkeypatch):
     assert mx.allclose(fused, portable, atol=2e-2, rtol=2e-2).item(), mx.abs(fused - portable).max().item()
 
 
-# The kernel as MLX's CUDA backend generates it (one `const T* name` per input, `name_shape`
-# where the source reads it, the outputs, the template constants, then the source), compiled by
-# nvcc for the H200 (sm_90) where nvcc is installed: a proxy for nvrtc's acceptance, and ptxas's
-# report shows register spills. (MLX compiles with nvrtc at run time; only the CUDA tests above
-# check that.)
-_NVCC = shutil.which("nvcc")
-_CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
-
-
-def _generated_source(dtype, D, R, bits, outliers):
-    t = _CUDA_TYPES[dtype]
-    types = {"q": t, "kc": "uint32_t", "ks": t, "kz": t, "kcb": "float", "vc": "uint32_t", "vs": t, "vz": t,
-             "vcb": "float", "kop": "uint16_t", "kov": t, "vop": "uint16_t", "vov": t, "wk": t, "wv": t,
-             "sk": t, "sv": t, "meta": "int32_t"}
-    source = fused_decode_codebook._PARTIALS
-    params = []
-    for name in fused_decode_codebook._INPUTS:
-        params.append(f"const {types[name]}* {name}")
-        if f"{name}_shape" in source:
-            params.append(f"const int32_t* {name}_shape")
-    params += ["float* part_o", "float* part_m", "float* part_l"]
-    n_out = 41 if outliers else 0
-    constants = {"D": D, "DV": D, "R": R, "G": 32, "BITS": bits,
-                 "LPT": fused_decode_codebook.lanes_per_token(D, R), "NOK": n_out, "NOV": n_out}
-    body = "\n".join(f"  constexpr int {k} = {v};" for k, v in constants.items())
-    body += f"\n  using QT = {t};\n  using ST = {t};\n" + source
-    return ("#include <cstdint>\n" + fused_decode_codebook._HEADER + fused_decode_codebook._WINDOW
-            + "\nextern \"C\" __global__ void vq_codebook_decode_partials(" + ", ".join(params) + ") {\n"
-            + body + "\n}\n")
-
-
-@pytest.mark.skipif(_NVCC is None, reason="needs nvcc (the CUDA toolkit) to compile the kernel for sm_90")
-@pytest.mark.parametrize("dtype, D, R, bits, outliers", [
-    (mx.bfloat16, 128, 4, 3, True),  # the default config on the 8B shape
-    (mx.float16, 128, 8, 2, False),
-    (mx.float32, 64, 1, 4, True),
-    (mx.bfloat16, 64, 3, 3, True),  # SmolLM2's heads (9 over 3): spilled before the exact loops' unroll 4
-])
-def test_the_source_compiles_for_the_h200_without_spills(tmp_path, dtype, D, R, bits, outliers):
-    path = tmp_path / "kernel.cu"
-    path.write_text(_generated_source(dtype, D, R, bits, outliers))
-    done = subprocess.run([_NVCC, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "kernel.cubin"),
-                           "-Xptxas", "-v", str(path)], capture_output=True, text=True)
-    report = done.stdout + done.stderr
-    assert done.returncode == 0, report[-3000:]
-    print(re.findall(r"Used \d+ registers.*", report))
-    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+# The kernel compiled by nvcc for sm_90 (spills, CUDA's front end): tests/cache/test_kernels_nvcc.py
+# (kvquant among every method, from its real decode step, SmolLM2's heads included).

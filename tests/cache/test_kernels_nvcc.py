@@ -25,21 +25,25 @@ from veloxquant_mlx.config import KVCacheConfig
 NVCC = shutil.which("nvcc")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")]
 
-# The 8B model's heads (GQA 4, head_dim 128) in bf16, the methods' defaults; fp16 and float32
-# and 8 rows once each (other template values, other register budgets). turboquant_rvq's kernel
-# spilled at 8 rows (16 value channels per lane: 255 registers + 48 bytes of stack) until it
-# took 8 channels per lane above 4 rows (fused_decode_rotated.channels_per_lane: 130 registers).
+# The 8B model's heads (GQA 4, head_dim 128) in bf16, the methods' defaults; fp16 with 8 rows
+# and float32 with 1 row (other template values, other register budgets); SmolLM2's heads (3 rows
+# of head_dim 64: kvquant's exact loops spilled there before they were unrolled by 4 only).
+# turboquant_rvq's kernel kept 16 value channels per lane whatever the rows and spilled at 8 rows
+# until it split a token over more lanes there; SPILLS lists any case known to spill.
+SPILLS: dict = {}
+SHAPES = ((mx.bfloat16, 4, 128), (mx.float16, 8, 128), (mx.float32, 1, 128), (mx.bfloat16, 3, 64))
 CASES = [
-    pytest.param(method, dtype, rep, id=f"{method}-{str(dtype).split('.')[-1]}-r{rep}")
+    pytest.param(method, dtype, rep, D, marks=[pytest.mark.xfail(strict=True, reason=SPILLS[method, rep, D])]
+                 if (method, rep, D) in SPILLS else [], id=f"{method}-{str(dtype).split('.')[-1]}-r{rep}-d{D}")
     for method in ("kivi", "xquant", "turboquant_rvq", "gear", "kvquant")  # minicache: its own nvcc test (pairs)
-    for dtype, rep in ((mx.bfloat16, 4), (mx.float16, 8), (mx.float32, 1))
+    for dtype, rep, D in SHAPES
 ]
 
 
-def _captured(method: str, dtype, rep: int) -> list:
+def _captured(method: str, dtype, rep: int, D: int) -> list:
     """(kernel, signature) of every launch of one decode step of `method`'s cache."""
     cache = KVCacheFactory.create(KVCacheConfig(method=method), layer_index=0, n_layers=1)
-    D, H = 128, 2
+    H = 2
     mx.random.seed(0)
     k = mx.random.normal((1, H, 700, D)).astype(dtype)
     cache.update_and_fetch(k, k)
@@ -60,9 +64,9 @@ def _compile(source: str, tmp_path, index: int) -> str:
     return report
 
 
-@pytest.mark.parametrize("method, dtype, rep", CASES)
-def test_every_kernel_compiles_for_sm90_without_spills(tmp_path, method, dtype, rep):
-    captured = _captured(method, dtype, rep)
+@pytest.mark.parametrize("method, dtype, rep, D", CASES)
+def test_every_kernel_compiles_for_sm90_without_spills(tmp_path, method, dtype, rep, D):
+    captured = _captured(method, dtype, rep, D)
     assert len(captured) >= 2, f"{method}: the decode step launched {len(captured)} kernels (kernels not taken?)"
     sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
     with ThreadPoolExecutor(max_workers=2) as pool:
