@@ -20,7 +20,8 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   (`_full_keys_values`), the fused attention over it, and encoding one chunk.
 - `step`: at each of `--contexts`, one layer's whole decode step for each of `--methods` (the
   new token's update plus the attention; the fp16 KVCache with mlx-lm's attention), 30 steps
-  enqueued per eval so block flushes are amortised as in generation; and for kivi the pieces
+  enqueued per eval so block flushes are amortised as in generation, their graphs built before
+  the clock starts (the device's time per step); and for kivi the pieces
   outside its partials kernel (the merge kernel; and the exact sink's two concatenations, which
   the step paid until the sink became the partials kernel's own inputs sk / sv: a reference
   for the saving, no longer part of the step). Tells
@@ -118,15 +119,22 @@ def variant_kernel(mode: str):
         output_names=["part_o", "part_m", "part_l"], source=variant_source(mode), header=fd._HEADER)
 
 
-def per_call_ms(fn, calls: int = 30, batches: int = 5) -> float:
-    """Median over `batches` of the ms per call of `calls` calls enqueued then evaluated once."""
+def per_call_ms(fn, calls: int = 30, batches: int = 5, build_untimed: bool = False) -> float:
+    """Median over `batches` of the ms per call of `calls` calls enqueued then evaluated once.
+    `build_untimed`: the calls' graphs are built before the clock starts, so only the device's
+    work is timed (in generation the host builds the next step while the device runs this one)."""
     import mlx.core as mx
 
     mx.eval(fn())
     times = []
     for _ in range(batches):
-        start = time.perf_counter()
-        mx.eval([fn() for _ in range(calls)])
+        if build_untimed:
+            outs = [fn() for _ in range(calls)]
+            start = time.perf_counter()
+            mx.eval(outs)
+        else:
+            start = time.perf_counter()
+            mx.eval([fn() for _ in range(calls)])
         times.append((time.perf_counter() - start) / calls * 1e3)
     return sorted(times)[len(times) // 2]
 
@@ -288,8 +296,10 @@ def probe_step(n: int, specs) -> dict:
                 return cache.attention(q, scale=D**-0.5)
             return scaled_dot_product_attention(q, keys, values, cache=cache, scale=D**-0.5, mask=None)
 
-        # Few batches: every step grows the cache by one token.
-        out[f"{spec.name}_step_ms"] = per_call_ms(step, calls=30, batches=3)
+        # Few batches: every step grows the cache by one token. Graphs built untimed: the device's
+        # time per step (results/kernel_probe_step_h200_s4.json predates this and includes the
+        # host's graph building, serial there).
+        out[f"{spec.name}_step_ms"] = per_call_ms(step, calls=30, batches=3, build_untimed=True)
         if spec.name == "kivi" and cache.sink_keys is not None:
             wk, wv = cache.window_keys, cache.window_values
             out["kivi_sink_concat_ms"] = per_call_ms(lambda: [
