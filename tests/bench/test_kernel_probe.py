@@ -68,7 +68,8 @@ def test_the_step_probe_times_whole_steps_and_kivis_pieces(monkeypatch):
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_emulation.cuda_kernel)
     monkeypatch.setattr(fused_decode, "_on_cuda", lambda: True)
     real = kernel_probe.per_call_ms
-    monkeypatch.setattr(kernel_probe, "per_call_ms", lambda fn, calls=30, batches=5: real(fn, 2, 1))
+    monkeypatch.setattr(kernel_probe, "per_call_ms",
+                        lambda fn, calls=30, batches=5, build_untimed=False: real(fn, 2, 1, build_untimed))
     fused_decode._kernels.cache_clear()
     try:
         got = kernel_probe.probe_step(300, [parse_layer_spec("fp16"), parse_layer_spec("kivi")])
