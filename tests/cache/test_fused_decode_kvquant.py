@@ -124,7 +124,7 @@ def test_launch_refuses_a_sink_beyond_the_first_tile_and_partial_blocks():
         q_heads, 0.1, cache.store, cache.window_keys, cache.window_values, sink, n_valid=n_valid,
         group_size=32, bits=3, n_kv_heads=2, meta_cache=fused_decode.FusedDecodeMeta())
     long_sink = (mx.zeros((1, 2, 128, 128)), mx.zeros((1, 2, 128, 128)))
-    with pytest.raises(QuantizerConfigError, match="a sink of 128 tokens in a history of 672; allowed is fewer than min"):
+    with pytest.raises(QuantizerConfigError, match="codebook fused decode: skip=128 leading tokens of 672; allowed is 0 <= skip < min"):
         call(672, long_sink)
     sink = (cache.store["sink_keys"], cache.store["sink_values"])
     with pytest.raises(QuantizerConfigError, match="660 history tokens is invalid: allowed is a multiple of the group size 32"):

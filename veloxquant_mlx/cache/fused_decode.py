@@ -667,12 +667,7 @@ def affine_partials(
             f"fused decode: scales and zeros must share one dtype, got {key_scales.dtype}, "
             f"{key_zeros.dtype}, {value_scales.dtype}, {value_zeros.dtype}"
         )
-    if not 0 <= skip < min(n_valid, TILE):
-        # The kernel keeps every tile non-empty only for skips inside the first tile.
-        raise QuantizerConfigError(
-            f"fused decode: skip={skip} leading tokens of {n_valid}; allowed is 0 <= skip < "
-            f"min(history, {TILE})"
-        )
+    check_skip(skip, n_valid, "fused decode")
     per_block, n_hist_blocks, n_blocks = history_blocks(n_valid, BH, "fused decode")
     dtype = queries.dtype
     sink_keys, sink_values, n_sink = _sink_inputs(sink, queries, window_keys, window_values, DV)
@@ -693,9 +688,22 @@ def affine_partials(
 
 
 @lru_cache(maxsize=None)
-def _dummy(dtype) -> mx.array:
-    """A one-element stand-in for an absent sink (the kernel reads none of it at n_sink = 0)."""
+def absent_input(dtype) -> mx.array:
+    """A one-element stand-in for a kernel input the launch does not have (an absent sink,
+    outliers, retained slots): the kernels read none of it, their meta or template says so.
+    One per dtype, made once (not an allocation per decode step)."""
     return mx.zeros((1,), dtype=dtype)
+
+
+def check_skip(skip: int, n_valid: int, label: str) -> None:
+    """Leading history tokens a partials kernel ignores (read exactly elsewhere, e.g. the
+    attention sink): the kernels keep every tile non-empty only for skips inside the first
+    tile. `label` names the kernel in the error."""
+    if not 0 <= skip < min(n_valid, TILE):
+        raise QuantizerConfigError(
+            f"{label}: skip={skip} leading tokens of {n_valid}; allowed is 0 <= skip < "
+            f"min(history, {TILE})"
+        )
 
 
 def _sink_inputs(sink, queries, window_keys, window_values, value_dim: int):
@@ -704,7 +712,7 @@ def _sink_inputs(sink, queries, window_keys, window_values, value_dim: int):
     do for a model's caches), or dummies and 0."""
     dtype = queries.dtype
     if sink is None:
-        return _dummy(dtype), _dummy(dtype), 0
+        return absent_input(dtype), absent_input(dtype), 0
     keys, values = sink
     B, H, _, D = window_keys.shape
     S = keys.shape[2] if keys.ndim == 4 else 0

@@ -72,7 +72,6 @@ import mlx.core as mx
 from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.fused_decode import (
     _HEADER,
-    TILE,
     WARPS_PER_BLOCK,
     FusedDecodeMeta,
     merge_partials,
@@ -575,11 +574,6 @@ def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rows: in
     return shared_bytes(head_dim, value_dim, rows, bits, value_outliers) <= SHARED_BYTES
 
 
-def _dummy(dtype) -> mx.array:
-    """A one-element stand-in for an absent outlier or sink array (the kernel does not read it)."""
-    return mx.zeros((1,), dtype=dtype)
-
-
 def _as(x: mx.array, dtype) -> mx.array:
     """x in dtype; x itself when it already is (no op in the step's graph)."""
     return x if x.dtype == dtype else x.astype(dtype)
@@ -635,18 +629,13 @@ def codebook_partials(
     DV = window_values.shape[-1]
     side = store["key_scale"].dtype
     skip = 0 if sink is None else sink[0].shape[2]
-    sink_keys, sink_values = (_dummy(side), _dummy(side)) if sink is None else sink
+    sink_keys, sink_values = (fused_decode.absent_input(side), fused_decode.absent_input(side)) if sink is None else sink
     if n_valid % group_size:
         raise QuantizerConfigError(
             f"codebook fused decode: {n_valid} history tokens is invalid: allowed is a multiple "
             f"of the group size {group_size} (whole blocks)"
         )
-    if not 0 <= skip < min(n_valid, TILE):
-        # Every tile keeps a valid token only for skips inside the first tile.
-        raise QuantizerConfigError(
-            f"codebook fused decode: a sink of {skip} tokens in a history of {n_valid}; allowed "
-            f"is fewer than min(history, {TILE}) sink tokens"
-        )
+    fused_decode.check_skip(skip, n_valid, "codebook fused decode")
     per_block, n_hist_blocks, n_blocks = fused_decode.history_blocks(n_valid, BH, "codebook fused decode")
     outliers = []
     counts = []
@@ -655,7 +644,7 @@ def codebook_partials(
             outliers += [store[f"{prefix}_outlier_position"], store[f"{prefix}_outlier_value"]]
             counts.append(store[f"{prefix}_outlier_position"].shape[-1])
         else:
-            outliers += [_dummy(mx.uint16), _dummy(side)]
+            outliers += [fused_decode.absent_input(mx.uint16), fused_decode.absent_input(side)]
             counts.append(0)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip)
     dtype = queries.dtype

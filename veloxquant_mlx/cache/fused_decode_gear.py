@@ -302,11 +302,6 @@ def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rank: in
     return shared_bytes(head_dim, value_dim, rows, value_outliers) <= 48 * 1024
 
 
-@lru_cache(maxsize=None)
-def _dummy(dtype):
-    return mx.zeros((1,), dtype=dtype)
-
-
 def store_arrays(cache) -> tuple[list[mx.array], list[mx.array], list[tuple]]:
     """(fused_decode's six arrays, GEAR's eight in GEAR_INPUTS order, GEAR's template constants)
     from the cache's store: key codes as one bit stream per channel (B, H, D, words); absent
@@ -321,14 +316,14 @@ def store_arrays(cache) -> tuple[list[mx.array], list[mx.array], list[tuple]]:
         if cache.rank:
             extra += [st[f"{s}_lr_tokens"], st[f"{s}_lr_channels"]]
         else:
-            extra += [_dummy(side), _dummy(side)]
+            extra += [fused_decode.absent_input(side)] * 2
         if f"{s}_out_values" in st:
             index, values = st[f"{s}_out_index"], st[f"{s}_out_values"]
             extra += [index, values]
             counts.append(values.shape[-1])
             index_dtypes.append(index.dtype)
         else:
-            extra += [_dummy(mx.uint16), _dummy(side)]
+            extra += [fused_decode.absent_input(mx.uint16), fused_decode.absent_input(side)]
             counts.append(0)
             index_dtypes.append(mx.uint16)
     template = [("RANK", cache.rank), ("BLK", cache.block_tokens), ("KCNT", counts[0]),

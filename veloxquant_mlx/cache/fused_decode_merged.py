@@ -643,11 +643,6 @@ def supports(head_dim: int, value_dim: int, slots: int, rows: int, direction_bit
     return shared_bytes(head_dim, value_dim, slots, rows) <= 48 * 1024
 
 
-@lru_cache(maxsize=None)
-def _dummy(dtype):
-    return mx.zeros((1,), dtype=dtype)
-
-
 def decode_step(cache, queries, scale: float):
     """A paired MiniCacheCache layer's decode-step attention through the kernels, or None where
     they are not active (off CUDA, switched off, a plain layer, a shape supports() refuses, a
@@ -712,9 +707,10 @@ def merged_decode_attention(
             f"{'missing' if direction_side is None else 'given'}; allowed is both or neither"
         )
     if retained is None:
-        retained = (_dummy(mx.float16), _dummy(mx.float16), _dummy(mx.int32), _dummy(mx.int32))
+        absent = fused_decode.absent_input
+        retained = (absent(mx.float16), absent(mx.float16), absent(mx.int32), absent(mx.int32))
     if direction_side is None:
-        direction_side = (_dummy(mx.float16),) * 4
+        direction_side = (fused_decode.absent_input(mx.float16),) * 4
     per_block, n_hist_blocks, n_blocks = fused_decode.history_blocks(
         n_valid, BH, "merged fused decode", tokens_per_block)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale))

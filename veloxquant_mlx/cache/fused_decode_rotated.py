@@ -542,18 +542,14 @@ def store_arrays(cache) -> list[mx.array]:
     for p, total in (("k", cache.key_bits), ("v", cache.value_bits)):
         b1 = total - 1
         if b1 == 0:
-            out += [_dummy(mx.uint32), _dummy(mx.float16), _dummy(mx.float16)]
+            absent = fused_decode.absent_input
+            out += [absent(mx.uint32), absent(mx.float16), absent(mx.float16)]
         elif b1 == 1:
-            out += [s[f"{p}_codes1"], s[f"{p}_scale1"], _dummy(mx.float16)]
+            out += [s[f"{p}_codes1"], s[f"{p}_scale1"], fused_decode.absent_input(mx.float16)]
         else:
             out += [s[f"{p}_codes1"], s[f"{p}_scales1"], s[f"{p}_zeros1"]]
         out += [s[f"{p}_codes2"], s[f"{p}_scale2"]]
     return out
-
-
-@lru_cache(maxsize=None)
-def _dummy(dtype):
-    return mx.zeros((1,), dtype=dtype)
 
 
 def decode_step(cache, queries, scale: float):
@@ -588,7 +584,8 @@ def rotated_decode_attention(
     BH = B * n_kv_heads
     DV = window_values.shape[-1]
     n_sink = 0 if sink is None else sink[0].shape[2]
-    sk, sv = (_dummy(mx.float32), _dummy(mx.float32)) if sink is None else sink
+    absent = fused_decode.absent_input
+    sk, sv = (absent(mx.float32), absent(mx.float32)) if sink is None else sink
     # The history blocks split the compressed tokens after the sink.
     per_block, n_hist_blocks, n_blocks = fused_decode.history_blocks(
         n_valid - n_sink, BH, "rotated fused decode", tokens_per_block)
