@@ -503,12 +503,15 @@ def _kernels():
     return partials, merge
 
 
-def tokens_per_block(n_valid: int, n_heads: int) -> int:
-    """History tokens per block of 4 warps: tiles of TILE tokens, enough warps to fill the GPU
-    (TARGET_WARPS over all heads) and at most 64 tiles per warp."""
-    tiles = -(-n_valid // TILE) * n_heads
-    tiles_per_warp = min(64, max(1, -(-tiles // TARGET_WARPS)))
-    return TILE * WARPS_PER_BLOCK * tiles_per_warp
+def tokens_per_block(n_valid: int, n_heads: int, tile: int = TILE, max_tiles: int = 64,
+                     target_warps: int | None = None) -> int:
+    """History tokens per block of 4 warps: tiles of `tile` tokens, enough warps to fill the GPU
+    (`target_warps`, default TARGET_WARPS, over all heads) and at most `max_tiles` tiles per warp.
+    The other partials kernels call it with their own tile and bound."""
+    warps = TARGET_WARPS if target_warps is None else target_warps
+    tiles = -(-n_valid // tile) * n_heads
+    tiles_per_warp = min(max_tiles, max(1, -(-tiles // warps)))
+    return tile * WARPS_PER_BLOCK * tiles_per_warp
 
 
 # Value accumulators per lane (rows x channels) above which a token is split over more lanes

@@ -617,9 +617,7 @@ def _partials_kernel():
 def tokens_per_block(n_tokens: int, n_heads: int) -> int:
     """History tokens per block of 4 warps: 32-token tiles, enough warps to fill the GPU
     (fused_decode.TARGET_WARPS over all heads), at most MAX_TILES_PER_WARP tiles per warp."""
-    tiles = -(-n_tokens // TILE) * n_heads
-    tiles_per_warp = min(MAX_TILES_PER_WARP, max(1, -(-tiles // fused_decode.TARGET_WARPS)))
-    return TILE * WARPS_PER_BLOCK * tiles_per_warp
+    return fused_decode.tokens_per_block(n_tokens, n_heads, TILE, MAX_TILES_PER_WARP)
 
 
 def shared_bytes(head_dim: int, value_dim: int, slots: int, rows: int) -> int:
