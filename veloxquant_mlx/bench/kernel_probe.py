@@ -14,10 +14,12 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   targets (`TARGET_WARPS`) and with other value accumulators per lane (`MAX_LANE_ACCUMULATORS`
   64 / 16 beside the default 32: at 4 rows 8 / 16 lanes per value token; fewer accumulators,
   fewer registers, more warps per SM).
-- `prefill`: one layer's 32K prompt in 2048-token chunks: the fp16 KVCache with `mx.fast`
-  attention against kivi's update + attention (two runs each, the second warm), then at the
-  last chunk the pieces of kivi's chunk attention: decoding the history, adding the window
-  (`_full_keys_values`), the fused attention over it, and encoding one chunk.
+- `prefill`: one layer's 32K prompt in 2048-token chunks for the fp16 KVCache with `mx.fast`
+  attention and for each of `--methods` (update + attention; two fills each, the first paying
+  the JIT compiles of every history length), then for ours the pieces of one more chunk's
+  attention: building the history's K/V for the fused attention (`_prefill_keys_values`), the
+  fused attention over it, and encoding one chunk (`_encode`; None for minicache, whose pair
+  encodes).
 - `step`: at each of `--contexts`, one layer's whole decode step for each of `--methods` (the
   new token's update plus the attention; the fp16 KVCache with mlx-lm's attention), 30 steps
   enqueued per eval so block flushes are amortised as in generation, their graphs built before
@@ -77,7 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--contexts", default="32768,131072", help="decode contexts (default 32768,131072)")
     p.add_argument("--methods", default="fp16,kivi,xquant,turboquant_rvq",
-                   help="cache specs of the `step` part, as for `veloxquant bench` (default fp16,kivi,xquant,turboquant_rvq)")
+                   help="cache specs of the `step` and `prefill` parts, as for `veloxquant bench` (default fp16,kivi,xquant,turboquant_rvq)")
     args = p.parse_args(argv)
     args.parts = [x for x in args.parts.split(",") if x]
     unknown = sorted(set(args.parts) - set(PARTS))
@@ -225,42 +227,56 @@ def probe_decode(n: int) -> dict:
     return out
 
 
-def probe_prefill(n: int = 32768, chunk: int = 2048) -> dict:
+def probe_prefill(specs, n: int = 32768, chunk: int = 2048) -> dict:
+    """One layer's n-token prompt in `chunk`-token chunks for fp16 and each of `specs` (two
+    fills each, the first paying the JIT compiles of every history length), and at the end
+    the pieces of one more chunk's attention for ours: building the history's K/V for the
+    fused attention, that attention, and encoding one chunk (ms, device time)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
+    from mlx.utils import tree_flatten
 
-    from veloxquant_mlx import KVCacheConfig
-    from veloxquant_mlx.cache.kivi import KIVICache
+    from veloxquant_mlx.bench.drive import cache_arrays
+    from veloxquant_mlx.bench.layer_specs import parse_layer_spec
+    from veloxquant_mlx.cache.base import CompressedKVCache
 
     mx.random.seed(1)
     k = mx.random.normal((1, HK, n, D)).astype(mx.bfloat16)
     v = mx.random.normal((1, HK, n, D)).astype(mx.bfloat16)
     q = mx.random.normal((1, HQ, n, D)).astype(mx.bfloat16)
     mx.eval(k, v, q)
-    out = {"tokens": n, "chunk": chunk, "runs": []}
-    for name in ("fp16", "kivi", "fp16", "kivi"):
-        cache = KVCache() if name == "fp16" else KIVICache(KVCacheConfig(method="kivi", bit_width_inlier=2))
-        start = time.perf_counter()
-        for s0 in range(0, n, chunk):
-            part = slice(s0, s0 + chunk)
-            if name == "fp16":
+    out = {"tokens": n, "chunk": chunk, "fills": {}, "last_chunk_ms": {}}
+    fp16 = parse_layer_spec("fp16")
+    for spec in [fp16] + [s for s in specs if s.name != "fp16"]:
+        for _ in range(2):
+            cache = spec.make()
+            ours = isinstance(cache, CompressedKVCache)
+            start = time.perf_counter()
+            for s0 in range(0, n, chunk):
+                part = slice(s0, s0 + chunk)
                 keys, values = cache.update_and_fetch(k[:, :, part], v[:, :, part])
-                mx.eval(mx.fast.scaled_dot_product_attention(q[:, :, part], keys, values, scale=D**-0.5, mask="causal"))
-            else:
-                cache.update_and_fetch(k[:, :, part], v[:, :, part])
-                mx.eval(cache.attention(q[:, :, part], scale=D**-0.5, mask="causal"), list(cache.store.values()))
-        out["runs"].append({"cache": name, "seconds": time.perf_counter() - start})
-    rows = q[:, :, -chunk:]
-    keys, values = cache._full_keys_values()
-    mx.eval(keys, values)
-    out["kivi_last_chunk_ms"] = {
-        "decode_history": per_call_ms(lambda: cache._decode(), calls=5, batches=3),
-        "history_plus_window": per_call_ms(lambda: cache._full_keys_values(), calls=5, batches=3),
-        "fused_attention": per_call_ms(lambda: mx.fast.scaled_dot_product_attention(
-            rows, keys, values, scale=D**-0.5, mask="causal"), calls=5, batches=3),
-        "encode_one_chunk": per_call_ms(lambda: list(cache._encode(k[:, :, :chunk], v[:, :, :chunk]).values()),
-                                        calls=5, batches=3),
-    }
+                if ours:
+                    att = cache.attention(q[:, :, part], scale=D**-0.5, mask="causal")
+                else:
+                    att = mx.fast.scaled_dot_product_attention(q[:, :, part], keys, values, scale=D**-0.5, mask="causal")
+                mx.eval(att, cache_arrays([cache]))
+            out["fills"].setdefault(spec.name, []).append(time.perf_counter() - start)
+        if not ours:
+            continue
+        rows = q[:, :, -chunk:]
+        keys, values = cache._prefill_keys_values(rows)
+        mx.eval(keys, values)
+        pieces = {
+            "history_keys_values": per_call_ms(lambda: cache._prefill_keys_values(rows), calls=5, batches=3),
+            "fused_attention": per_call_ms(lambda: mx.fast.scaled_dot_product_attention(
+                rows, keys, values, scale=D**-0.5, mask="causal"), calls=5, batches=3),
+        }
+        try:
+            pieces["encode_one_chunk"] = per_call_ms(
+                lambda: tree_flatten(cache._encode(k[:, :, -chunk:], v[:, :, -chunk:])), calls=5, batches=3)
+        except NotImplementedError:
+            # minicache's layers are encoded by their pair, in the upper layer's flush.
+            pieces["encode_one_chunk"] = None
+        out["last_chunk_ms"][spec.name] = pieces
     return out
 
 
@@ -323,7 +339,7 @@ def run(args) -> dict:
     if "decode" in args.parts:
         rows["decode"] = {str(n): probe_decode(n) for n in args.contexts}
     if "prefill" in args.parts:
-        rows["prefill"] = probe_prefill()
+        rows["prefill"] = probe_prefill(args.specs)
     if "step" in args.parts:
         rows["step"] = {str(n): probe_step(n, args.specs) for n in args.contexts}
     return {"settings": {"parts": args.parts, "contexts": args.contexts,
