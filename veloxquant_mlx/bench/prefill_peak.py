@@ -132,15 +132,16 @@ def flash_stand_in():
 
 
 @contextlib.contextmanager
-def turboquant_pieces_only():
-    """turboquant_rvq's piecewise decode without evaluating the queries first."""
-    from veloxquant_mlx.cache.turboquant_rvq import TurboQuantRVQCache
+def queries_not_evaluated_first():
+    """Every cache's prefill decode without evaluating the queries first
+    (CompressedKVCache.prefill_eval_queries False): what that step saves."""
+    from veloxquant_mlx.cache.base import CompressedKVCache
 
-    TurboQuantRVQCache.prefill_eval_queries = False
+    CompressedKVCache.prefill_eval_queries = False
     try:
         yield
     finally:
-        TurboQuantRVQCache.prefill_eval_queries = True
+        CompressedKVCache.prefill_eval_queries = True
 
 
 @contextlib.contextmanager
@@ -157,11 +158,16 @@ def turboquant_base_path():
         TurboQuantRVQCache._prefill_keys_values = own
 
 
-MODEL_CASES = {  # label -> (cache spec, turboquant_rvq path)
+LAZY = "queries not evaluated first"
+MODEL_CASES = {  # label -> (cache spec, path)
     "fp16": ("fp16", None), "kivi": ("kivi", None),
     "before": ("turboquant_rvq", "before (base path)"),
-    "pieces-only": ("turboquant_rvq", "pieces, queries not evaluated first"),
+    "pieces-only": ("turboquant_rvq", f"pieces, {LAZY}"),
     "after": ("turboquant_rvq", "after"),
+    # The other caches take the base path: with and without its ordering step.
+    "kivi-lazy": ("kivi", LAZY),
+    **{m: (m, None) for m in ("xquant", "gear", "kvquant", "minicache")},
+    **{f"{m}-lazy": (m, LAZY) for m in ("xquant", "gear", "kvquant", "minicache")},
 }
 
 
@@ -172,10 +178,10 @@ def model_rows(contexts, shape: dict, dtype, case_labels=tuple(MODEL_CASES)) -> 
     from veloxquant_mlx.bench.tiny import random_llama
 
     model = random_llama(dtype=dtype, **shape)
-    specs = {s.name: s for s in parse_specs(["fp16", "kivi", "turboquant_rvq"])}
     cases = [MODEL_CASES[label] for label in case_labels]
+    specs = {s.name: s for s in parse_specs(sorted({name for name, _ in cases}))}
     switches = {"before (base path)": turboquant_base_path,
-                "pieces, queries not evaluated first": turboquant_pieces_only}
+                f"pieces, {LAZY}": queries_not_evaluated_first, LAZY: queries_not_evaluated_first}
     rows = []
     with flash_stand_in():
         for tokens in contexts:

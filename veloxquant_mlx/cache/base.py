@@ -243,12 +243,29 @@ class CompressedKVCache(_BaseCache):
         keys, values = self._prefill_keys_values(queries)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
+    # Evaluate a prefill chunk's queries (the model up to this layer) before building the
+    # layer's decoded history. The decode reads only the already evaluated store, so nothing
+    # else orders it after the previous layers' attention: MLX may compute every layer's
+    # decoded K/V before any layer's attention runs and hold them all at once. On the H200
+    # (8B-shaped llama, 8 layers, bf16, 128K prompt in 2048-token chunks; session 5,
+    # results/gpu_speed_h200_s5_128k.json) kivi then peaked 11.35 GB over its start and gear
+    # 20.7 GB against fp16's KVCache 9.96 GB, with caches of 0.81 / 1.09 GB against fp16's
+    # 4.29 GB; turboquant_rvq, which took this step first, 2.38 GB. Costs one sync per layer
+    # per prefill chunk. False only to measure what it saves (bench/prefill_peak.py).
+    prefill_eval_queries: ClassVar[bool] = True
+
     def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
         """Everything cached (history decoded + exact window) in the queries' dtype, for a
-        prefill chunk's fused attention: lazy here. A method whose decode makes large
-        intermediates may override it to build them in bounded pieces (turboquant_rvq)."""
+        prefill chunk's fused attention, built after the queries are evaluated (see
+        prefill_eval_queries). A method whose decode makes large intermediates may override
+        it to build them in bounded pieces (turboquant_rvq)."""
+        self._order_after_queries(queries)
         keys, values = self._full_keys_values()
         return keys.astype(queries.dtype), values.astype(queries.dtype)
+
+    def _order_after_queries(self, queries: mx.array) -> None:
+        if self.prefill_eval_queries and self.n_compressed:
+            mx.eval(queries, *[a for a in (self.window_keys, self.window_values) if a is not None])
 
     def _gqa_repeats(self, n_q_heads: int) -> int:
         """Query heads per kv head, refusing a count that does not divide (or no K/V yet)."""

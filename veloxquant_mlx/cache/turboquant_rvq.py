@@ -319,9 +319,6 @@ class TurboQuantRVQCache(CompressedKVCache):
 
     # Bytes of one float32 (B, H, tokens, d) piece of history a prefill decodes at a time.
     prefill_decode_bytes = 16 << 20
-    # Evaluate the queries (the model up to this layer) before decoding; False only to measure
-    # what that step saves (bench/prefill_peak.py).
-    prefill_eval_queries = True
 
     def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
         """The history decoded + the exact window, in the queries' dtype, built so that the
@@ -342,8 +339,7 @@ class TurboQuantRVQCache(CompressedKVCache):
         if not self.n_compressed:
             return super()._prefill_keys_values(queries)
         dtype = queries.dtype
-        if self.prefill_eval_queries:
-            mx.eval(queries, *[a for a in (self.window_keys, self.window_values) if a is not None])
+        self._order_after_queries(queries)  # the base class's prefill_eval_queries
         n, w = self.n_compressed, self._window_length()
         B, H = self.batch_size, self.n_kv_heads
         per_token = B * H * max(self.head_dim, self.value_dim) * 4
