@@ -19,9 +19,9 @@ from veloxquant_mlx import KVCacheConfig, QuantizerConfigError
 from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.kivi import KIVICache
 from veloxquant_mlx.cache.xquant import XQuantCache
+from tests.cache.cuda_marks import cuda_test as cuda_only
 
 on_cuda = fused_decode._on_cuda()
-cuda_only = pytest.mark.skipif(not on_cuda, reason="needs MLX's CUDA backend")
 
 
 def _filled(cache, n, *, B=1, H=2, rep=4, D=64, Dv=64, dtype=mx.float32, seed=0):

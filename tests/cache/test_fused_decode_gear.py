@@ -13,9 +13,9 @@ import pytest
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import fused_decode, fused_decode_gear
 from veloxquant_mlx.cache.gear import GEARCache
+from tests.cache.cuda_marks import cuda_test as cuda_only
 
 on_cuda = fused_decode._on_cuda()
-cuda_only = pytest.mark.skipif(not on_cuda, reason="needs MLX's CUDA backend")
 
 
 def _gear(**fields):

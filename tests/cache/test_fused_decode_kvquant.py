@@ -13,9 +13,9 @@ import pytest
 from veloxquant_mlx import KVCacheConfig, QuantizerConfigError
 from veloxquant_mlx.cache import fused_decode, fused_decode_codebook
 from veloxquant_mlx.cache.kvquant import KVQuantCache
+from tests.cache.cuda_marks import cuda_test as cuda_only
 
 on_cuda = fused_decode._on_cuda()
-cuda_only = pytest.mark.skipif(not on_cuda, reason="needs MLX's CUDA backend (run on the H200)")
 
 
 def _kvquant(**fields):

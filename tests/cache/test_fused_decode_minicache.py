@@ -17,9 +17,9 @@ import pytest
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import fused_decode, fused_decode_merged
 from veloxquant_mlx.cache.minicache import BLOCK, MiniCacheCache
+from tests.cache.cuda_marks import cuda_test as cuda_only
 
 on_cuda = fused_decode._on_cuda()
-cuda_only = pytest.mark.skipif(not on_cuda, reason="needs MLX's CUDA backend")
 
 
 def _pair(n, *, B, H, rep, D, dtype, seed=0, **fields):

@@ -18,9 +18,9 @@ from tests.cache import cuda_emulation, rotated_decode_reference as ref
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import fused_decode, fused_decode_rotated as fdr
 from veloxquant_mlx.cache.turboquant_rvq import TurboQuantRVQCache
+from tests.cache.cuda_marks import cuda_test as cuda_only
 
 on_cuda = fused_decode._on_cuda()
-cuda_only = pytest.mark.skipif(not on_cuda, reason="needs MLX's CUDA backend (run on the H200)")
 
 
 def _cache(bits=4, sink=True, key_bits=None, value_bits=None, **attrs):
