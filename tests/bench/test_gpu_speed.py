@@ -30,8 +30,17 @@ def test_failures_and_budget_are_recorded(tmp_path):
     tiny32 = [a if a != "64" else "32" for a in TINY]
     assert gpu_speed.main(["--quick", *tiny32, "--contexts", "40", "--methods", "fp16,mlx-q4",
                            "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    cases = {c["spec"]: c for c in result["cases"]}
+    # Its warm-up failed: the error is recorded there and its timed case is not run.
+    assert "error" not in cases["fp16"] and result["warmup"]["mlx-q4"]["error"]
+    assert cases["mlx-q4"]["skipped"].startswith("not run: its warm-up at 40 tokens failed")
+    assert cases["mlx-q4"]["runs"] == [] and "error" not in cases["mlx-q4"]
+    # Asked to, it runs anyway and records the case's own error.
+    assert gpu_speed.main(["--quick", *tiny32, "--contexts", "40", "--methods", "fp16,mlx-q4",
+                           "--run-after-failed-warmup", "--out", str(out)]) == 0
     cases = {c["spec"]: c for c in json.loads(out.read_text())["cases"]}
-    assert "error" not in cases["fp16"] and cases["mlx-q4"]["error"]
+    assert cases["mlx-q4"]["error"] and "skipped" not in cases["mlx-q4"]
     assert gpu_speed.main(["--quick", *TINY, "--contexts", "40", "--methods", "fp16",
                            "--budget-s", "0", "--out", str(out)]) == 0
     (case,) = json.loads(out.read_text())["cases"]

@@ -16,7 +16,9 @@ prompt. Each spec first runs one untimed warm-up case so the JIT compiles its sh
 Robust: a failing case records its error text and the run continues; the JSON is rewritten
 (summaries, ratios, targets) after every timed run, so a crash or a time-out keeps what was
 measured; `--recompute FILE.json` re-derives those from the runs of a file written before that
-(it then held only whole contexts). `--budget-s` stops
+(it then held only whole contexts). A spec whose warm-up fails is not timed (its cases are
+recorded as skipped with the warm-up's error; `--run-after-failed-warmup` times it anyway).
+`--budget-s` stops
 starting new cases once spent (they are recorded as skipped); the default context order puts
 the targets (32K, 128K) first for that reason. Needs only mlx and mlx-lm (no matplotlib: plot
 the JSON elsewhere with `python -m veloxquant_mlx.bench.report FILE.json`).
@@ -64,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="context of each spec's untimed warm-up case (covers the chunk shapes)")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no new case after this many seconds (default 420)")
+    p.add_argument("--run-after-failed-warmup", action="store_true",
+                   help="time a spec whose warm-up failed anyway (default: its cases are recorded "
+                        "as skipped, naming the warm-up's error)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: first context only (4096 unless --contexts), 8 decode tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -143,7 +148,7 @@ def run(args) -> dict:
             with spec.open(model) as make_cache:
                 measure_case(model, make_cache, random_prompt(args.vocab, args.warmup_context, args.seed),
                              decode_tokens=2, warmup_tokens=1, prefill_step_size=args.prefill_step_size)
-        except Exception as exc:  # noqa: BLE001 - recorded; the timed cases still try
+        except Exception as exc:  # noqa: BLE001 - recorded; its timed cases are then skipped
             entry["error"] = _error_text(exc)
         entry["seconds"] = time.perf_counter() - start
         result["warmup"][spec.name] = entry
@@ -164,6 +169,13 @@ def run(args) -> dict:
                 case = cases[spec.name]
                 if case.get("error"):
                     continue  # a failing spec fails again: do not spend the budget on it
+                warmup_error = result["warmup"][spec.name].get("error")
+                if warmup_error and not args.run_after_failed_warmup:
+                    # mlx-lm's 4-bit cache failed its 2K warm-up on the H200 and then ran its 128K
+                    # case for over five minutes without an answer (session 5), ending the call.
+                    case.setdefault("skipped", f"not run: its warm-up at {args.warmup_context} tokens failed "
+                                               f"({warmup_error[:120]}); --run-after-failed-warmup runs it")
+                    continue
                 elapsed = time.perf_counter() - t0
                 if elapsed > args.budget_s:
                     case.setdefault("skipped", f"budget: {elapsed:.0f} s spent of --budget-s {args.budget_s:.0f} "
