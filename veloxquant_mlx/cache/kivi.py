@@ -73,7 +73,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, fused_prefill_affine
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.sink import with_sink_placeholder
 from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
@@ -298,6 +298,20 @@ class KIVICache(CompressedKVCache):
             group_size=self.group_size, key_bits=self.key_bits, value_bits=self.value_bits,
             skip=self._sink_length(), exact_prefix=sink,
         )
+
+    def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
+        # On CUDA one kernel writes the whole K/V (sink, decoded history, window) in the queries'
+        # dtype (cache/fused_prefill_affine.py); elsewhere the base's decode + concatenations.
+        s = self.store
+        sink = None if self.sink_keys is None else (self.sink_keys, self.sink_values)
+        fused = fused_prefill_affine.prefill_step(
+            self, queries,
+            lambda: (s["key_codes"], s["key_scales"], s["key_biases"],
+                     s["value_codes"], s["value_scales"], s["value_biases"]),
+            group_size=self.group_size, key_bits=self.key_bits, value_bits=self.value_bits,
+            arith_dtype=self.dtype, sink=sink,  # _decode casts the side data to the model dtype
+        )
+        return super()._prefill_keys_values(queries) if fused is None else fused
 
     def bits_per_element(self) -> float:
         """Stored bits per cached K/V element of the compressed history: codes plus a 16-bit

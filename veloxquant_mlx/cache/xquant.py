@@ -50,7 +50,7 @@ import math
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, fused_prefill_affine
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
 from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
@@ -323,6 +323,33 @@ class XQuantCache(CrossLayerMixin, CompressedKVCache):
             self, queries, scale, arrays,
             group_size=self.group, key_bits=self.code_bits, value_bits=self.code_bits,
         )
+
+    def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
+        # On CUDA one kernel writes the whole K/V (decoded history, window) in the queries' dtype
+        # (cache/fused_prefill_affine.py); elsewhere the base's decode + concatenation.
+        def arrays():
+            k_codes, v_codes = self._unsliced_codes()
+            s = self.store
+            return k_codes, s["k_scale"], s["k_zero"], v_codes, s["v_scale"], s["v_zero"]
+
+        fused = fused_prefill_affine.prefill_step(
+            self, queries, arrays, group_size=self.group, key_bits=self.code_bits,
+            value_bits=self.code_bits, arith_dtype=SCALE_DTYPE,  # _decode dequantizes in float16
+        )
+        return super()._prefill_keys_values(queries) if fused is None else fused
+
+    def _unsliced_codes(self) -> tuple[mx.array, mx.array]:
+        """_codes() without cutting a leader's arrays to this layer's capacity: the cut key
+        codes' reshape would copy them, and the prefill kernel reads only the first
+        n_compressed tokens of each row, taking the row lengths from the arrays' shapes."""
+        if not self.shared:
+            return self._codes()
+        if self._leader() is None:
+            return self._codes()  # raises, naming the missing leader
+        leader = self._leader()
+        k = leader.store["k_codes"]
+        B, H, D = k.shape[:3]
+        return k.reshape(B, H, D, -1), leader.store["v_codes"]
 
     # ---- state: a follower's state carries its leader's codes --------------------------------
     def _state_arrays(self) -> dict[str, mx.array]:
