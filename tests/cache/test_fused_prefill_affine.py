@@ -58,15 +58,16 @@ def _data(B, H, n, D, dtype, seed):
     return k.astype(dtype), mx.random.normal((B, H, n, D)).astype(dtype)
 
 
-def _fill(cache, n, extra, *, B, H, D, dtype, seed=0):
+def _fill(cache, n, extra, *, B, H, D, dtype, seed=0, query_dtype=None):
     """A cache after a chunk of n tokens (flushed into the history by an attention call) and
-    `extra` more tokens in its window; returns a prefill chunk's queries (B, 2H, 16, D)."""
+    `extra` more tokens in its window; returns a prefill chunk's queries (B, 2H, 16, D), in
+    `query_dtype` (default: the cache's)."""
     k, v = _data(B, H, n + extra, D, dtype, seed)
     cache.update_and_fetch(k[:, :, :n], v[:, :, :n])
     mx.eval(cache.attention(mx.random.normal((B, 2 * H, 1, D)).astype(dtype), scale=D**-0.5))
     if extra:
         cache.update_and_fetch(k[:, :, n:], v[:, :, n:])
-    return mx.random.normal((B, 2 * H, 16, D)).astype(dtype)
+    return mx.random.normal((B, 2 * H, 16, D)).astype(query_dtype or dtype)
 
 
 def _xquant_pair(bits=2):
@@ -110,6 +111,33 @@ KIVI_CASES = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _programs_built_in_parallel():
+    """The emulated programs the tests below run, compiled up front one per core (a cold run
+    pays g++ ~1-2 s each): their signatures captured from caches of the same shapes."""
+    if cuda_emulation.COMPILER is None:
+        return
+    calls = [(make, dtype, B, D, 160, 3, None) for _, make, dtype, B, D, _, _ in KIVI_CASES]
+    calls += [(_kivi(bit_width_inlier=2), mx.bfloat16, 1, 64, 160, 3, mx.float32),
+              (_kivi(bit_width_inlier=2), mx.float16, 1, 64, 160, 3, None),
+              (_kivi(bit_width_inlier=3), mx.bfloat16, 1, 64, 160, 3, None),
+              (lambda: _xquant_pair(2)[0], mx.bfloat16, 2, 64, 160, 3, None),
+              (lambda: _xquant_pair(2)[0], mx.float32, 2, 64, 160, 3, None),
+              (lambda: _xquant_pair(3)[0], mx.float16, 1, 128, 160, 3, None)]
+    with cuda_emulation.signatures_only() as captured:
+        for make, dtype, B, D, n, extra, query_dtype in calls:
+            cache = make()
+            queries = _fill(cache, n, extra, B=B, H=2, D=D, dtype=dtype, query_dtype=query_dtype)
+            with emulated():
+                cache._prefill_keys_values(queries)
+        for _, old, new in MUTATIONS:
+            with pytest.MonkeyPatch.context() as mutated, emulated():
+                mutated.setattr(fused_prefill_affine, "_SOURCE", fused_prefill_affine._SOURCE.replace(old, new, 1))
+                cache = _kivi(bit_width_inlier=3)()
+                cache._prefill_keys_values(_fill(cache, 160, 3, B=1, H=2, D=64, dtype=mx.bfloat16))
+    cuda_emulation.prebuild_captured(captured)
+
+
 @emulation
 @pytest.mark.parametrize("name, make, dtype, B, D, n, extra", KIVI_CASES, ids=[c[0] for c in KIVI_CASES])
 def test_the_emulated_kernel_is_the_portable_kivi_prefill(name, make, dtype, B, D, n, extra):
@@ -140,6 +168,36 @@ def test_the_emulated_kernel_is_the_portable_xquant_prefill_leader_and_follower(
     for cache in (leader, follower):
         n_hist, window = _check(cache, queries)
         assert n_hist > 0 and window > 0
+
+
+@emulation
+def test_queries_in_another_dtype_get_the_kv_in_theirs():
+    # A bf16 cache read by float32 queries: the kernel writes float32 (the portable path's
+    # astype after the decode in bf16), so the values are the bf16 ones, widened.
+    cache = _kivi(bit_width_inlier=2)()
+    queries = _fill(cache, 160, 3, B=1, H=2, D=64, dtype=mx.bfloat16, query_dtype=mx.float32)
+    _check(cache, queries)
+
+
+@emulation
+def test_a_prefill_chunks_attention_takes_the_kernel_after_the_ordering_step(monkeypatch):
+    # The whole attention of a chunk (>= prefill_rows query rows, causal): the same output as
+    # the portable path, bit for bit (same K/V into the same mx.fast attention), and the
+    # queries were evaluated (the base's ordering step) before the kernel was launched.
+    # Two caches filled alike (attention flushes the window afterwards: one call each).
+    portable, cache = _kivi(bit_width_inlier=2)(), _kivi(bit_width_inlier=2)()
+    queries = _fill(portable, 300, 20, B=1, H=2, D=64, dtype=mx.float16)
+    assert mx.array_equal(queries, _fill(cache, 300, 20, B=1, H=2, D=64, dtype=mx.float16)).item()
+    expected = portable.attention(queries, scale=0.125, mask="causal")  # the last 16 positions'
+    mx.eval(expected)
+    order = []
+    real = type(cache)._order_after_queries
+    monkeypatch.setattr(type(cache), "_order_after_queries", lambda self, q: (order.append(q.shape), real(self, q)))
+    with emulated() as made:
+        got = cache.attention(queries, scale=0.125, mask="causal")
+        mx.eval(got)
+    assert [k.calls for k in made] == [1] and order == [queries.shape]
+    assert mx.array_equal(got, expected).item()
 
 
 @emulation

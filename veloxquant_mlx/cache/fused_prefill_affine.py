@@ -84,7 +84,7 @@ _SOURCE = r"""
   constexpr int KW = TT * KB / 32;           // key code words per channel and tile
   constexpr int KWP = KW + 1;                // padded: odd, so channels fall on distinct banks
   constexpr int GT = TT >= G ? TT / G : 1;   // key groups per channel and tile
-  constexpr int GTP = GT + 1;
+  constexpr int GTP = GT % 2 ? GT : GT + 1;  // odd stride: a warp's channels on distinct banks
   constexpr int WV = DV * VB / 32;           // value code words per token
   constexpr int GV = DV / G;                 // value groups per token
   constexpr unsigned KMASK = (1u << KB) - 1u;
@@ -202,10 +202,11 @@ def _kernel():
 
 
 def shared_bytes(head_dim: int, group_size: int, key_bits: int) -> int:
-    """The kernel's static shared memory: a tile's key code words per channel (padded by one)
-    and its scales and zeros per channel as floats (padded by one)."""
+    """The kernel's static shared memory: a tile's key code words per channel and its scales
+    and zeros per channel as floats, each row padded to an odd length (KWP, GTP)."""
     words = TILE * key_bits // 32 + 1
-    groups = max(1, TILE // group_size) + 1
+    groups = max(1, TILE // group_size)
+    groups += 1 - groups % 2
     return 4 * head_dim * (words + 2 * groups)
 
 
