@@ -190,9 +190,17 @@ _SOURCE = r"""
 """
 
 
-@lru_cache(maxsize=None)
 def _kernel():
-    return mx.fast.cuda_kernel(
+    """The kernel, built once per kernel factory: keyed by mx.fast.cuda_kernel itself, so a
+    kernel built while a test stands the CPU emulation in for it (tests/cache/cuda_emulation.py,
+    whose emulated_kernels() empties only the fused_decode* modules' caches) is never served
+    after the real factory is back, nor the other way round."""
+    return _kernel_for(mx.fast.cuda_kernel)
+
+
+@lru_cache(maxsize=None)
+def _kernel_for(factory):
+    return factory(
         name="vq_affine_prefill_kv",
         input_names=list(INPUTS),
         output_names=["keys", "values"],
