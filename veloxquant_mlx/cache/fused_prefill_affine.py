@@ -47,13 +47,19 @@ warp's 32 channels hit 32 banks). Values: consecutive threads on consecutive cha
 read the token's few code words (broadcasts) and write consecutive elements.
 
 What the next GPU session must measure (no GPU figure could be taken when this was written; no
-speedup is claimed):
-  python -m veloxquant_mlx.bench.kernel_probe --parts prefill --methods kivi,xquant
-  python -m veloxquant_mlx.bench.gpu_speed --methods fp16,kivi,xquant --contexts 32768 --repeats 2
-and `pytest -m cuda tests/cache/test_fused_prefill_affine.py` (the kernel against the portable
-path on the GPU). Expected: one launch per layer and chunk instead of ~6 (dequantize x 2,
-swapaxes copy, concatenations, casts), writing the K/V once; `VELOXQUANT_CUDA_KERNELS=0`
-(fused_decode.kernels_enabled) gives the portable path for the A/B.
+speedup is claimed), each also with VELOXQUANT_CUDA_KERNELS=0 (fused_decode.kernels_enabled:
+the portable path, for the A/B; it switches the decode kernels off too):
+  pytest -m cuda tests/cache/test_fused_prefill_affine.py   (the kernel against MLX's dequantize)
+  python -m veloxquant_mlx.bench.kernel_probe --parts prefill --methods kivi,xquant --out X.json
+      (its history_keys_values: one layer's _prefill_keys_values at a 32K history, 0.54 ms for
+      kivi on the portable path in session 3)
+  python -m veloxquant_mlx.bench.gpu_speed --methods fp16,kivi,xquant --contexts 32768 --repeats 2 --out Y.json
+      (the prefill ratios to fp16: 1.46x kivi, 1.72x xquant before; the target is <= 1.2x).
+What it should do: one launch per layer and chunk instead of the portable path's several
+(dequantize x 2, the swapaxes copy, the sink's and the window's concatenations, casts), the
+K/V written once in the queries' dtype. Where it may fall short: its stores are one 16-bit
+element per thread (coalesced, 64 bytes per warp); wider stores are the next step if the probe
+shows the kernel below the copy bandwidth.
 
 The portable path (base CompressedKVCache._prefill_keys_values) stays the fallback: on the CPU
 and Metal, with the kernels switched off, and for shapes `supports` refuses.
