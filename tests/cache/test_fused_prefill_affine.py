@@ -130,11 +130,11 @@ def _programs_built_in_parallel():
             queries = _fill(cache, n, extra, B=B, H=2, D=D, dtype=dtype, query_dtype=query_dtype)
             with emulated():
                 cache._prefill_keys_values(queries)
-        for _, old, new in MUTATIONS:
+        for _, old, new, value_bits in MUTATIONS:
             with pytest.MonkeyPatch.context() as mutated, emulated():
                 mutated.setattr(fused_prefill_affine, "_SOURCE", fused_prefill_affine._SOURCE.replace(old, new, 1))
-                cache = _kivi(bit_width_inlier=3)()
-                cache._prefill_keys_values(_fill(cache, 160, 3, B=1, H=2, D=64, dtype=mx.bfloat16))
+                cache, queries = _mutation_case(value_bits)
+                cache._prefill_keys_values(queries)
     cuda_emulation.prebuild_captured(captured)
 
 
@@ -236,26 +236,34 @@ def test_the_kernels_arithmetic_is_mx_dequantizes_on_the_cpu():
                 assert not mx.array_equal((sf * codes + bf).astype(dtype), want).item()
 
 
-# A corrupted kernel must fail the comparison (in memory; the module is untouched).
+# A corrupted kernel must fail the comparison (in memory; the module is untouched), on a cache
+# of 3-bit keys (codes straddling words) and `value_bits` values.
 MUTATIONS = [
-    ("key code shift", "const int w = bit >> 5, sh = bit & 31;\n      unsigned code = kw_s",
-     "const int w = bit >> 5, sh = (bit + 1) & 31;\n      unsigned code = kw_s"),
-    ("3-bit straddle ignored", "if (32 % KB != 0 && sh + KB > 32)", "if (false)"),
+    ("key code shift", "const int w = bit >> 5, sh = bit & 31;\n      const vq_u2 word",
+     "const int w = bit >> 5, sh = (bit + 1) & 31;\n      const vq_u2 word", 2),
+    ("key 3-bit straddle ignored", "if (32 % KB != 0 && sh + KB > 32) {", "if (false) {", 2),
+    ("key pair's second scale", "dequant(sc.y, zp.y, c1 & KMASK)", "dequant(sc.x, zp.y, c1 & KMASK)", 2),
+    ("value pair's second code", "c1 = word >> ((bit & 31) + VB);", "c1 = word >> (bit & 31);", 2),
+    ("value 3-bit straddle ignored", "if ((b1 & 31) + VB > 32) c1", "if (false) c1", 3),
     ("one rounding (fma) instead of two",
-     "const float p = vq_f32(vq_cast<AT>(sc * (float)code));", "const float p = sc * (float)code;"),
-    ("sink ignored", "const int n_sink = meta[2];", "const int n_sink = 0;"),
-    ("value group index", "const size_t g = (size_t)t * GV + c / G;", "const size_t g = (size_t)t * GV;"),
+     "const float p = vq_f32(vq_cast<AT>(sc * (float)code));", "const float p = sc * (float)code;", 2),
+    ("sink ignored", "const int n_sink = meta[2];", "const int n_sink = 0;", 2),
+    ("value group index", "const size_t g = (size_t)t * GV + c / G;", "const size_t g = (size_t)t * GV;", 2),
 ]
 
 
+def _mutation_case(value_bits):
+    cache = _kivi(key_bits=3, value_bits=value_bits)()
+    return cache, _fill(cache, 160, 3, B=1, H=2, D=64, dtype=mx.bfloat16)
+
+
 @emulation
-@pytest.mark.parametrize("name, old, new", MUTATIONS, ids=[m[0] for m in MUTATIONS])
-def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, new):
+@pytest.mark.parametrize("name, old, new, value_bits", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, new, value_bits):
     source = fused_prefill_affine._SOURCE
     assert old in source, f"fused_prefill_affine._SOURCE no longer contains {old!r}: pick a new mutation"
     monkeypatch.setattr(fused_prefill_affine, "_SOURCE", source.replace(old, new, 1))
-    cache = _kivi(bit_width_inlier=3)()
-    queries = _fill(cache, 160, 3, B=1, H=2, D=64, dtype=mx.bfloat16)
+    cache, queries = _mutation_case(value_bits)
     with pytest.raises(AssertionError, match=r"max \|kernel - portable\|"):
         _check(cache, queries)
 

@@ -38,13 +38,18 @@ may contract into one fma (one rounding instead of two); where it does, the two 
 at most one rounding of the 16-bit product (the CUDA test reports the difference).
 
 Work split: a block of 256 threads per (tile of TILE = 128 positions, batch x kv head); the grid
-covers the n + W output positions. Keys: the block first loads the tile's code words of every
-channel (4 * KB words per channel: a tile starts on a word boundary at every width) and its
-scales and zeros into shared memory, consecutive threads reading consecutive words of a
-channel's row, then writes the tile's keys token by token with consecutive threads on
-consecutive channels (coalesced stores; the shared rows are padded to an odd stride, so a
-warp's 32 channels hit 32 banks). Values: consecutive threads on consecutive channels of a token
-read the token's few code words (broadcasts) and write consecutive elements.
+covers the n + W output positions; every thread handles pairs of neighbouring channels (even
+head dims). Keys: the block first loads the tile's code words of every channel (4 * KB words
+per channel: a tile starts on a word boundary at every width) and its scales and zeros into
+shared memory, consecutive threads reading consecutive words of a channel's row, stored word
+(group) major with rows of D + 2 channels; then it writes the tile's keys position by position,
+consecutive threads on consecutive channel pairs: one 8-byte shared load gives a pair's two
+code words (two more its scales and zeros), one store its two outputs (st.global.v2.u16 in
+16-bit, checked in nvcc's PTX for sm_90: a warp stores 128 contiguous bytes). Values:
+consecutive threads on consecutive channel pairs of a token read the pair's code word (both
+codes in one word at 2, 4, 8 bits; each code may straddle at 3) and its group's scale and zero
+(broadcasts within the warp), and store the pair. nvcc 13 for sm_90: 30-32 registers, no
+spills, 8.3 KB of shared memory at head_dim 128 and 2 bits (35 KB at 256 and 8 bits).
 
 What the next GPU session must measure (no GPU figure could be taken when this was written; no
 speedup is claimed), each also with VELOXQUANT_CUDA_KERNELS=0 (fused_decode.kernels_enabled:
@@ -57,9 +62,11 @@ the portable path, for the A/B; it switches the decode kernels off too):
       (the prefill ratios to fp16: 1.46x kivi, 1.72x xquant before; the target is <= 1.2x).
 What it should do: one launch per layer and chunk instead of the portable path's several
 (dequantize x 2, the swapaxes copy, the sink's and the window's concatenations, casts), the
-K/V written once in the queries' dtype. Where it may fall short: its stores are one 16-bit
-element per thread (coalesced, 64 bytes per warp); wider stores are the next step if the probe
-shows the kernel below the copy bandwidth.
+K/V written once in the queries' dtype, and none of the portable path's full-history
+intermediates (dequantized K^T, its swapped copy) held beside it. Not known until measured:
+whether it reaches the copy bandwidth (wider stores, 8 or 16 bytes a thread, are the next step
+if the probe shows it below), and how much of the prefill gap the K/V build was (the attention
+and the chunk's encode are the rest).
 
 The portable path (base CompressedKVCache._prefill_keys_values) stays the fallback: on the CPU
 and Metal, with the kernels switched off, and for shapes `supports` refuses.
@@ -88,16 +95,22 @@ INPUTS = ("kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "sk", "sv", "meta")
 _SOURCE = r"""
   constexpr int TT = 128;                    // positions per block (TILE)
   constexpr int KW = TT * KB / 32;           // key code words per channel and tile
-  constexpr int KWP = KW + 1;                // padded: odd, so channels fall on distinct banks
   constexpr int GT = TT >= G ? TT / G : 1;   // key groups per channel and tile
-  constexpr int GTP = GT % 2 ? GT : GT + 1;  // odd stride: a warp's channels on distinct banks
+  constexpr int DP = D + 2;                  // shared row stride: even (pairs stay aligned),
+                                             // != 0 mod 32 (staging stores spread over banks)
   constexpr int WV = DV * VB / 32;           // value code words per token
   constexpr int GV = DV / G;                 // value groups per token
   constexpr unsigned KMASK = (1u << KB) - 1u;
   constexpr unsigned VMASK = (1u << VB) - 1u;
-  __shared__ uint32_t kw_s[D * KWP];
-  __shared__ float ks_s[D * GTP];
-  __shared__ float kz_s[D * GTP];
+  // A thread handles two neighbouring channels: one 8-byte shared load for both codes' words
+  // and for both scales / zeros, one store of both outputs.
+  struct __align__(8) vq_u2 { uint32_t x, y; };
+  struct __align__(8) vq_f2 { float x, y; };
+  struct __align__(2 * sizeof(OT)) vq_o2 { OT x, y; };
+  // Shared, word (group) major: [w][d] so that channels d, d + 1 are adjacent.
+  __shared__ __align__(8) uint32_t kw_s[KW * DP];
+  __shared__ __align__(8) float ks_s[GT * DP];
+  __shared__ __align__(8) float kz_s[GT * DP];
 
   const int n = meta[0];
   const int n_window = meta[1];
@@ -105,7 +118,7 @@ _SOURCE = r"""
   const int total = n + n_window;
   const int bh = blockIdx.y;
   const int t_start = blockIdx.x * TT;
-  const int t_stop = min(t_start + TT, total);
+  const int rows = min(t_start + TT, total) - t_start;
   const int tid = threadIdx.x;
   const int nthreads = blockDim.x;
 
@@ -134,64 +147,84 @@ _SOURCE = r"""
     return vq_cast<OT>(vq_f32(vq_cast<CT>(x)));
   };
   const auto side = [](ST s) { return vq_f32(vq_cast<AT>(vq_f32(s))); };
+  const auto exact = [](const WT* p) { return vq_o2{vq_cast<OT>(vq_f32(p[0])), vq_cast<OT>(vq_f32(p[1]))}; };
 
   // ---- keys: the tile's code words, scales and zeros into shared memory ----
-  const bool history = t_start < n;
-  if (history) {
+  if (t_start < n) {
     const int w0 = t_start * KB / 32;        // the tile's first word (t_start is a multiple of 32)
+    // Consecutive threads read consecutive words of a channel's row (KW words per channel).
     for (int i = tid; i < D * KW; i += nthreads) {
       const int d = i / KW, w = i % KW;
-      kw_s[d * KWP + w] = w0 + w < row_words ? __ldg(kc_bh + (size_t)d * row_words + w0 + w) : 0u;
+      kw_s[w * DP + d] = w0 + w < row_words ? __ldg(kc_bh + (size_t)d * row_words + w0 + w) : 0u;
     }
     const int g0 = t_start / G;
     for (int i = tid; i < D * GT; i += nthreads) {
       const int d = i / GT, g = i % GT;
       const bool ok = g0 + g < row_groups;
-      ks_s[d * GTP + g] = ok ? side(ks_bh[(size_t)d * row_groups + g0 + g]) : 0.f;
-      kz_s[d * GTP + g] = ok ? side(kz_bh[(size_t)d * row_groups + g0 + g]) : 0.f;
+      ks_s[g * DP + d] = ok ? side(ks_bh[(size_t)d * row_groups + g0 + g]) : 0.f;
+      kz_s[g * DP + d] = ok ? side(kz_bh[(size_t)d * row_groups + g0 + g]) : 0.f;
     }
   }
   __syncthreads();
 
-  // ---- keys out: consecutive threads write consecutive channels of a position ----
-  for (int i = tid; i < (t_stop - t_start) * D; i += nthreads) {
-    const int tl = i / D, d = i % D;
+  // ---- keys out: consecutive threads write consecutive channel pairs of a position ----
+  for (int i = tid; i < rows * (D / 2); i += nthreads) {
+    const int tl = i / (D / 2), d = 2 * (i % (D / 2));
     const int t = t_start + tl;
-    OT out;
+    vq_o2 out;
     if (t < n_sink) {
-      out = vq_cast<OT>(vq_f32(sk_bh[(size_t)t * D + d]));
+      out = exact(sk_bh + (size_t)t * D + d);
     } else if (t < n) {
       const int bit = tl * KB;
       const int w = bit >> 5, sh = bit & 31;
-      unsigned code = kw_s[d * KWP + w] >> sh;
-      if (32 % KB != 0 && sh + KB > 32) code |= kw_s[d * KWP + w + 1] << (32 - sh);
+      const vq_u2 word = *reinterpret_cast<const vq_u2*>(kw_s + w * DP + d);
+      unsigned c0 = word.x >> sh, c1 = word.y >> sh;
+      if (32 % KB != 0 && sh + KB > 32) {  // a 3-bit code continues in the next word
+        const vq_u2 next = *reinterpret_cast<const vq_u2*>(kw_s + (w + 1) * DP + d);
+        c0 |= next.x << (32 - sh);
+        c1 |= next.y << (32 - sh);
+      }
       const int g = tl / G;
-      out = dequant(ks_s[d * GTP + g], kz_s[d * GTP + g], code & KMASK);
+      const vq_f2 sc = *reinterpret_cast<const vq_f2*>(ks_s + g * DP + d);
+      const vq_f2 zp = *reinterpret_cast<const vq_f2*>(kz_s + g * DP + d);
+      out = vq_o2{dequant(sc.x, zp.x, c0 & KMASK), dequant(sc.y, zp.y, c1 & KMASK)};
     } else {
-      out = vq_cast<OT>(vq_f32(wk_bh[(size_t)(t - n) * D + d]));
+      out = exact(wk_bh + (size_t)(t - n) * D + d);
     }
-    keys_bh[(size_t)t * D + d] = out;
+    *reinterpret_cast<vq_o2*>(keys_bh + (size_t)t * D + d) = out;
   }
 
-  // ---- values out: consecutive threads on consecutive channels of a token ----
-  for (int i = tid; i < (t_stop - t_start) * DV; i += nthreads) {
-    const int tl = i / DV, c = i % DV;
+  // ---- values out: consecutive threads on consecutive channel pairs of a token ----
+  for (int i = tid; i < rows * (DV / 2); i += nthreads) {
+    const int tl = i / (DV / 2), c = 2 * (i % (DV / 2));
     const int t = t_start + tl;
-    OT out;
+    vq_o2 out;
     if (t < n_sink) {
-      out = vq_cast<OT>(vq_f32(sv_bh[(size_t)t * DV + c]));
+      out = exact(sv_bh + (size_t)t * DV + c);
     } else if (t < n) {
       const uint32_t* row = vc_bh + (size_t)t * WV;
-      const int bit = c * VB;
-      const int w = bit >> 5, sh = bit & 31;
-      unsigned code = __ldg(row + w) >> sh;
-      if (32 % VB != 0 && sh + VB > 32) code |= __ldg(row + w + 1) << (32 - sh);
-      const size_t g = (size_t)t * GV + c / G;
-      out = dequant(side(vs_bh[g]), side(vz_bh[g]), code & VMASK);
+      unsigned c0, c1;
+      if (32 % VB == 0) {
+        // c even: both codes in one word (2 * VB divides 32 and the pair's first bit).
+        const int bit = c * VB;
+        const unsigned word = __ldg(row + (bit >> 5));
+        c0 = word >> (bit & 31);
+        c1 = word >> ((bit & 31) + VB);
+      } else {
+        // 3 bits: either code may straddle two words.
+        const int b0 = c * VB, b1 = b0 + VB;
+        c0 = __ldg(row + (b0 >> 5)) >> (b0 & 31);
+        if ((b0 & 31) + VB > 32) c0 |= __ldg(row + (b0 >> 5) + 1) << (32 - (b0 & 31));
+        c1 = __ldg(row + (b1 >> 5)) >> (b1 & 31);
+        if ((b1 & 31) + VB > 32) c1 |= __ldg(row + (b1 >> 5) + 1) << (32 - (b1 & 31));
+      }
+      const size_t g = (size_t)t * GV + c / G;  // c and c + 1 share a group (G is even)
+      const float sc = side(vs_bh[g]), zp = side(vz_bh[g]);
+      out = vq_o2{dequant(sc, zp, c0 & VMASK), dequant(sc, zp, c1 & VMASK)};
     } else {
-      out = vq_cast<OT>(vq_f32(wv_bh[(size_t)(t - n) * DV + c]));
+      out = exact(wv_bh + (size_t)(t - n) * DV + c);
     }
-    values_bh[(size_t)t * DV + c] = out;
+    *reinterpret_cast<vq_o2*>(values_bh + (size_t)t * DV + c) = out;
   }
 """
 
@@ -216,12 +249,11 @@ def _kernel_for(factory):
 
 
 def shared_bytes(head_dim: int, group_size: int, key_bits: int) -> int:
-    """The kernel's static shared memory: a tile's key code words per channel and its scales
-    and zeros per channel as floats, each row padded to an odd length (KWP, GTP)."""
-    words = TILE * key_bits // 32 + 1
+    """The kernel's static shared memory: a tile's key code words, scales and zeros (floats),
+    word (group) major over head_dim + 2 channels (DP)."""
+    words = TILE * key_bits // 32
     groups = max(1, TILE // group_size)
-    groups += 1 - groups % 2
-    return 4 * head_dim * (words + 2 * groups)
+    return 4 * (head_dim + 2) * (words + 2 * groups)
 
 
 def supports(head_dim: int, value_dim: int, group_size: int, key_bits: int, value_bits: int) -> bool:
@@ -232,7 +264,9 @@ def supports(head_dim: int, value_dim: int, group_size: int, key_bits: int, valu
         return False
     if group_size % 32 or (TILE % group_size and group_size % TILE):
         return False
-    if value_dim < 1 or value_dim % group_size or (value_dim * value_bits) % 32 or head_dim < 1:
+    if value_dim < 1 or value_dim % group_size or (value_dim * value_bits) % 32:
+        return False
+    if head_dim < 2 or head_dim % 2:  # a thread writes channel pairs
         return False
     return shared_bytes(head_dim, group_size, key_bits) <= SHARED_LIMIT
 
