@@ -42,11 +42,11 @@ def emulated():
         fused_prefill_affine._kernel_for.cache_clear()
 
 
-def _kivi(residual=32, sink=True, **fields):
+def _kivi(residual=32, sink=1, **fields):
+    """A KIVI cache factory; `sink`: its exact sink tokens (the class default is 1)."""
     def make():
         cache = KIVICache(KVCacheConfig(method="kivi", kivi_residual_length=residual, **fields))
-        if not sink:
-            cache.exact_sink_tokens = 0
+        cache.exact_sink_tokens = sink
         return cache
     return make
 
@@ -102,7 +102,9 @@ KIVI_CASES = [
     ("kivi-4/2 fp16 hd128", _kivi(key_bits=4, value_bits=2), mx.float16, 1, 128, 288, 7),
     ("kivi-3/8 fp32 hd64 b2", _kivi(key_bits=3, value_bits=8), mx.float32, 2, 64, 300, 3),
     # no exact sink: column 0 decoded from token 0's own codes
-    ("kivi-2 bf16 no sink", _kivi(bit_width_inlier=2, sink=False), mx.bfloat16, 2, 128, 300, 3),
+    ("kivi-2 bf16 no sink", _kivi(bit_width_inlier=2, sink=0), mx.bfloat16, 2, 128, 300, 3),
+    # a sink of 2 tokens (the kernel takes any S <= n; the class default is 1)
+    ("kivi-2 fp32 hd128 b2 sink of 2", _kivi(bit_width_inlier=2, sink=2), mx.float32, 2, 128, 300, 4),
     # no window (n == everything cached): residual 0, whole groups; history 256 = 2 tiles
     ("kivi-2 fp16 no window", _kivi(residual=0, bit_width_inlier=2), mx.float16, 2, 64, 256, 0),
     # groups of 64 and 128 (a group as long as the tile)
@@ -145,12 +147,12 @@ def test_the_emulated_kernel_is_the_portable_kivi_prefill(name, make, dtype, B, 
     queries = _fill(cache, n, extra, B=B, H=2, D=D, dtype=dtype)
     n_hist, window = _check(cache, queries)
     assert n_hist > 0
-    assert cache._sink_length() == (0 if "no sink" in name else 1)
+    assert cache._sink_length() == (0 if "no sink" in name else 2 if "sink of 2" in name else 1)
     if "no window" in name:
         assert window == 0 and cache.window_keys is None
     else:
         assert window > 0
-    if "hd128 b2" in name and "kivi-2" in name:
+    if name == "kivi-2 fp32 hd128 b2":
         assert n_hist % fused_prefill_affine.TILE and (n_hist + window) % fused_prefill_affine.TILE
 
 
