@@ -250,8 +250,12 @@ class CompressedKVCache(_BaseCache):
     # (8B-shaped llama, 8 layers, bf16, 128K prompt in 2048-token chunks; session 5,
     # results/gpu_speed_h200_s5_128k.json) kivi then peaked 11.35 GB over its start and gear
     # 20.7 GB against fp16's KVCache 9.96 GB, with caches of 0.81 / 1.09 GB against fp16's
-    # 4.29 GB; turboquant_rvq, which took this step first, 2.38 GB. Costs one sync per layer
-    # per prefill chunk. False only to measure what it saves (bench/prefill_peak.py).
+    # 4.29 GB; turboquant_rvq, which took this step first, 2.38 GB. On the CPU (a 4-layer
+    # random llama, 16K prompt, results/prefill_peak_cpu_s5.json) the step took gear's peak over
+    # start from 0.725 to 0.593 GiB, xquant's 0.504 -> 0.488, kvquant's 0.492 -> 0.482, kivi's
+    # 0.480 -> 0.497 (fp16's KVCache 0.410); its effect on the H200's peaks is to be measured.
+    # Costs one sync per layer per prefill chunk. False only to measure what it saves
+    # (bench/prefill_peak.py).
     prefill_eval_queries: ClassVar[bool] = True
 
     def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
