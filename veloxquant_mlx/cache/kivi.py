@@ -57,7 +57,10 @@ Deviations from the paper:
 - Prefill chunks (>= CompressedKVCache.prefill_rows query rows) attend over the history
   decoded transiently, one layer at a time, with the fused mx.fast attention: the same numbers
   as the compressed products (tests check it), ~10x faster on the CPU, and one layer's decoded
-  history is small next to a chunk's score matrix. Decode steps always
+  history is small next to a chunk's score matrix. On CUDA that K/V (sink, decoded history,
+  window) is written by one kernel in the queries' dtype (cache/fused_prefill_affine.py, session
+  5; bit-identical to the portable path under the CPU emulation, not yet timed on a GPU) instead
+  of a dequantize, a transpose and two concatenations. Decode steps always
   read the compressed form (quantized_matmul); the history is never decoded there.
 - Scales' dtype: mx.quantized_matmul takes float32 queries with float16 scales and biases
   (checked on CPU); the speed was the same as with float32 side data in our measurement.
