@@ -50,7 +50,8 @@ Deviations from the paper, all deliberate:
 
 from __future__ import annotations
 
-from typing import ClassVar
+from functools import lru_cache
+from typing import ClassVar, NamedTuple
 
 import mlx.core as mx
 
@@ -58,7 +59,7 @@ from veloxquant_mlx.cache import fused_decode_gear
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.gear_attention import scores_function, values_function
 from veloxquant_mlx.cache.gear_encoder import EncoderSetting, dequantize, encode_side, group_means
-from veloxquant_mlx.cache.gear_outliers import block_positions, densify, index_dtype
+from veloxquant_mlx.cache.gear_outliers import add_entries, block_positions, index_dtype
 from veloxquant_mlx.errors import QuantizerConfigError
 
 # Tokens per low-rank / outlier block; also the base's encoding unit and growth step, so a
@@ -172,38 +173,93 @@ class GEARCache(CompressedKVCache):
         )
         return {f"{s}_{name}": array for name, array in encode_side(setting, blocks, centres).items()}
 
-    # ---- decoding (unpatched path, trim, to_quantized) ----------------------------------------
+    # ---- decoding (unpatched path, trim, to_quantized; the prefill's pieces) -----------------
     def _decode(self) -> tuple[mx.array, mx.array]:
         keys, values = self.decode_float32()
         return keys.astype(self.dtype), values.astype(self.dtype)
 
     def decode_float32(self) -> tuple[mx.array, mx.array]:
         """The compressed history as float32 K, V (what the compressed attention computes with)."""
-        n, g, st = self.n_compressed, self.code_group, self.store
-        B, H, D = self.batch_size, self.n_kv_heads, self.head_dim
-        k_codes = st["k_codes"][:, :, :, : n // 32].reshape(B, H, D, n * self.code_bits // 32)
-        keys = self._dequantize(k_codes, st["k_scales"][..., : n // g], st["k_zeros"][..., : n // g])
-        values = self._dequantize(st["v_codes"][:, :, :n], st["v_scales"][:, :, :n], st["v_zeros"][:, :, :n])
-        keys = self._add_residual("k", keys.swapaxes(-1, -2), n)
-        values = self._add_residual("v", values, n)
-        return keys, values
+        n = self.n_compressed
+        return tuple(
+            decode_side(self._decode_setting(s, self.dtype), *self._side_range(s, 0, n), dequantize_fn=self._dequantize)
+            for s in ("k", "v")
+        )
 
     def _dequantize(self, codes, scales, zeros) -> mx.array:
         return dequantize(codes, scales, zeros, self.code_group, self.code_bits)
 
-    def _add_residual(self, s: str, x: mx.array, n: int) -> mx.array:
-        B, H, _, d = x.shape
-        n_blocks, st = n // self.block_tokens, self.store
+    def _decode_setting(self, s: str, out_dtype: mx.Dtype) -> DecodeSetting:
+        return DecodeSetting(
+            self.code_bits, self.code_group, self.rank, f"{s}_out_values" in self.store, self.block_tokens,
+            s == "k", self.dtype, out_dtype,
+        )
+
+    def _side_range(self, s: str, start: int, stop: int) -> list[mx.array]:
+        """The stored arrays of side `s` ("k" or "v") for the compressed tokens [start, stop)
+        (block-aligned), in decode_side's order: codes, scales, zeros, then the low-rank factors
+        and the outliers where kept. Views of the store: nothing is copied."""
+        g, nb, st = self.code_group, self.block_tokens, self.store
+        if s == "k":  # per channel: tokens along the last axes (32 codes of a channel per word row)
+            groups = slice(start // g, stop // g)
+            words = slice(start // 32, stop // 32)
+            arrays = [st["k_codes"][:, :, :, words], st["k_scales"][..., groups], st["k_zeros"][..., groups]]
+        else:
+            arrays = [st[f"v_{name}"][:, :, start:stop] for name in ("codes", "scales", "zeros")]
+        blocks = slice(start // nb, stop // nb)
         if self.rank:
-            tokens = st[f"{s}_lr_tokens"][:, :, :n].reshape(B, H, n_blocks, self.block_tokens, self.rank)
-            channels = st[f"{s}_lr_channels"][:, :, :n_blocks]
-            low = tokens.astype(mx.float32) @ channels.astype(mx.float32).swapaxes(-1, -2)
-            x = x + low.reshape(B, H, n, d)
+            arrays += [st[f"{s}_lr_tokens"][:, :, start:stop], st[f"{s}_lr_channels"][:, :, blocks]]
         if f"{s}_out_values" in st:
-            token, channel = block_positions(st[f"{s}_out_index"][:, :, :n_blocks], self.block_tokens, d)
-            values = st[f"{s}_out_values"][:, :, :n_blocks].reshape(B, H, -1)
-            x = x + densify(token, channel, values, n, d, mx.float32)
-        return x
+            arrays += [st[f"{s}_out_index"][:, :, blocks], st[f"{s}_out_values"][:, :, blocks]]
+        return arrays
+
+    # Bytes of one float32 (B, H, tokens, d) piece of history a prefill chunk decodes at a time
+    # (8192 tokens of 8 kv heads x 128), and float32 bytes of one side's whole history up to
+    # which the pieces are evaluated together, without a host sync (32K tokens of 8 x 128);
+    # above it each piece is evaluated before the next is built, which bounds the transient.
+    # See "Prefill" in the module docstring.
+    prefill_decode_bytes: ClassVar[int] = 32 << 20
+    prefill_unsynced_bytes: ClassVar[int] = 128 << 20
+
+    def _float32_bytes_per_token(self) -> int:
+        return self.batch_size * self.n_kv_heads * max(self.head_dim, self.value_dim) * 4
+
+    def _prefill_piece_tokens(self) -> int:
+        blocks = self.prefill_decode_bytes // self._float32_bytes_per_token() // self.block_tokens
+        return max(1, blocks) * self.block_tokens
+
+    def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
+        """The history decoded + the exact window in the queries' dtype, for a prefill chunk's
+        fused attention: bit for bit what the base class's path (the whole `_decode`, then the
+        window concatenated) gives, built in fixed-size pieces through one compiled function
+        (see "Prefill" in the module docstring). Host syncs: the base's evaluation of the
+        queries, and one per piece only where one side's history exceeds
+        `prefill_unsynced_bytes` of float32."""
+        if not self.n_compressed or type(self)._dequantize is not GEARCache._dequantize:
+            # A subclass's own dequantization (tests' reference encoders) goes the generic way.
+            return super()._prefill_keys_values(queries)
+        self._order_after_queries(queries)  # the base class's prefill_eval_queries
+        dtype, n, w = queries.dtype, self.n_compressed, self._window_length()
+        piece = self._prefill_piece_tokens()
+        synced = n * self._float32_bytes_per_token() > self.prefill_unsynced_bytes
+        out = []
+        sides = (("k", self.head_dim, self.window_keys), ("v", self.value_dim, self.window_values))
+        for s, dim, window in sides:
+            decode = compiled_decoder(self._decode_setting(s, dtype))
+            # Allocated once and filled piece by piece: the full-history array is the result
+            # itself and no concatenation with the window copies it again.
+            full = mx.zeros((self.batch_size, self.n_kv_heads, n + w, dim), dtype)
+            for start in range(0, n, piece):
+                stop = min(n, start + piece)
+                full[:, :, start:stop] = decode(*self._side_range(s, start, stop))
+                if synced and not (s == "v" and stop == n):
+                    # MLX would otherwise schedule all pieces' ops side by side and hold
+                    # their float32 temporaries at once (see "Prefill" in the docstring).
+                    mx.eval(full)
+            if w:
+                full[:, :, n:] = window.astype(dtype)
+            out.append(full)
+        return out[0], out[1]
 
     # ---- attention over the compressed form ---------------------------------------------------
     def _side(self, s: str) -> list[mx.array]:
@@ -237,3 +293,57 @@ class GEARCache(CompressedKVCache):
 def _on_cpu() -> bool:
     """Whether attention runs on the CPU (gear_attention computes in float32 there)."""
     return mx.default_device() == mx.cpu
+
+
+class DecodeSetting(NamedTuple):
+    bits: int
+    group: int
+    rank: int
+    outliers: bool
+    block_tokens: int
+    per_channel: bool  # keys: codes and scales along tokens per channel
+    cache_dtype: mx.Dtype  # the decode rounds to it, as `_decode` does ...
+    out_dtype: mx.Dtype  # ... then to the dtype the attention reads
+
+
+def decode_side(setting: DecodeSetting, codes, scales, zeros, *side, dequantize_fn=None) -> mx.array:
+    """One side's stored arrays for n block-aligned tokens (GEARCache._side_range's order) ->
+    X = Q(D) + A B^T + S as float32 (B, H, n, d). Every term acts per token and per block, so
+    any block-aligned split of the history decodes to the same values as one piece."""
+    g, bits, nb = setting.group, setting.bits, setting.block_tokens
+    dequantize_fn = dequantize_fn or (lambda c, s, z: dequantize(c, s, z, g, bits))
+    B, H = codes.shape[:2]
+    if setting.per_channel:
+        dim, n = codes.shape[2], scales.shape[-1] * g
+        x = dequantize_fn(codes.reshape(B, H, dim, n * bits // 32), scales, zeros).swapaxes(-1, -2)
+    else:
+        x = dequantize_fn(codes, scales, zeros)
+    n, dim = x.shape[-2:]
+    n_blocks = n // nb
+    if setting.rank:
+        tokens, channels, *side = side
+        tokens = tokens.reshape(B, H, n_blocks, nb, setting.rank)
+        low = tokens.astype(mx.float32) @ channels.astype(mx.float32).swapaxes(-1, -2)
+        x = x + low.reshape(B, H, n, dim)
+    if setting.outliers:
+        index, values = side
+        token, channel = block_positions(index, nb, dim)
+        x = add_entries(x, token, channel, values.reshape(B, H, -1))
+    return x
+
+
+@lru_cache(maxsize=None)
+def compiled_decoder(setting: DecodeSetting):
+    """decode_side through mx.compile, rounded to the cache dtype, then the output dtype.
+
+    Exact on every backend: its fused elementwise kernels only add, cast and do integer index
+    arithmetic (no product feeding an add that a GPU compiler could contract into an FMA: the
+    low-rank product is a matmul and mx.dequantize is one primitive there); on the CPU the
+    dequantization's multiply-add is fused too, by g++ without FMA (see gear_lowrank.py).
+    tests/cache/test_gear_prefill.py checks the bits against the uncompiled whole decode.
+    """
+
+    def decode(*arrays):
+        return decode_side(setting, *arrays).astype(setting.cache_dtype).astype(setting.out_dtype)
+
+    return mx.compile(decode)

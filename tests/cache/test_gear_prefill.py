@@ -1,0 +1,152 @@
+"""GEARCache's prefill K/V (compiled, fixed-size pieces) against the decode it replaced: bit for bit."""
+
+import mlx.core as mx
+import pytest
+
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache.base import CompressedKVCache
+from veloxquant_mlx.cache.gear import GEARCache
+from veloxquant_mlx.cache.gear_encoder import dequantize
+from veloxquant_mlx.cache.gear_outliers import add_entries, block_positions, densify
+
+
+def reference_decode_float32(cache: GEARCache):
+    """GEARCache.decode_float32 as of main 68a76e1 (the one-graph decode of the whole history),
+    frozen here so that a change to the shared decode_side cannot move both sides at once."""
+    n, g, st = cache.n_compressed, cache.code_group, cache.store
+    B, H, D = cache.batch_size, cache.n_kv_heads, cache.head_dim
+    k_codes = st["k_codes"][:, :, :, : n // 32].reshape(B, H, D, n * cache.code_bits // 32)
+    deq = lambda c, s, z: dequantize(c, s, z, g, cache.code_bits)  # noqa: E731
+    keys = deq(k_codes, st["k_scales"][..., : n // g], st["k_zeros"][..., : n // g])
+    values = deq(st["v_codes"][:, :, :n], st["v_scales"][:, :, :n], st["v_zeros"][:, :, :n])
+
+    def add_residual(s, x):
+        B, H, _, d = x.shape
+        n_blocks = n // cache.block_tokens
+        if cache.rank:
+            tokens = st[f"{s}_lr_tokens"][:, :, :n].reshape(B, H, n_blocks, cache.block_tokens, cache.rank)
+            channels = st[f"{s}_lr_channels"][:, :, :n_blocks]
+            low = tokens.astype(mx.float32) @ channels.astype(mx.float32).swapaxes(-1, -2)
+            x = x + low.reshape(B, H, n, d)
+        if f"{s}_out_values" in st:
+            token, channel = block_positions(st[f"{s}_out_index"][:, :, :n_blocks], cache.block_tokens, d)
+            vals = st[f"{s}_out_values"][:, :, :n_blocks].reshape(B, H, -1)
+            x = x + densify(token, channel, vals, n, d, mx.float32)
+        return x
+
+    return add_residual("k", keys.swapaxes(-1, -2)), add_residual("v", values)
+
+
+def reference_prefill_keys_values(cache: GEARCache, queries: mx.array):
+    """What the base class's path built from the frozen decode: history then window, cast."""
+    keys, values = (x.astype(cache.dtype) for x in reference_decode_float32(cache))
+    if cache.window_keys is not None:
+        keys = mx.concatenate([keys, cache.window_keys], axis=2)
+        values = mx.concatenate([values, cache.window_values], axis=2)
+    return keys.astype(queries.dtype), values.astype(queries.dtype)
+
+
+def bits(x: mx.array) -> mx.array:
+    return x.view({2: mx.uint16, 4: mx.uint32}[x.dtype.size])
+
+
+def filled_cache(heads, dim, dtype, rank, fraction, chunks, seed=0):
+    cache = GEARCache(KVCacheConfig(method="gear", gear_bits=2, gear_rank=rank, gear_outlier_fraction=fraction))
+    key = mx.random.key(seed)
+    for n in chunks:
+        key, k1, k2 = mx.random.split(key, 3)
+        # Heavy-tailed, with a channel offset: outliers and low-rank structure to keep.
+        keys = (mx.random.normal((1, heads, n, dim), key=k1) ** 3 + mx.arange(dim) / dim).astype(dtype)
+        values = mx.random.laplace((1, heads, n, dim), key=k2).astype(dtype)
+        cache.update_and_fetch(keys, values)
+        cache._flush()
+        mx.eval(cache.store, cache.window_keys, cache.window_values)
+    return cache
+
+
+CASES = [
+    # heads, dim, cache dtype, rank, outlier fraction
+    (2, 128, mx.bfloat16, 4, 0.01),
+    (2, 128, mx.float32, 4, 0.01),
+    (3, 64, mx.float16, 4, 0.01),
+    (2, 64, mx.bfloat16, 0, 0.01),
+    (2, 64, mx.float32, 4, 0.0),
+    (2, 64, mx.bfloat16, 0, 0.0),
+]
+
+
+@pytest.mark.parametrize("heads,dim,dtype,rank,fraction", CASES)
+@pytest.mark.parametrize("piece_blocks,synced", [(1, False), (2, True), (2, False), (8, False)])
+def test_prefill_keys_values_are_bit_identical_to_the_whole_history_decode(
+    heads, dim, dtype, rank, fraction, piece_blocks, synced
+):
+    # 5 blocks of history + a window of 100 tokens; pieces of 1, 2 (a remainder of 1) or 8
+    # blocks (one piece longer than the history); with or without an evaluation per piece.
+    cache = filled_cache(heads, dim, dtype, rank, fraction, [1024, 256, 100])
+    assert cache.n_compressed == 1280 and cache._window_length() == 100
+    cache.prefill_decode_bytes = heads * dim * 4 * cache.block_tokens * piece_blocks
+    cache.prefill_unsynced_bytes = 0 if synced else 1 << 40
+    assert cache._prefill_piece_tokens() == piece_blocks * cache.block_tokens
+    queries = mx.random.normal((1, 2 * heads, 16, dim)).astype(dtype)
+    keys, values = cache._prefill_keys_values(queries)
+    for label, expected in (
+        ("frozen decode", reference_prefill_keys_values(cache, queries)),
+        ("base path", CompressedKVCache._prefill_keys_values(cache, queries)),
+    ):
+        assert keys.dtype == expected[0].dtype == dtype and keys.shape == expected[0].shape, label
+        assert mx.array_equal(bits(keys), bits(expected[0])).item(), label
+        assert mx.array_equal(bits(values), bits(expected[1])).item(), label
+
+
+def test_prefill_in_another_dtype_than_the_cache_rounds_to_the_cache_dtype_first():
+    cache = filled_cache(2, 64, mx.float16, 4, 0.01, [512, 40])
+    cache.prefill_decode_bytes = 2 * 64 * 4 * 256
+    queries = mx.random.normal((1, 4, 16, 64))  # float32 queries over a float16 cache
+    keys, values = cache._prefill_keys_values(queries)
+    expected = reference_prefill_keys_values(cache, queries)
+    assert keys.dtype == mx.float32
+    assert mx.array_equal(bits(keys), bits(expected[0])).item()
+    assert mx.array_equal(bits(values), bits(expected[1])).item()
+
+
+def test_prefill_without_a_window_and_the_decode_float32_are_unchanged():
+    cache = filled_cache(2, 64, mx.bfloat16, 4, 0.01, [512])
+    assert cache.window_keys is None
+    queries = mx.random.normal((1, 2, 16, 64)).astype(mx.bfloat16)
+    keys, values = cache._prefill_keys_values(queries)
+    expected = reference_prefill_keys_values(cache, queries)
+    assert mx.array_equal(bits(keys), bits(expected[0])).item()
+    assert mx.array_equal(bits(values), bits(expected[1])).item()
+    for got, want in zip(cache.decode_float32(), reference_decode_float32(cache)):
+        assert mx.array_equal(bits(got), bits(want)).item()
+
+
+def test_add_entries_is_the_dense_sum_bit_for_bit_signed_zeros_included():
+    # The decode adds the sparse part in place (add_entries) where it used to add a dense
+    # array: x + densify(...). Signed zeros are where the two could differ: x + 0.0 turns -0.0
+    # into +0.0 (a dequantized entry can be -0.0, mx.quantize's scales may be negative).
+    B, H, n, d, k = 1, 2, 8, 4, 6
+    x = mx.random.normal((B, H, n, d))
+    zeros = mx.random.randint(0, 3, (B, H, n, d))
+    x = mx.where(zeros == 0, -0.0, mx.where(zeros == 1, 0.0, x))
+    flat = mx.stack([mx.random.permutation(n * d)[:k] for _ in range(B * H)]).reshape(B, H, k)
+    token, channel = flat // d, flat % d
+    values = mx.array([-0.0, 0.0, 1.5, -2.0, 3e-39, -7.0] * (B * H)).reshape(B, H, k)
+    ours = add_entries(x, token, channel, values)
+    dense = x + densify(token, channel, values, n, d, mx.float32)
+    assert (x.view(mx.uint32) == 0x80000000).sum().item() > 0
+    assert mx.array_equal(ours.view(mx.uint32), dense.view(mx.uint32)).item()
+
+
+def test_a_prefill_through_attention_matches_the_base_path():
+    # The whole chunk's attention (what a patched model runs) with and without the override.
+    cache = filled_cache(2, 64, mx.float32, 4, 0.01, [768, 30])
+    cache.prefill_decode_bytes = 2 * 64 * 4 * 256
+    rows = 32
+    keys = mx.random.normal((1, 2, rows, 64))
+    cache.update_and_fetch(keys, keys)
+    queries = mx.random.normal((1, 4, rows, 64))
+    ours = cache._attend_prefill(queries, 0.125, "causal")
+    k, v = CompressedKVCache._prefill_keys_values(cache, queries)
+    base = mx.fast.scaled_dot_product_attention(queries, k, v, scale=0.125, mask="causal")
+    assert mx.array_equal(ours, base).item()
