@@ -150,3 +150,22 @@ def test_a_prefill_through_attention_matches_the_base_path():
     k, v = CompressedKVCache._prefill_keys_values(cache, queries)
     base = mx.fast.scaled_dot_product_attention(queries, k, v, scale=0.125, mask="causal")
     assert mx.array_equal(ours, base).item()
+
+
+def test_smaller_blocks_decode_the_same_in_pieces():
+    # bench/ablations.py's 64-token blocks: pieces of two blocks (128 tokens) over 1024 tokens.
+    from veloxquant_mlx.bench.ablations import SmallBlockGEAR
+
+    cache = SmallBlockGEAR(KVCacheConfig(method="gear", gear_bits=2, gear_rank=4, gear_outlier_fraction=0.01))
+    for n in (700, 300, 50):
+        x = mx.random.normal((1, 2, n, 64))
+        cache.update_and_fetch(x, 2 * x)
+        cache._flush()
+    cache.prefill_decode_bytes = 2 * 64 * 4 * 128
+    cache.prefill_unsynced_bytes = 0
+    assert cache._prefill_piece_tokens() == 128 and cache.n_compressed == 1024
+    queries = mx.random.normal((1, 2, 16, 64))
+    keys, values = cache._prefill_keys_values(queries)
+    expected = reference_prefill_keys_values(cache, queries)
+    assert mx.array_equal(bits(keys), bits(expected[0])).item()
+    assert mx.array_equal(bits(values), bits(expected[1])).item()

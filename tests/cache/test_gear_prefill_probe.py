@@ -33,6 +33,7 @@ import time
 from types import SimpleNamespace
 
 import mlx.core as mx
+import pytest
 
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import gear, gear_attention, gear_encoder, gear_lowrank
@@ -48,26 +49,42 @@ class Counters:
     def __init__(self):
         self.syncs = 0
         self.traces = 0
+        # Graph built before a sync and evaluated by it (a piecewise decode evaluates its pieces
+        # as it goes: the graph left at the end is only the last piece's).
+        self.synced_graph = {"nodes": 0, "kernels": 0}
 
     @contextlib.contextmanager
     def active(self):
         saved_eval, saved_async = mx.eval, mx.async_eval
         saved_item, saved_tolist = mx.array.item, mx.array.tolist
 
-        def counted(fn):
+        def counted(fn, evaluates=False):
             def wrapper(*args, **kwargs):
                 self.syncs += 1
+                if evaluates:
+                    for key, count in graph_nodes(*_arrays_in(args)).items():
+                        self.synced_graph[key] += count
                 return fn(*args, **kwargs)
 
             return wrapper
 
-        mx.eval, mx.async_eval = counted(saved_eval), counted(saved_async)
+        mx.eval, mx.async_eval = counted(saved_eval, True), counted(saved_async, True)
         mx.array.item, mx.array.tolist = counted(saved_item), counted(saved_tolist)
         try:
             yield self
         finally:
             mx.eval, mx.async_eval = saved_eval, saved_async
             mx.array.item, mx.array.tolist = saved_item, saved_tolist
+
+
+def _arrays_in(tree) -> list:
+    if isinstance(tree, mx.array):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [a for item in tree for a in _arrays_in(item)]
+    return []
 
 
 # Every lru_cache'd factory of a compiled function the gear modules hold; cleared so that the
@@ -114,13 +131,15 @@ def graph_nodes(*arrays) -> dict:
 
 def _measure(counters: Counters, build):
     """(ms to build, ms to evaluate, graph, syncs and traces during the build, outputs)."""
-    syncs, traces = counters.syncs, counters.traces
+    syncs, traces, synced = counters.syncs, counters.traces, dict(counters.synced_graph)
     start = time.perf_counter()
     with counters.active():
         outputs = build()
     built = time.perf_counter()
     arrays = list(outputs.values()) if isinstance(outputs, dict) else list(outputs)
     graph = graph_nodes(*arrays)
+    for key in graph:  # what the syncs during the build evaluated counts too
+        graph[key] += counters.synced_graph[key] - synced[key]
     traces_built = counters.traces
     evaluated = time.perf_counter()
     mx.eval(arrays)
@@ -138,12 +157,16 @@ def _measure(counters: Counters, build):
     }, outputs
 
 
-def fill_and_probe(dtype, tokens: int, chunk: int = 2048, piece_tokens: int | None = None, seed: int = 3):
+def fill_and_probe(dtype, tokens: int, chunk: int = 2048, piece_tokens: int | None = None,
+                   unsynced_tokens: int | None = None, seed: int = 3):
     """Per chunk: the two pieces' figures (the first chunk has no history to decode).
-    `piece_tokens`: the prefill decode's piece length (default: the cache's own)."""
+    `piece_tokens`, `unsynced_tokens`: the prefill decode's piece length and the history up to
+    which it makes no sync of its own (default: the cache's own settings)."""
     cache = GEARCache(KVCacheConfig(method="gear", gear_bits=2, gear_rank=4, gear_outlier_fraction=0.01))
     if piece_tokens is not None and hasattr(cache, "prefill_decode_bytes"):
         cache.prefill_decode_bytes = HEADS * DIM * 4 * piece_tokens
+    if unsynced_tokens is not None and hasattr(cache, "prefill_unsynced_bytes"):
+        cache.prefill_unsynced_bytes = HEADS * DIM * 4 * unsynced_tokens
     cache._dispatcher = SimpleNamespace(installed=True)  # as under the integration's patch
     counters = Counters()
     rows = []
@@ -209,7 +232,15 @@ def compare_paths(dtype, tokens: int, rounds: int = 5, chunk: int = 2048) -> dic
     results = {}
     for name, build in paths.items():  # warm-up (traces), graph and peak
         mx.eval(build())
-        out[name] = graph_nodes(*build())
+        counters = Counters()
+        with counters.active():
+            built = build()
+        out[name] = graph_nodes(*built)
+        for key in out[name]:  # pieces evaluated during the build count too
+            out[name][key] += counters.synced_graph[key]
+        out[name]["syncs"] = counters.syncs
+        mx.eval(built)
+        built = None
         gc.collect()
         mx.clear_cache()
         start = mx.get_active_memory()
@@ -270,16 +301,18 @@ def main(argv=None) -> None:
 
 
 # ---- the fast test: what the probe measured stays so --------------------------------------------
-def test_a_prefill_chunk_makes_no_host_sync_and_no_per_chunk_trace():
+@pytest.mark.parametrize("synced", [False, True])
+def test_a_prefill_chunk_syncs_only_as_set_and_never_traces_again(synced):
     # 6 chunks of 512 tokens (history 512..2560), pieces of 1024: from the fourth chunk on
-    # every piece shape has been seen, so no compiled function traces again; encoding never
-    # syncs, the prefill decode only for the base's evaluation of the queries.
-    rows = fill_and_probe(mx.bfloat16, 6 * 512, chunk=512, piece_tokens=1024)
-    later = rows[-2:]
-    for row in later:
+    # every piece shape has been seen, so no compiled function traces again. Encoding never
+    # syncs; the prefill decode syncs for the base's evaluation of the queries, and, once the
+    # history passes `unsynced_tokens`, once per piece but the last.
+    rows = fill_and_probe(mx.bfloat16, 6 * 512, chunk=512, piece_tokens=1024, unsynced_tokens=1024 if synced else 4096)
+    for row in rows[-2:]:
         assert row["encode"]["syncs"] == 0 and row["encode"]["traces"] == 0, row
-        assert row["prefill_kv"]["syncs"] <= 1, row
         assert row["prefill_kv"]["traces"] == 0, row
+        pieces = -(-row["history"] // 1024)
+        assert row["prefill_kv"]["syncs"] == 1 + (2 * pieces - 1 if synced else 0), row
 
 
 if __name__ == "__main__":

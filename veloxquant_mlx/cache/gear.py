@@ -214,12 +214,12 @@ class GEARCache(CompressedKVCache):
         return arrays
 
     # Bytes of one float32 (B, H, tokens, d) piece of history a prefill chunk decodes at a time
-    # (8192 tokens of 8 kv heads x 128), and float32 bytes of one side's whole history up to
-    # which the pieces are evaluated together, without a host sync (32K tokens of 8 x 128);
-    # above it each piece is evaluated before the next is built, which bounds the transient.
-    # See "Prefill" in the module docstring.
+    # (8192 tokens of 8 kv heads x 128), and float32 bytes of one side's history up to which the
+    # pieces are evaluated with the attention, without a host sync of their own; above it (more
+    # than one piece) each piece is evaluated before the next is built, which bounds the
+    # transient. See "Prefill" in the module docstring for the figures behind both.
     prefill_decode_bytes: ClassVar[int] = 32 << 20
-    prefill_unsynced_bytes: ClassVar[int] = 128 << 20
+    prefill_unsynced_bytes: ClassVar[int] = 32 << 20
 
     def _float32_bytes_per_token(self) -> int:
         return self.batch_size * self.n_kv_heads * max(self.head_dim, self.value_dim) * 4
