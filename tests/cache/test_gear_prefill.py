@@ -7,7 +7,7 @@ from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.base import CompressedKVCache
 from veloxquant_mlx.cache.gear import GEARCache
 from veloxquant_mlx.cache.gear_encoder import dequantize
-from veloxquant_mlx.cache.gear_outliers import add_entries, block_positions, densify
+from veloxquant_mlx.cache.gear_outliers import add_block_entries, block_positions, densify
 
 
 def reference_decode_float32(cache: GEARCache):
@@ -121,19 +121,19 @@ def test_prefill_without_a_window_and_the_decode_float32_are_unchanged():
         assert mx.array_equal(bits(got), bits(want)).item()
 
 
-def test_add_entries_is_the_dense_sum_bit_for_bit_signed_zeros_included():
-    # The decode adds the sparse part in place (add_entries) where it used to add a dense
+def test_add_block_entries_is_the_dense_sum_bit_for_bit_signed_zeros_included():
+    # The decode adds the sparse part in place (add_block_entries) where it used to add a dense
     # array: x + densify(...). Signed zeros are where the two could differ: x + 0.0 turns -0.0
     # into +0.0 (a dequantized entry can be -0.0, mx.quantize's scales may be negative).
-    B, H, n, d, k = 1, 2, 8, 4, 6
-    x = mx.random.normal((B, H, n, d))
-    zeros = mx.random.randint(0, 3, (B, H, n, d))
+    B, H, nb, n_blocks, d, k = 2, 3, 4, 3, 5, 6
+    x = mx.random.normal((B, H, n_blocks * nb, d))
+    zeros = mx.random.randint(0, 3, x.shape)
     x = mx.where(zeros == 0, -0.0, mx.where(zeros == 1, 0.0, x))
-    flat = mx.stack([mx.random.permutation(n * d)[:k] for _ in range(B * H)]).reshape(B, H, k)
-    token, channel = flat // d, flat % d
-    values = mx.array([-0.0, 0.0, 1.5, -2.0, 3e-39, -7.0] * (B * H)).reshape(B, H, k)
-    ours = add_entries(x, token, channel, values)
-    dense = x + densify(token, channel, values, n, d, mx.float32)
+    index = mx.stack([mx.random.permutation(nb * d)[:k] for _ in range(B * H * n_blocks)]).reshape(B, H, n_blocks, k)
+    values = mx.array([-0.0, 0.0, 1.5, -2.0, 3e-39, -7.0] * (B * H * n_blocks)).reshape(B, H, n_blocks, k)
+    ours = add_block_entries(x, index.astype(mx.uint16), values.astype(mx.float16), nb)
+    token, channel = block_positions(index, nb, d)
+    dense = x + densify(token, channel, values.astype(mx.float16).reshape(B, H, -1), n_blocks * nb, d, mx.float32)
     assert (x.view(mx.uint32) == 0x80000000).sum().item() > 0
     assert mx.array_equal(ours.view(mx.uint32), dense.view(mx.uint32)).item()
 

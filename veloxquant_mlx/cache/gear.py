@@ -59,7 +59,7 @@ from veloxquant_mlx.cache import fused_decode_gear
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.gear_attention import scores_function, values_function
 from veloxquant_mlx.cache.gear_encoder import EncoderSetting, dequantize, encode_side, group_means
-from veloxquant_mlx.cache.gear_outliers import add_entries, block_positions, index_dtype
+from veloxquant_mlx.cache.gear_outliers import add_block_entries, index_dtype
 from veloxquant_mlx.errors import QuantizerConfigError
 
 # Tokens per low-rank / outlier block; also the base's encoding unit and growth step, so a
@@ -327,8 +327,7 @@ def decode_side(setting: DecodeSetting, codes, scales, zeros, *side, dequantize_
         x = x + low.reshape(B, H, n, dim)
     if setting.outliers:
         index, values = side
-        token, channel = block_positions(index, nb, dim)
-        x = add_entries(x, token, channel, values.reshape(B, H, -1))
+        x = add_block_entries(x, index, values, nb)
     return x
 
 
