@@ -158,10 +158,14 @@ def _measure(counters: Counters, build):
 
 
 def fill_and_probe(dtype, tokens: int, chunk: int = 2048, piece_tokens: int | None = None,
-                   unsynced_tokens: int | None = None, seed: int = 3):
+                   unsynced_tokens: int | None = None, seed: int = 3, with_reference: bool = False):
     """Per chunk: the two pieces' figures (the first chunk has no history to decode).
     `piece_tokens`, `unsynced_tokens`: the prefill decode's piece length and the history up to
-    which it makes no sync of its own (default: the cache's own settings)."""
+    which it makes no sync of its own (default: the cache's own settings). `with_reference`:
+    also `prefill_kv_before`, main 68a76e1's path (the base class's one-graph decode, frozen in
+    test_gear_prefill.py), measured right before the current one on the same history."""
+    from tests.cache.test_gear_prefill import reference_prefill_keys_values
+
     cache = GEARCache(KVCacheConfig(method="gear", gear_bits=2, gear_rank=4, gear_outlier_fraction=0.01))
     if piece_tokens is not None and hasattr(cache, "prefill_decode_bytes"):
         cache.prefill_decode_bytes = HEADS * DIM * 4 * piece_tokens
@@ -180,6 +184,8 @@ def fill_and_probe(dtype, tokens: int, chunk: int = 2048, piece_tokens: int | No
             mx.eval(keys, values, queries)
             cache.update_and_fetch(keys, values)
             row = {"history": cache.n_compressed}
+            if cache.n_compressed and with_reference:
+                row["prefill_kv_before"], _ = _measure(counters, lambda: reference_prefill_keys_values(cache, queries))
             if cache.n_compressed:
                 row["prefill_kv"], _ = _measure(counters, lambda: cache._prefill_keys_values(queries))
             n = cache._window_length()
@@ -273,6 +279,8 @@ def main(argv=None) -> None:
     p.add_argument("--compare", default="", help="histories (tokens, comma-separated) at which to "
                    "compare the base path's prefill K/V with GEARCache's: ms, peak memory, bits")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--with-reference", action="store_true",
+                   help="per chunk, also time main 68a76e1's prefill K/V build (prefill_kv_before)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     result = {"load_average_before": os.getloadavg(), "cases": {}, "compare": {}}
@@ -284,16 +292,17 @@ def main(argv=None) -> None:
     if args.tokens <= 0:
         args.dtypes = ""
     for name in [d for d in args.dtypes.split(",") if d]:
-        rows = fill_and_probe(getattr(mx, name), args.tokens, args.chunk)
+        rows = fill_and_probe(getattr(mx, name), args.tokens, args.chunk, with_reference=args.with_reference)
         case = {
             "per_chunk": [
                 {"history": r["history"], **{k: _rounded(r[k]) for k in r if k != "history"}} for r in rows
             ],
+            **({"prefill_kv_before": _summary(rows, "prefill_kv_before")} if args.with_reference else {}),
             "prefill_kv": _summary(rows, "prefill_kv"),
             "encode": _summary(rows, "encode"),
         }
         result["cases"][name] = case
-        print(name, json.dumps({k: case[k] for k in ("prefill_kv", "encode")}), flush=True)
+        print(name, json.dumps({k: v for k, v in case.items() if k != "per_chunk"}), flush=True)
     result["load_average_after"] = os.getloadavg()
     if args.out:
         with open(args.out, "w") as f:

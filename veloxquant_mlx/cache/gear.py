@@ -31,6 +31,45 @@ SmolLM2-135M with the DESIGN.md protocol, gear-2 KL(ref || gear) ~0.02 (0.03 ove
 that read a compressed history) against 2.16 for mlx-lm's QuantizedKVCache 2-bit g32; without
 the low-rank term (rank 0) 0.030. Bytes after a 4096-token prompt: 0.286x the fp16 KVCache.
 
+Prefill (session 5). On the H200 (8B-shaped llama, 8 layers, bf16, 32K prompt in 2048-token
+chunks) gear's prefill took 1.78 s against fp16's 0.41 s (4.4x; results/gpu_speed_h200_s4.json),
+~10 ms per layer and chunk above fp16. A prefill chunk's attention decodes the layer's whole
+history for mx.fast attention (`_prefill_keys_values`) and `_flush` encodes the chunk. Measured
+on the CPU per chunk of one 8 x 128 layer up to 16K (tests/cache/test_gear_prefill_probe.py):
+neither makes a host sync of its own (the base's evaluation of the queries is the one per
+chunk) and nothing is traced again after the first chunk (the encoder's 7 compiled stages are
+traced once: a chunk is always 2048 tokens). The history decode was one uncompiled graph of
+118 primitives (~50 on a GPU, where mx.dequantize is one kernel and not the CPU's ~64 shifts),
+whatever the history, holding float32 intermediates of the whole history: one layer's decode
+added 7.5-7.9x the history's fp16 K/V at its peak (bf16, 16K and 32K). The encoder builds ~290
+primitives per chunk (~390 on CUDA, where the power iteration is not compiled: see
+gear_lowrank.COMPILE_ON_GPU), the same at every history. `_prefill_keys_values` now
+  1. decodes the history in pieces of `prefill_decode_bytes` of float32 (8192 tokens of 8 x 128)
+     through one compiled function (decode_side under mx.compile: the adds, casts and index
+     arithmetic fuse; ~32 primitives per piece pair on a GPU, estimated the same way), so its input
+     shapes repeat from chunk to chunk (the lengths P and n mod P: four with 2048-token chunks,
+     traced in the first four chunks and reused after);
+  2. adds the sparse part in place (gear_outliers.add_block_entries) instead of a dense
+     float32 zero array of the history plus an add;
+  3. fills one result in the queries' dtype piece by piece (no concatenation with the window,
+     no cast of the whole history), and, once a side has more than one piece
+     (`prefill_unsynced_bytes`), evaluates each piece before building the next: left to one
+     evaluation, MLX schedules the pieces side by side and holds all their temporaries.
+Measured (CPU, bf16, one more chunk over the history, python -m
+tests.cache.test_gear_prefill_probe --compare 16384,32768; results/gear_prefill_cpu_s5.json):
+the peak it adds is 2.62x / 1.86x the fp16 K/V at 16K / 32K history (was 7.5-7.9x at both;
+float32 cache 3.4x, was 7.6x at 16K), and the CPU is no slower (medians of 3 interleaved rounds
+on a loaded 2-core machine: 16K 727 ms against 1352, 32K 4.5 s against 5.3; per chunk of a 16K
+fill 673 ms against 911 in bf16, 985 against 1362 in float32, ranges wide). The cost: 2 x
+pieces - 1 syncs per layer and chunk once the history exceeds one piece (3 at 16K, 7 at 32K;
+none up to 8192 tokens); each should wait only for the piece just queued, the queries'
+evaluation having drained the queue (unmeasured on a GPU). Bits: identical to the one-graph decode
+(tests/cache/test_gear_prefill.py, against a frozen copy of it).
+Not measured: the GPU time. To measure on the H200: python -m veloxquant_mlx.bench.kernel_probe
+--parts prefill --methods gear and python -m veloxquant_mlx.bench.gpu_speed --methods fp16,gear
+--contexts 32768 --repeats 2, and the same with GEARCache.prefill_unsynced_bytes = 1 << 40 (no
+per-piece syncs) to price the syncs against the memory they save.
+
 Deviations from the paper, all deliberate:
   1. Blocks: the paper approximates the whole prefill at once and then each buffer of n_b new
      tokens; we compress every block of 256 tokens independently (prefill included), so
