@@ -169,3 +169,22 @@ def test_smaller_blocks_decode_the_same_in_pieces():
     expected = reference_prefill_keys_values(cache, queries)
     assert mx.array_equal(bits(keys), bits(expected[0])).item()
     assert mx.array_equal(bits(values), bits(expected[1])).item()
+
+
+def test_a_patched_model_generates_the_same_tokens_with_synced_pieces(monkeypatch):
+    # mlx-lm's own prefill (chunks of 128 over a 900-token prompt) through the patched
+    # attention: pieces of one block, evaluated one by one, against one piece per history.
+    from tests.integration.tiny_llama import greedy_tokens, tiny_llama
+    from veloxquant_mlx import patch_model_kv_cache, unpatch_model_kv_cache
+
+    model = tiny_llama()
+    prompt = mx.array([(i * 7) % 64 for i in range(900)])
+    config = KVCacheConfig(method="gear", gear_bits=2)
+    try:
+        patch_model_kv_cache(model, config)
+        whole = greedy_tokens(model, prompt=prompt, n=6)
+        monkeypatch.setattr(GEARCache, "prefill_decode_bytes", 1)  # one block per piece
+        monkeypatch.setattr(GEARCache, "prefill_unsynced_bytes", 0)
+        assert greedy_tokens(model, prompt=prompt, n=6) == whole
+    finally:
+        unpatch_model_kv_cache(model)
