@@ -188,3 +188,21 @@ def test_a_patched_model_generates_the_same_tokens_with_synced_pieces(monkeypatc
         assert greedy_tokens(model, prompt=prompt, n=6) == whole
     finally:
         unpatch_model_kv_cache(model)
+
+
+def test_the_uncompiled_pieces_are_the_same_bits(monkeypatch):
+    # COMPILE_PREFILL_DECODE = False is the fallback should the compiled pieces differ on a GPU.
+    from veloxquant_mlx.cache import gear
+
+    monkeypatch.setattr(gear, "COMPILE_PREFILL_DECODE", False)
+    gear.compiled_decoder.cache_clear()
+    try:
+        cache = filled_cache(2, 64, mx.bfloat16, 4, 0.01, [768, 30])
+        cache.prefill_decode_bytes = 2 * 64 * 4 * 512
+        queries = mx.random.normal((1, 4, 16, 64)).astype(mx.bfloat16)
+        keys, values = cache._prefill_keys_values(queries)
+        expected = reference_prefill_keys_values(cache, queries)
+        assert mx.array_equal(bits(keys), bits(expected[0])).item()
+        assert mx.array_equal(bits(values), bits(expected[1])).item()
+    finally:
+        gear.compiled_decoder.cache_clear()

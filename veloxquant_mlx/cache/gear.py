@@ -370,18 +370,23 @@ def decode_side(setting: DecodeSetting, codes, scales, zeros, *side, dequantize_
     return x
 
 
+# Whether the prefill's pieces are decoded through mx.compile. The fused kernels only add, cast
+# and do integer index arithmetic (no float product feeding an add that nvrtc's default
+# --fmad=true could contract into an FMA: the low-rank product is a matmul, and mx.dequantize is
+# one primitive on a GPU; on the CPU its fallback's multiply-add is fused by g++ without FMA, see
+# gear_lowrank.py), so it should store the same bits everywhere: tests/cache/test_gear_prefill.py
+# checks them on the device it runs on (the CPU so far). Should it fail on CUDA, set this False:
+# the same pieces then run uncompiled.
+COMPILE_PREFILL_DECODE = True
+
+
 @lru_cache(maxsize=None)
 def compiled_decoder(setting: DecodeSetting):
-    """decode_side through mx.compile, rounded to the cache dtype, then the output dtype.
-
-    Exact on every backend: its fused elementwise kernels only add, cast and do integer index
-    arithmetic (no product feeding an add that a GPU compiler could contract into an FMA: the
-    low-rank product is a matmul and mx.dequantize is one primitive there); on the CPU the
-    dequantization's multiply-add is fused too, by g++ without FMA (see gear_lowrank.py).
-    tests/cache/test_gear_prefill.py checks the bits against the uncompiled whole decode.
-    """
+    """decode_side (through mx.compile, see COMPILE_PREFILL_DECODE), rounded to the cache dtype,
+    then to the output dtype: what `_decode` and the base class's cast to the queries' dtype
+    give for the same tokens."""
 
     def decode(*arrays):
         return decode_side(setting, *arrays).astype(setting.cache_dtype).astype(setting.out_dtype)
 
-    return mx.compile(decode)
+    return mx.compile(decode) if COMPILE_PREFILL_DECODE else decode
