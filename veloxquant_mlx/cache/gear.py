@@ -31,6 +31,45 @@ SmolLM2-135M with the DESIGN.md protocol, gear-2 KL(ref || gear) ~0.02 (0.03 ove
 that read a compressed history) against 2.16 for mlx-lm's QuantizedKVCache 2-bit g32; without
 the low-rank term (rank 0) 0.030. Bytes after a 4096-token prompt: 0.286x the fp16 KVCache.
 
+Prefill (session 5). On the H200 (8B-shaped llama, 8 layers, bf16, 32K prompt in 2048-token
+chunks) gear's prefill took 1.78 s against fp16's 0.41 s (4.4x; results/gpu_speed_h200_s4.json),
+~10 ms per layer and chunk above fp16. A prefill chunk's attention decodes the layer's whole
+history for mx.fast attention (`_prefill_keys_values`) and `_flush` encodes the chunk. Measured
+on the CPU per chunk of one 8 x 128 layer up to 16K (tests/cache/test_gear_prefill_probe.py):
+neither makes a host sync of its own (the base's evaluation of the queries is the one per
+chunk) and nothing is traced again after the first chunk (the encoder's 7 compiled stages are
+traced once: a chunk is always 2048 tokens). The history decode was one uncompiled graph of
+118 primitives (~50 on a GPU, where mx.dequantize is one kernel and not the CPU's ~64 shifts),
+whatever the history, holding float32 intermediates of the whole history: one layer's decode
+added 7.5-7.9x the history's fp16 K/V at its peak (bf16, 16K and 32K). The encoder builds ~290
+primitives per chunk (~390 on CUDA, where the power iteration is not compiled: see
+gear_lowrank.COMPILE_ON_GPU), the same at every history. `_prefill_keys_values` now
+  1. decodes the history in pieces of `prefill_decode_bytes` of float32 (8192 tokens of 8 x 128)
+     through one compiled function (decode_side under mx.compile: the adds, casts and index
+     arithmetic fuse; ~32 primitives per piece pair on a GPU, estimated the same way), so its input
+     shapes repeat from chunk to chunk (the lengths P and n mod P: four with 2048-token chunks,
+     traced in the first four chunks and reused after);
+  2. adds the sparse part in place (gear_outliers.add_block_entries) instead of a dense
+     float32 zero array of the history plus an add;
+  3. fills one result in the queries' dtype piece by piece (no concatenation with the window,
+     no cast of the whole history), and, once a side has more than one piece
+     (`prefill_unsynced_bytes`), evaluates each piece before building the next: left to one
+     evaluation, MLX schedules the pieces side by side and holds all their temporaries.
+Measured (CPU, bf16, one more chunk over the history, python -m
+tests.cache.test_gear_prefill_probe --compare 16384,32768; results/gear_prefill_cpu_s5.json):
+the peak it adds is 2.62x / 1.86x the fp16 K/V at 16K / 32K history (was 7.5-7.9x at both;
+float32 cache 3.4x, was 7.6x at 16K), and the CPU is no slower (medians of 3 interleaved rounds
+on a loaded 2-core machine: 16K 727 ms against 1352, 32K 4.5 s against 5.3; per chunk of a 16K
+fill 673 ms against 911 in bf16, 985 against 1362 in float32, ranges wide). The cost: 2 x
+pieces - 1 syncs per layer and chunk once the history exceeds one piece (3 at 16K, 7 at 32K;
+none up to 8192 tokens); each should wait only for the piece just queued, the queries'
+evaluation having drained the queue (unmeasured on a GPU). Bits: identical to the one-graph decode
+(tests/cache/test_gear_prefill.py, against a frozen copy of it).
+Not measured: the GPU time. To measure on the H200: python -m veloxquant_mlx.bench.kernel_probe
+--parts prefill --methods gear and python -m veloxquant_mlx.bench.gpu_speed --methods fp16,gear
+--contexts 32768 --repeats 2, and the same with GEARCache.prefill_unsynced_bytes = 1 << 40 (no
+per-piece syncs) to price the syncs against the memory they save.
+
 Deviations from the paper, all deliberate:
   1. Blocks: the paper approximates the whole prefill at once and then each buffer of n_b new
      tokens; we compress every block of 256 tokens independently (prefill included), so
@@ -50,7 +89,8 @@ Deviations from the paper, all deliberate:
 
 from __future__ import annotations
 
-from typing import ClassVar
+from functools import lru_cache
+from typing import ClassVar, NamedTuple
 
 import mlx.core as mx
 
@@ -58,7 +98,7 @@ from veloxquant_mlx.cache import fused_decode_gear
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.gear_attention import scores_function, values_function
 from veloxquant_mlx.cache.gear_encoder import EncoderSetting, dequantize, encode_side, group_means
-from veloxquant_mlx.cache.gear_outliers import block_positions, densify, index_dtype
+from veloxquant_mlx.cache.gear_outliers import add_block_entries, index_dtype
 from veloxquant_mlx.errors import QuantizerConfigError
 
 # Tokens per low-rank / outlier block; also the base's encoding unit and growth step, so a
@@ -172,38 +212,93 @@ class GEARCache(CompressedKVCache):
         )
         return {f"{s}_{name}": array for name, array in encode_side(setting, blocks, centres).items()}
 
-    # ---- decoding (unpatched path, trim, to_quantized) ----------------------------------------
+    # ---- decoding (unpatched path, trim, to_quantized; the prefill's pieces) -----------------
     def _decode(self) -> tuple[mx.array, mx.array]:
         keys, values = self.decode_float32()
         return keys.astype(self.dtype), values.astype(self.dtype)
 
     def decode_float32(self) -> tuple[mx.array, mx.array]:
         """The compressed history as float32 K, V (what the compressed attention computes with)."""
-        n, g, st = self.n_compressed, self.code_group, self.store
-        B, H, D = self.batch_size, self.n_kv_heads, self.head_dim
-        k_codes = st["k_codes"][:, :, :, : n // 32].reshape(B, H, D, n * self.code_bits // 32)
-        keys = self._dequantize(k_codes, st["k_scales"][..., : n // g], st["k_zeros"][..., : n // g])
-        values = self._dequantize(st["v_codes"][:, :, :n], st["v_scales"][:, :, :n], st["v_zeros"][:, :, :n])
-        keys = self._add_residual("k", keys.swapaxes(-1, -2), n)
-        values = self._add_residual("v", values, n)
-        return keys, values
+        n = self.n_compressed
+        return tuple(
+            decode_side(self._decode_setting(s, self.dtype), *self._side_range(s, 0, n), dequantize_fn=self._dequantize)
+            for s in ("k", "v")
+        )
 
     def _dequantize(self, codes, scales, zeros) -> mx.array:
         return dequantize(codes, scales, zeros, self.code_group, self.code_bits)
 
-    def _add_residual(self, s: str, x: mx.array, n: int) -> mx.array:
-        B, H, _, d = x.shape
-        n_blocks, st = n // self.block_tokens, self.store
+    def _decode_setting(self, s: str, out_dtype: mx.Dtype) -> DecodeSetting:
+        return DecodeSetting(
+            self.code_bits, self.code_group, self.rank, f"{s}_out_values" in self.store, self.block_tokens,
+            s == "k", self.dtype, out_dtype,
+        )
+
+    def _side_range(self, s: str, start: int, stop: int) -> list[mx.array]:
+        """The stored arrays of side `s` ("k" or "v") for the compressed tokens [start, stop)
+        (block-aligned), in decode_side's order: codes, scales, zeros, then the low-rank factors
+        and the outliers where kept. Views of the store: nothing is copied."""
+        g, nb, st = self.code_group, self.block_tokens, self.store
+        if s == "k":  # per channel: tokens along the last axes (32 codes of a channel per word row)
+            groups = slice(start // g, stop // g)
+            words = slice(start // 32, stop // 32)
+            arrays = [st["k_codes"][:, :, :, words], st["k_scales"][..., groups], st["k_zeros"][..., groups]]
+        else:
+            arrays = [st[f"v_{name}"][:, :, start:stop] for name in ("codes", "scales", "zeros")]
+        blocks = slice(start // nb, stop // nb)
         if self.rank:
-            tokens = st[f"{s}_lr_tokens"][:, :, :n].reshape(B, H, n_blocks, self.block_tokens, self.rank)
-            channels = st[f"{s}_lr_channels"][:, :, :n_blocks]
-            low = tokens.astype(mx.float32) @ channels.astype(mx.float32).swapaxes(-1, -2)
-            x = x + low.reshape(B, H, n, d)
+            arrays += [st[f"{s}_lr_tokens"][:, :, start:stop], st[f"{s}_lr_channels"][:, :, blocks]]
         if f"{s}_out_values" in st:
-            token, channel = block_positions(st[f"{s}_out_index"][:, :, :n_blocks], self.block_tokens, d)
-            values = st[f"{s}_out_values"][:, :, :n_blocks].reshape(B, H, -1)
-            x = x + densify(token, channel, values, n, d, mx.float32)
-        return x
+            arrays += [st[f"{s}_out_index"][:, :, blocks], st[f"{s}_out_values"][:, :, blocks]]
+        return arrays
+
+    # Bytes of one float32 (B, H, tokens, d) piece of history a prefill chunk decodes at a time
+    # (8192 tokens of 8 kv heads x 128), and float32 bytes of one side's history up to which the
+    # pieces are evaluated with the attention, without a host sync of their own; above it (more
+    # than one piece) each piece is evaluated before the next is built, which bounds the
+    # transient. See "Prefill" in the module docstring for the figures behind both.
+    prefill_decode_bytes: ClassVar[int] = 32 << 20
+    prefill_unsynced_bytes: ClassVar[int] = 32 << 20
+
+    def _float32_bytes_per_token(self) -> int:
+        return self.batch_size * self.n_kv_heads * max(self.head_dim, self.value_dim) * 4
+
+    def _prefill_piece_tokens(self) -> int:
+        blocks = self.prefill_decode_bytes // self._float32_bytes_per_token() // self.block_tokens
+        return max(1, blocks) * self.block_tokens
+
+    def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
+        """The history decoded + the exact window in the queries' dtype, for a prefill chunk's
+        fused attention: bit for bit what the base class's path (the whole `_decode`, then the
+        window concatenated) gives, built in fixed-size pieces through one compiled function
+        (see "Prefill" in the module docstring). Host syncs: the base's evaluation of the
+        queries, and one per piece only where one side's history exceeds
+        `prefill_unsynced_bytes` of float32."""
+        if not self.n_compressed or type(self)._dequantize is not GEARCache._dequantize:
+            # A subclass's own dequantization (tests' reference encoders) goes the generic way.
+            return super()._prefill_keys_values(queries)
+        self._order_after_queries(queries)  # the base class's prefill_eval_queries
+        dtype, n, w = queries.dtype, self.n_compressed, self._window_length()
+        piece = self._prefill_piece_tokens()
+        synced = n * self._float32_bytes_per_token() > self.prefill_unsynced_bytes
+        out = []
+        sides = (("k", self.head_dim, self.window_keys), ("v", self.value_dim, self.window_values))
+        for s, dim, window in sides:
+            decode = compiled_decoder(self._decode_setting(s, dtype))
+            # Allocated once and filled piece by piece: the full-history array is the result
+            # itself and no concatenation with the window copies it again.
+            full = mx.zeros((self.batch_size, self.n_kv_heads, n + w, dim), dtype)
+            for start in range(0, n, piece):
+                stop = min(n, start + piece)
+                full[:, :, start:stop] = decode(*self._side_range(s, start, stop))
+                if synced and not (s == "v" and stop == n):
+                    # MLX would otherwise schedule all pieces' ops side by side and hold
+                    # their float32 temporaries at once (see "Prefill" in the docstring).
+                    mx.eval(full)
+            if w:
+                full[:, :, n:] = window.astype(dtype)
+            out.append(full)
+        return out[0], out[1]
 
     # ---- attention over the compressed form ---------------------------------------------------
     def _side(self, s: str) -> list[mx.array]:
@@ -237,3 +332,61 @@ class GEARCache(CompressedKVCache):
 def _on_cpu() -> bool:
     """Whether attention runs on the CPU (gear_attention computes in float32 there)."""
     return mx.default_device() == mx.cpu
+
+
+class DecodeSetting(NamedTuple):
+    bits: int
+    group: int
+    rank: int
+    outliers: bool
+    block_tokens: int
+    per_channel: bool  # keys: codes and scales along tokens per channel
+    cache_dtype: mx.Dtype  # the decode rounds to it, as `_decode` does ...
+    out_dtype: mx.Dtype  # ... then to the dtype the attention reads
+
+
+def decode_side(setting: DecodeSetting, codes, scales, zeros, *side, dequantize_fn=None) -> mx.array:
+    """One side's stored arrays for n block-aligned tokens (GEARCache._side_range's order) ->
+    X = Q(D) + A B^T + S as float32 (B, H, n, d). Every term acts per token and per block, so
+    any block-aligned split of the history decodes to the same values as one piece."""
+    g, bits, nb = setting.group, setting.bits, setting.block_tokens
+    dequantize_fn = dequantize_fn or (lambda c, s, z: dequantize(c, s, z, g, bits))
+    B, H = codes.shape[:2]
+    if setting.per_channel:
+        dim, n = codes.shape[2], scales.shape[-1] * g
+        x = dequantize_fn(codes.reshape(B, H, dim, n * bits // 32), scales, zeros).swapaxes(-1, -2)
+    else:
+        x = dequantize_fn(codes, scales, zeros)
+    n, dim = x.shape[-2:]
+    n_blocks = n // nb
+    if setting.rank:
+        tokens, channels, *side = side
+        tokens = tokens.reshape(B, H, n_blocks, nb, setting.rank)
+        low = tokens.astype(mx.float32) @ channels.astype(mx.float32).swapaxes(-1, -2)
+        x = x + low.reshape(B, H, n, dim)
+    if setting.outliers:
+        index, values = side
+        x = add_block_entries(x, index, values, nb)
+    return x
+
+
+# Whether the prefill's pieces are decoded through mx.compile. The fused kernels only add, cast
+# and do integer index arithmetic (no float product feeding an add that nvrtc's default
+# --fmad=true could contract into an FMA: the low-rank product is a matmul, and mx.dequantize is
+# one primitive on a GPU; on the CPU its fallback's multiply-add is fused by g++ without FMA, see
+# gear_lowrank.py), so it should store the same bits everywhere: tests/cache/test_gear_prefill.py
+# checks them on the device it runs on (the CPU so far). Should it fail on CUDA, set this False:
+# the same pieces then run uncompiled.
+COMPILE_PREFILL_DECODE = True
+
+
+@lru_cache(maxsize=None)
+def compiled_decoder(setting: DecodeSetting):
+    """decode_side (through mx.compile, see COMPILE_PREFILL_DECODE), rounded to the cache dtype,
+    then to the output dtype: what `_decode` and the base class's cast to the queries' dtype
+    give for the same tokens."""
+
+    def decode(*arrays):
+        return decode_side(setting, *arrays).astype(setting.cache_dtype).astype(setting.out_dtype)
+
+    return mx.compile(decode) if COMPILE_PREFILL_DECODE else decode

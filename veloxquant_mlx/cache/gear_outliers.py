@@ -74,8 +74,27 @@ def sparse_weighted_values(p: mx.array, token, channel, values, out: mx.array) -
     return scatter_add_last(out, channel, picked * values[:, :, None, :].astype(p.dtype))
 
 
+def add_block_entries(x: mx.array, index: mx.array, values: mx.array, block_tokens: int) -> mx.array:
+    """x (B, H, n_tokens, dim) + the sparse part given per block (index (B, H, n_blocks, k) over
+    block_tokens * dim, values the same shape), without a dense zero array of x's size: bit for
+    bit `x + densify(*block_positions(index, ...), values, ...)`. A block's entries are
+    contiguous in x's (n_tokens, dim) rows, so an entry's flat position is its block's start
+    plus its index (no token / channel split). Off the outliers the dense sum is x + 0.0, which
+    turns a -0.0 into +0.0 (a dequantized entry can be -0.0: mx.quantize's scales may be
+    negative), so x + 0.0 is computed here too (fused with what made x under mx.compile); at an
+    outlier (x + 0.0) + v equals x + (0.0 + v) for every x and v. One block's outliers are
+    distinct entries, so the scatter adds each once."""
+    B, H, n_tokens, dim = x.shape
+    n_blocks = index.shape[2]
+    starts = (mx.arange(B * H * n_blocks, dtype=mx.int32) * (block_tokens * dim)).reshape(B, H, n_blocks, 1)
+    where = (starts + index.astype(mx.int32)).reshape(-1)
+    flat = (x + 0.0).reshape(-1).at[where].add(values.reshape(-1).astype(x.dtype))
+    return flat.reshape(x.shape)
+
+
 def densify(token, channel, values, n_tokens: int, dim: int, dtype) -> mx.array:
-    """The sparse part as a dense (B, H, n_tokens, dim) array (decode path only)."""
+    """The sparse part as a dense (B, H, n_tokens, dim) array (what add_block_entries adds
+    without making it; tests compare the two)."""
     B, H, K = token.shape
     flat = mx.zeros((B * H * n_tokens * dim,), dtype)
     where = (mx.arange(B * H, dtype=mx.int32).reshape(B, H, 1) * (n_tokens * dim) + token * dim + channel)
