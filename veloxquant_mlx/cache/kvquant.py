@@ -222,7 +222,7 @@ class KVQuantCache(CompressedKVCache):
             ("value", self.value_dim, decode_value_blocks),
         ):
             codes, scale, zero, codebook, sink, *sparse = self._reader_args(prefix)
-            table = lookup_table(codebook, self.code_bits, self.group_size * dim)
+            table = self._lookup_table(prefix, dim)
             parts = [
                 decode(
                     codes, scale, zero, codebook, b0, b1, self.code_bits, self.group_size, dim,
@@ -233,6 +233,101 @@ class KVQuantCache(CompressedKVCache):
             x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
             out.append(x.astype(self.dtype))
         return out[0], out[1]
+
+    def _lookup_table(self, prefix: str, dim: int) -> mx.array:
+        """lookup_table of the stored codebook, kept while the codebook is the same array: the
+        codebook is written once (first encode; a restored state or a trim to nothing brings
+        a new array), so the few ops that build the pair table run once, not per read."""
+        codebook = self.store[f"{prefix}_codebook"]
+        tables = self.__dict__.setdefault("_tables", {})
+        cached = tables.get(prefix)
+        if cached is None or cached[0] is not codebook:
+            cached = (codebook, lookup_table(codebook, self.code_bits, self.group_size * dim))
+            tables[prefix] = cached
+        return cached[1]
+
+    def _prefill_pieces(self, n_blocks: int) -> tuple[int, list[int]]:
+        """(blocks per piece, first block of each piece) covering [0, n_blocks) for the prefill
+        decode: every piece has the same size, at most `_chunk_blocks()`, the last one moved
+        back to end at n_blocks (it overlaps its neighbour, whose blocks it decodes again to
+        the same values: every op is per block). So once the history holds a whole piece the
+        shapes no longer change from one prompt chunk to the next (one compiled trace, and on
+        a GPU the same kernels), and no piece reads past the filled blocks."""
+        piece = min(self._chunk_blocks(), n_blocks)
+        starts = list(range(0, n_blocks - piece + 1, piece))
+        if starts[-1] + piece < n_blocks:
+            starts.append(n_blocks - piece)
+        return piece, starts
+
+    def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
+        """The decoded history and the exact window in the queries' dtype for a prefill chunk's
+        fused attention: the same values as the base class's `_full_keys_values()` path (the
+        history decoded to float32, cast to the cache dtype, then to the queries'), built for
+        speed and memory (see "Prefill" in the module docstring): the result is allocated once
+        and written piece by piece, each piece cast straight to the queries' dtype, with no
+        float32 history, no concatenation of pieces or with the window, and fixed-size pieces
+        (`_prefill_pieces`) decoded through one compiled function where fusion is exact."""
+        if not self.n_compressed:
+            return super()._prefill_keys_values(queries)
+        self._order_after_queries(queries)  # the base class's prefill_eval_queries
+        dtype, G = queries.dtype, self.group_size
+        B, H, n, w = self.batch_size, self.n_kv_heads, self.n_compressed, self._window_length()
+        piece, starts = self._prefill_pieces(n // G)
+        compiled = _prefill_fusion_is_exact()
+        out = []
+        for prefix, dim, window, decode in (
+            ("key", self.head_dim, self.window_keys, decode_key_blocks),
+            ("value", self.value_dim, self.window_values, decode_value_blocks),
+        ):
+            codes, scale, zero, _, sink, *sparse = self._reader_args(prefix)
+            table = self._lookup_table(prefix, dim)
+            per_token = prefix == "value"  # value scales are per token, key scales per block
+            full = mx.zeros((B, H, n + w, dim), dtype)
+            for b0 in starts:
+                b1 = b0 + piece
+                s0, s1 = (b0 * G, b1 * G) if per_token else (b0, b1)
+                args = [codes[:, :, b0:b1], scale[:, :, s0:s1], zero[:, :, s0:s1], table]
+                args += [a[:, :, b0:b1] for a in sparse]
+                if b0 == 0:
+                    args.append(sink)
+                fn = _prefill_piece_function(
+                    prefix, self.code_bits, G, dim, bool(sparse), b0 == 0, self.dtype, dtype, compiled
+                )
+                full[:, :, b0 * G : b1 * G] = fn(*args)
+            if w:
+                full[:, :, n:] = window.astype(dtype)
+            out.append(full)
+        return out[0], out[1]
+
+
+# ---- the prefill decode's pieces --------------------------------------------------------------
+
+
+def _prefill_fusion_is_exact() -> bool:
+    """Whether the compiled piece decode gives the uncompiled one's bits. On the CPU it does
+    (MLX's fused CPU kernels are built for baseline x86-64, without FMA). Elsewhere the fused
+    levels * scale + zero could be contracted into one FMA (nvrtc's default --fmad=true): the
+    product of a float32 level and a 16-bit scale is not exact in float32, so the FMA would
+    round once where the separate ops round twice. There the pieces run as eager ops."""
+    return mx.default_device() == mx.cpu
+
+
+@lru_cache(maxsize=None)
+def _prefill_piece_function(prefix, bits, group, dim, outliers, sink, cache_dtype, out_dtype, compiled):
+    """(codes, scale, zero, table[, positions, exact][, sink]) of one piece of blocks -> its
+    K or V in out_dtype: decode_key_blocks / decode_value_blocks over the whole piece (block
+    0 of the piece is the history's first when `sink`), cast to the cache dtype and then to
+    out_dtype as `_decode` and the base's prefill do. Through mx.compile when `compiled`."""
+    decode = decode_key_blocks if prefix == "key" else decode_value_blocks
+
+    def piece(codes, scale, zero, table, *rest):
+        sparse = tuple(rest[:2]) if outliers else None
+        first = rest[-1] if sink else None
+        n = codes.shape[2]
+        x = decode(codes, scale, zero, None, 0, n, bits, group, dim, sparse, first, table)
+        return x.astype(cache_dtype).astype(out_dtype)
+
+    return mx.compile(piece) if compiled else piece
 
 
 # ---- the encoder's pure parts, through mx.compile ---------------------------------------------
