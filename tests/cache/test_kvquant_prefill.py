@@ -4,6 +4,9 @@ preallocated result) gives exactly the K/V of the base class's path (the whole h
 
 from __future__ import annotations
 
+import io
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -36,12 +39,17 @@ def _assert_same(a: mx.array, b: mx.array) -> None:
     assert bytes(memoryview(a)) == bytes(memoryview(b))
 
 
+# (compiled, product apart): the CPU's fused pieces, the eager ops a GPU runs by default, and
+# the compiled pieces with the product written apart (KVQuantCache.prefill_compiled_off_cpu).
+MODES = {"fused": (True, False), "eager": (False, False), "apart": (True, True)}
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("fraction", [0.0, 0.01])
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("tokens", [70, 32 * 4 + 5, 32 * 11 + 17])
-def test_prefill_history_is_the_base_path_bit_for_bit(monkeypatch, dtype, fraction, compiled, tokens):
-    monkeypatch.setattr(kvquant, "_prefill_fusion_is_exact", lambda: compiled)
+def test_prefill_history_is_the_base_path_bit_for_bit(monkeypatch, dtype, fraction, mode, tokens):
+    monkeypatch.setattr(kvquant, "_prefill_piece_mode", lambda: MODES[mode])
     cache = _filled(dtype, tokens, chunk=50, fraction=fraction)
     assert cache.n_compressed and cache.window_keys is not None
     queries = mx.random.normal((1, 4, 20, 64)).astype(dtype)
@@ -80,3 +88,21 @@ def test_prefill_attention_matches_the_base_path():
     keys, values = CompressedKVCache._prefill_keys_values(cache, queries)
     ref = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=64**-0.5, mask="causal")
     _assert_same(out, ref)
+
+
+@pytest.mark.parametrize("mode", ["fused", "apart"])
+def test_product_apart_leaves_no_kernel_that_could_form_an_fma(monkeypatch, mode):
+    # What nvrtc could contract is a Multiply feeding an Add inside one fused kernel; with the
+    # product apart no compiled kernel of the piece holds both (the fused mode's does: the
+    # check sees it).
+    monkeypatch.setattr(kvquant, "_prefill_piece_mode", lambda: MODES[mode])
+    cache = _filled(mx.bfloat16, 32 * 5, chunk=80, fraction=0.01)
+    queries = mx.random.normal((1, 4, 20, 64)).astype(mx.bfloat16)
+    mx.eval(queries, cache.window_keys, cache.window_values)
+    keys, values = cache._prefill_keys_values(queries)
+    dot = io.StringIO()
+    mx.export_to_dot(dot, keys, values)
+    kernels = [k for k in re.findall(r'label ?= ?"([A-Za-z_]+)"', dot.getvalue()) if k.startswith("Compiled")]
+    assert kernels
+    both = [k for k in kernels if "Multiply" in k and "Add" in k]
+    assert (both == []) == (mode == "apart"), kernels

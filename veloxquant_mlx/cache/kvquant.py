@@ -86,6 +86,10 @@ class KVQuantCache(CompressedKVCache):
     # for 512 / 1024 against 123 ms for 4096, 2 shared cores under load 8), else
     # GPU_CHUNK_TOKENS (fewer, larger kernels; not yet measured on a GPU). An int overrides.
     decode_chunk_tokens: int | None = None
+    # Off the CPU the prefill's history pieces run as eager ops (no fused kernel to JIT on
+    # first use); True: through mx.compile with the product kept apart (same bits). See
+    # `_prefill_piece_mode`; not yet measured on a GPU.
+    prefill_compiled_off_cpu: bool = False
 
     def _setup(self) -> None:
         # Not named `bits`: mlx-lm routes any cache with a `bits` attribute to its own
@@ -273,7 +277,7 @@ class KVQuantCache(CompressedKVCache):
         dtype, G = queries.dtype, self.group_size
         B, H, n, w = self.batch_size, self.n_kv_heads, self.n_compressed, self._window_length()
         piece, starts = self._prefill_pieces(n // G)
-        compiled = _prefill_fusion_is_exact()
+        compiled, apart = _prefill_piece_mode()
         out = []
         for prefix, dim, window, decode in (
             ("key", self.head_dim, self.window_keys, decode_key_blocks),
@@ -291,7 +295,7 @@ class KVQuantCache(CompressedKVCache):
                 if b0 == 0:
                     args.append(sink)
                 fn = _prefill_piece_function(
-                    prefix, self.code_bits, G, dim, bool(sparse), b0 == 0, self.dtype, dtype, compiled
+                    prefix, self.code_bits, G, dim, bool(sparse), b0 == 0, self.dtype, dtype, compiled, apart
                 )
                 full[:, :, b0 * G : b1 * G] = fn(*args)
             if w:
@@ -304,27 +308,40 @@ class KVQuantCache(CompressedKVCache):
 
 
 def _prefill_fusion_is_exact() -> bool:
-    """Whether the compiled piece decode gives the uncompiled one's bits. On the CPU it does
-    (MLX's fused CPU kernels are built for baseline x86-64, without FMA). Elsewhere the fused
-    levels * scale + zero could be contracted into one FMA (nvrtc's default --fmad=true): the
-    product of a float32 level and a 16-bit scale is not exact in float32, so the FMA would
-    round once where the separate ops round twice. There the pieces run as eager ops."""
+    """Whether the compiled piece decode, fused as it comes, gives the uncompiled one's bits.
+    On the CPU it does (MLX's fused CPU kernels are built for baseline x86-64, without FMA).
+    Elsewhere the fused levels * scale + zero could be contracted into one FMA (nvrtc's
+    default --fmad=true): the product of a float32 level and a 16-bit scale is not exact in
+    float32, so the FMA would round once where the separate ops round twice."""
     return mx.default_device() == mx.cpu
 
 
+def _prefill_piece_mode() -> tuple[bool, bool]:
+    """(compiled, product apart) for the prefill pieces on the current device: compiled and
+    fused on the CPU; elsewhere eager unless KVQuantCache.prefill_compiled_off_cpu, then
+    compiled with the product written apart (kvquant_attention._apart), which keeps the bits.
+    Eager is the default off the CPU because every distinct fused kernel is a JIT compile on
+    a GPU's first use (~seconds each cold) while the eager ops are precompiled kernels; which
+    is faster per chunk is for the next GPU session to measure (module docstring)."""
+    if _prefill_fusion_is_exact():
+        return True, False
+    return (True, True) if KVQuantCache.prefill_compiled_off_cpu else (False, False)
+
+
 @lru_cache(maxsize=None)
-def _prefill_piece_function(prefix, bits, group, dim, outliers, sink, cache_dtype, out_dtype, compiled):
+def _prefill_piece_function(prefix, bits, group, dim, outliers, sink, cache_dtype, out_dtype, compiled, apart=False):
     """(codes, scale, zero, table[, positions, exact][, sink]) of one piece of blocks -> its
     K or V in out_dtype: decode_key_blocks / decode_value_blocks over the whole piece (block
     0 of the piece is the history's first when `sink`), cast to the cache dtype and then to
-    out_dtype as `_decode` and the base's prefill do. Through mx.compile when `compiled`."""
+    out_dtype as `_decode` and the base's prefill do. Through mx.compile when `compiled`;
+    `apart`: the scaled levels written out before the zero is added (no FMA can form)."""
     decode = decode_key_blocks if prefix == "key" else decode_value_blocks
 
     def piece(codes, scale, zero, table, *rest):
         sparse = tuple(rest[:2]) if outliers else None
         first = rest[-1] if sink else None
         n = codes.shape[2]
-        x = decode(codes, scale, zero, None, 0, n, bits, group, dim, sparse, first, table)
+        x = decode(codes, scale, zero, None, 0, n, bits, group, dim, sparse, first, table, product_apart=apart)
         return x.astype(cache_dtype).astype(out_dtype)
 
     return mx.compile(piece) if compiled else piece
