@@ -2,7 +2,8 @@
 
     python -m tests.cache.bench_kvquant_prefill [--tokens 16384] [--dtypes bfloat16,float32]
         [--fills 3] [--out results/kvquant_prefill_cpu.json]
-    python -m tests.cache.bench_kvquant_prefill --warmup   # distinct compiles of a first use
+    python -m tests.cache.bench_kvquant_prefill --warmup [--method kivi] [--as-gpu]
+        # fused kernels compiled on first use (a 2K prompt, then 8 decode steps)
 
 One layer (batch 1, 8 kv heads, head_dim 128, kvquant defaults: 3 bits, group 32, 1% outliers),
 the history filled in `--chunk`-token chunks as mlx-lm's generate does (the first chunk one
@@ -96,6 +97,13 @@ from veloxquant_mlx.config import KVCacheConfig  # noqa: E402
 
 KERNEL_DIR = os.path.join(tempfile.gettempdir(), "mlx")
 HQ, HK, D = 32, 8, 128
+
+
+def kernel_names() -> set[str]:
+    """Fused kernels built so far, without the CPU's contiguous / strided_N variant suffix: a
+    GPU JIT-compiles one module per such name (its variants inside)."""
+    return {re.sub(r"_(contiguous|strided_\d+)\.so$", "", f)
+            for _, _, files in os.walk(KERNEL_DIR) for f in files if f.endswith(".so")}
 
 
 def kernel_files() -> int:
@@ -217,21 +225,21 @@ def warmup_probe(method: str, tokens: int = 2048, steps: int = 8) -> dict:
     cache = cache_class(method)(KVCacheConfig(method=method))
     res = {}
     TRACES.clear()
-    k0 = kernel_files()
+    k0, names0 = kernel_files(), kernel_names()
     start = time.perf_counter()
     part = slice(0, tokens - 1)
     cache.update_and_fetch(k[:, :, part], k[:, :, part])
     _eval(cache.attention(q[:, :, part], scale=D**-0.5, mask="causal"), cache.store)
     res["prefill"] = {"traces": dict(TRACES), "kernels": kernel_files() - k0,
-                      "s": time.perf_counter() - start}
+                      "distinct_kernels": len(kernel_names() - names0), "s": time.perf_counter() - start}
     TRACES.clear()
-    k0 = kernel_files()
+    k0, names0 = kernel_files(), kernel_names()
     start = time.perf_counter()
     for t in range(tokens - 1, tokens - 1 + steps):
         cache.update_and_fetch(k[:, :, t : t + 1], k[:, :, t : t + 1])
         _eval(cache.attention(q[:, :, t : t + 1], scale=D**-0.5), cache.store)
     res["decode_steps"] = {"traces": dict(TRACES), "kernels": kernel_files() - k0,
-                           "s": time.perf_counter() - start}
+                           "distinct_kernels": len(kernel_names() - names0), "s": time.perf_counter() - start}
     return res
 
 
@@ -243,8 +251,16 @@ def main(argv=None) -> None:
     p.add_argument("--fills", type=int, default=3)
     p.add_argument("--warmup", action="store_true")
     p.add_argument("--method", default="kvquant")
+    p.add_argument("--as-gpu", action="store_true",
+                   help="take kvquant's off-CPU choices (eager codebook fit, eager prefill pieces) "
+                        "to count the fused kernels a GPU would JIT on first use")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    if args.as_gpu:
+        from veloxquant_mlx.cache import kvquant, nonuniform_codebook
+
+        nonuniform_codebook._fit_compiled = lambda: False
+        kvquant._prefill_fusion_is_exact = lambda: False
     if args.warmup:
         result = {"warmup": {args.method: warmup_probe(args.method)}}
     else:
