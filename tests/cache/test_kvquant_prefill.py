@@ -79,6 +79,8 @@ def test_prefill_pieces_have_one_size_once_the_history_holds_one():
     assert cache._prefill_pieces(4) == (4, [0])
     assert cache._prefill_pieces(9) == (4, [0, 4, 5])
     assert cache._prefill_pieces(12) == (4, [0, 4, 8])
+    cache.prefill_piece_tokens = 3 * 32 + 5  # whole blocks only
+    assert cache._prefill_pieces(7) == (3, [0, 3, 4])
 
 
 def test_prefill_attention_matches_the_base_path():

@@ -90,6 +90,13 @@ class KVQuantCache(CompressedKVCache):
     # first use); True: through mx.compile with the product kept apart (same bits). See
     # `_prefill_piece_mode`; not yet measured on a GPU.
     prefill_compiled_off_cpu: bool = False
+    # Tokens of history one prefill piece decodes (rounded down to whole blocks). None: the
+    # attention's chunk (`_chunk_blocks`: 1024 on the CPU, 4096 elsewhere). Larger pieces mean
+    # fewer launches per prompt chunk on a GPU (~14 eager ops per piece) and a larger float32
+    # transient (one piece's). On the CPU (16K history, 8 x 128, 5 runs under load ~60)
+    # medians float32 1143 / 912 / 1168 ms, bf16 861 / 1111 / 1190 ms for 1024 / 4096 /
+    # 16384: no clear winner. An int overrides (e.g. 16384 for a GPU session to try).
+    prefill_piece_tokens: int | None = None
 
     def _setup(self) -> None:
         # Not named `bits`: mlx-lm routes any cache with a `bits` attribute to its own
@@ -252,12 +259,15 @@ class KVQuantCache(CompressedKVCache):
 
     def _prefill_pieces(self, n_blocks: int) -> tuple[int, list[int]]:
         """(blocks per piece, first block of each piece) covering [0, n_blocks) for the prefill
-        decode: every piece has the same size, at most `_chunk_blocks()`, the last one moved
+        decode: every piece has the same size, at most `prefill_piece_tokens`, the last one moved
         back to end at n_blocks (it overlaps its neighbour, whose blocks it decodes again to
         the same values: every op is per block). So once the history holds a whole piece the
         shapes no longer change from one prompt chunk to the next (one compiled trace, and on
         a GPU the same kernels), and no piece reads past the filled blocks."""
-        piece = min(self._chunk_blocks(), n_blocks)
+        per_piece = self._chunk_blocks()
+        if self.prefill_piece_tokens is not None:
+            per_piece = max(1, self.prefill_piece_tokens // self.group_size)
+        piece = min(per_piece, n_blocks)
         starts = list(range(0, n_blocks - piece + 1, piece))
         if starts[-1] + piece < n_blocks:
             starts.append(n_blocks - piece)
