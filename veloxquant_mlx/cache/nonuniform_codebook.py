@@ -30,7 +30,7 @@ def fit_codebook(samples: mx.array, n_levels: int, iterations: int = 20) -> mx.a
     iterations' compares, one-hot and products fuse into a few kernels each instead of ~10 ops
     per iteration. Elsewhere it runs as eager ops: a fit runs once per layer (the first
     encoded block), so fusion saves a few hundred launches once (~ms on a GPU), while each of
-    the fit's 6 distinct fused kernels (2 of them nearest_level's; counted on the CPU: `python -m
+    the fit's 6 distinct fused kernels (counted on the CPU: `python -m
     tests.cache.bench_kvquant_prefill --warmup`) is a JIT compile on a GPU's first use (MLX's
     CUDA backend compiles every fused kernel with nvrtc, ~seconds each cold; kvquant's
     untimed 2K warm-up took 69.7 s on the H200 against kivi's 5.2 s). The reductions and
@@ -43,8 +43,7 @@ def fit_codebook(samples: mx.array, n_levels: int, iterations: int = 20) -> mx.a
     if n > MAX_FIT_SAMPLES:  # a strided subsample keeps every part of the block represented
         x = x[..., :: (n + MAX_FIT_SAMPLES - 1) // MAX_FIT_SAMPLES]
     if not _fit_compiled():
-        # Eager through and through: the compiled nearest_level would be 2 more fused kernels.
-        return _lloyd(x, n_levels, iterations, _midpoints_below)
+        return _lloyd(x, n_levels, iterations)
     return _compiled_lloyd(n_levels, iterations)(x)
 
 
@@ -59,15 +58,14 @@ def _compiled_lloyd(n_levels: int, iterations: int):
     return mx.compile(lambda x: _lloyd(x, n_levels, iterations))
 
 
-def _lloyd(x: mx.array, n_levels: int, iterations: int, nearest=None) -> mx.array:
-    nearest = nearest or nearest_level
+def _lloyd(x: mx.array, n_levels: int, iterations: int) -> mx.array:
     n = x.shape[-1]
     ordered = mx.sort(x, axis=-1)
     picks = ((mx.arange(n_levels) + 0.5) * n / n_levels).astype(mx.int32)
     levels = mx.take(ordered, mx.minimum(picks, n - 1), axis=-1)
     one = mx.arange(n_levels)
     for _ in range(iterations):
-        codes = nearest(x, levels)
+        codes = nearest_level(x, levels)
         hits = (codes[..., None] == one).astype(mx.float32)  # (..., N, K)
         counts = hits.sum(axis=-2)
         # The same (..., N, K) product reduced over N as ever: a sum in another order (a
@@ -90,8 +88,8 @@ def nearest_level(x: mx.array, levels: mx.array) -> mx.array:
     return _count_midpoints_below(x, levels)
 
 
-def _midpoints_below(x: mx.array, levels: mx.array) -> mx.array:
-    """nearest_level's count, as plain ops (the eager codebook fit calls it directly)."""
+@mx.compile
+def _count_midpoints_below(x: mx.array, levels: mx.array) -> mx.array:
     mids = (levels[..., 1:] + levels[..., :-1]) * 0.5  # (..., K-1)
     # (..., 1, ..., 1, K-1): one midpoint per leading index, broadcast over x's trailing axes.
     expand = mids.reshape(*mids.shape[:-1], *([1] * (x.ndim - mids.ndim + 1)), mids.shape[-1])
@@ -99,9 +97,6 @@ def _midpoints_below(x: mx.array, levels: mx.array) -> mx.array:
     for k in range(1, mids.shape[-1]):
         count = count + (x > expand[..., k]).astype(mx.uint8)
     return count
-
-
-_count_midpoints_below = mx.compile(_midpoints_below)
 
 
 def lookup(levels: mx.array, codes: mx.array) -> mx.array:
