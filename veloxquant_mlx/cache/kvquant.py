@@ -28,6 +28,44 @@ scatters fuse, which stores the same bits as the uncompiled ops (tests/cache/
 test_encoder_identity.py) in fewer passes: one layer of 8 KV heads x 128, a 2048-token chunk,
 on the CPU 1.29-1.47x faster (results/encoder_speed_cpu_s4.json; not yet measured on a GPU).
 
+Prefill (session 5). On the H200 (8B-shaped llama, 8 layers, bf16, 2048-token chunks) kvquant's
+32K prefill took 1.68 s warm against fp16's 0.41 (4.1x; results/gpu_speed_h200_s4.json), its 128K
+one 30.1 s against 5.88, and its untimed 2K warm-up 69.7 s against kivi's 5.2
+(results/gpu_speed_h200_s5_128k.json). A prefill chunk decodes the layer's whole history for
+mx.fast attention and then encodes the chunk. Measured here (one layer, 8 kv heads x 128,
+2048-token chunks up to 16K, CPU under load 60+; `python -m tests.cache.bench_kvquant_prefill`):
+  - host syncs: one per layer and chunk, the base's prefill_eval_queries; none in this
+    method's code (no .item(), .tolist() or numpy); the encoder: none;
+  - traces: the encoder's compiled functions see one shape per chunk (64 blocks), traced on
+    the first chunk and again only for mlx-lm's last chunk, one token short (63 blocks); the
+    history decode was eager (no traces) through `_decode`: per 1024-token chunk (4096 off the
+    CPU) ~12 ops, then a float32 concatenation of the pieces, a cast of the whole history and
+    a concatenation with the window: 386 non-view graph nodes at 14K history (bf16);
+  - first use: a 2K prompt built 17 distinct fused kernels (each a JIT compile on a GPU, ~s
+    cold), kivi's 4; 4 of them only the codebook fit's (work done once per layer; its other 2,
+    nearest_level's, the codes function builds as well: kernels are named by their ops, not
+    shapes, so those are shared).
+`_prefill_keys_values` now writes fixed-size pieces (`_prefill_pieces`: every piece the same
+number of blocks, the last moved back to overlap its neighbour, so the shapes stop changing
+once the history holds one piece) into one result allocated in the queries' dtype: no float32
+history, no concatenation. On the CPU each piece is one compiled function (exact there);
+elsewhere eager by default, or compiled with the product kept apart
+(`prefill_compiled_off_cpu`; an FMA would change bits otherwise, see `_prefill_piece_mode`).
+The codebook's pair table is built once per codebook, and the codebook fit runs eagerly off
+the CPU (nonuniform_codebook.fit_codebook). Decoded values bit-identical to the base path
+(tests/cache/test_kvquant_prefill.py: bf16 and float32, with and without outliers, all three
+piece modes). Measured here, history decode per chunk (medians of two runs of 3 fills, each
+run's median shown; same load): at 8K history bf16 308/303 -> 250/232 ms, float32 513/796 ->
+216/354 ms; at 14K bf16 582/1427 -> 244/405 ms, float32 693/1155 -> 393/643 ms; graph nodes
+386 -> 260 (bf16), 298 -> 202 (float32); peak memory of one 16K bf16 history decode over its
+start 394 -> 171 MiB (the result itself 72 MiB). The first history chunks trace the pieces
+(4 traces: sink piece and the others, keys and values), none after
+(tests/cache/test_kvquant_prefill_warmup.py). First-use fused kernels of a 2K prompt with the
+GPU's choices (`--warmup --as-gpu`): 17 -> 13. Not yet measured on a GPU (no device time this
+session): `python -m veloxquant_mlx.bench.kernel_probe --parts prefill --methods kvquant` and
+`python -m veloxquant_mlx.bench.gpu_speed --methods fp16,kvquant --contexts 32768 --repeats 2`,
+also with KVQuantCache.prefill_compiled_off_cpu = True and prefill_piece_tokens = 16384.
+
 Deviations from the paper (all because a cache sees no calibration data and post-RoPE keys):
   - Keys are quantized after RoPE: mlx-lm hands the cache rotated keys and the attention
     receives rotated queries, so pre-RoPE quantization would need the model's RoPE inside the
