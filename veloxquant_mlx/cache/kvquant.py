@@ -88,7 +88,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode_codebook
+from veloxquant_mlx.cache import fused_decode_codebook, kvquant_prefill_kernel
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.kvquant_attention import (
     chunks,
@@ -322,6 +322,8 @@ class KVQuantCache(CompressedKVCache):
         if not self.n_compressed:
             return super()._prefill_keys_values(queries)
         self._order_after_queries(queries)  # the base class's prefill_eval_queries
+        if kvquant_prefill_kernel.enabled():
+            return self._kernel_keys_values(queries.dtype)
         dtype, G = queries.dtype, self.group_size
         B, H, n, w = self.batch_size, self.n_kv_heads, self.n_compressed, self._window_length()
         piece, starts = self._prefill_pieces(n // G)
@@ -346,6 +348,24 @@ class KVQuantCache(CompressedKVCache):
                     prefix, self.code_bits, G, dim, bool(sparse), b0 == 0, self.dtype, dtype, compiled, apart
                 )
                 full[:, :, b0 * G : b1 * G] = fn(*args)
+            if w:
+                full[:, :, n:] = window.astype(dtype)
+            out.append(full)
+        return out[0], out[1]
+
+
+    def _kernel_keys_values(self, dtype) -> tuple[mx.array, mx.array]:
+        """`_prefill_keys_values` on MLX's CUDA backend: the whole history of each part
+        decoded by one kernel (kvquant_prefill_kernel.py) into the result, then the window."""
+        n, w, G = self.n_compressed, self._window_length(), self.group_size
+        out = []
+        for prefix, dim, window in (("key", self.head_dim, self.window_keys), ("value", self.value_dim, self.window_values)):
+            codes, scale, zero, codebook, sink, *sparse = self._reader_args(prefix)
+            full = kvquant_prefill_kernel.history_decode(
+                codes, scale, zero, codebook, tuple(sparse) or None, sink, n_blocks=n // G, out_tokens=n + w,
+                group=G, dim=dim, bits=self.code_bits, per_token=prefix == "value", cache_dtype=self.dtype,
+                out_dtype=dtype,
+            )
             if w:
                 full[:, :, n:] = window.astype(dtype)
             out.append(full)
