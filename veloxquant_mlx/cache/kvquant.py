@@ -45,26 +45,33 @@ mx.fast attention and then encodes the chunk. Measured here (one layer, 8 kv hea
     cold), kivi's 4; 4 of them only the codebook fit's (work done once per layer; its other 2,
     nearest_level's, the codes function builds as well: kernels are named by their ops, not
     shapes, so those are shared).
-`_prefill_keys_values` now writes fixed-size pieces (`_prefill_pieces`: every piece the same
-number of blocks, the last moved back to overlap its neighbour, so the shapes stop changing
-once the history holds one piece) into one result allocated in the queries' dtype: no float32
-history, no concatenation. On the CPU each piece is one compiled function (exact there);
-elsewhere eager by default, or compiled with the product kept apart
+`_prefill_keys_values` now, on MLX's CUDA backend (kernels on, fused_decode.kernels_enabled),
+decodes each part's whole history with one kernel (kvquant_prefill_kernel.py) straight into the
+result in the queries' dtype, then writes the window after it: two launches per part and prompt
+chunk whatever the history, no float32 array, one compile for every length. Elsewhere (the CPU,
+or VELOXQUANT_CUDA_KERNELS=0) it writes fixed-size pieces (`_prefill_pieces`: every piece the
+same number of blocks, the last moved back to overlap its neighbour, so the shapes stop
+changing once the history holds one piece) into one result allocated in the queries' dtype: no
+float32 history, no concatenation. On the CPU each piece is one compiled function (exact
+there); on another GPU backend eager by default, or compiled with the product kept apart
 (`prefill_compiled_off_cpu`; an FMA would change bits otherwise, see `_prefill_piece_mode`).
 The codebook's pair table is built once per codebook, and the codebook fit runs eagerly off
 the CPU (nonuniform_codebook.fit_codebook). Decoded values bit-identical to the base path
 (tests/cache/test_kvquant_prefill.py: bf16 and float32, with and without outliers, all three
-piece modes). Measured here, history decode per chunk (medians of two runs of 3 fills, each
+piece modes; test_kvquant_prefill_kernel_emulated.py: the kernel under the CPU emulation, bf16,
+fp16 and float32 caches, 2-4 bits, with and without outliers, other queries dtypes). Measured here, history decode per chunk (medians of two runs of 3 fills, each
 run's median shown; same load): at 8K history bf16 308/303 -> 250/232 ms, float32 513/796 ->
 216/354 ms; at 14K bf16 582/1427 -> 244/405 ms, float32 693/1155 -> 393/643 ms; graph nodes
 386 -> 260 (bf16), 298 -> 202 (float32); peak memory of one 16K bf16 history decode over its
 start 394 -> 171 MiB (the result itself 72 MiB). The first history chunks trace the pieces
 (4 traces: sink piece and the others, keys and values), none after
 (tests/cache/test_kvquant_prefill_warmup.py). First-use fused kernels of a 2K prompt with the
-GPU's choices (`--warmup --as-gpu`): 17 -> 13. Not yet measured on a GPU (no device time this
-session): `python -m veloxquant_mlx.bench.kernel_probe --parts prefill --methods kvquant` and
-`python -m veloxquant_mlx.bench.gpu_speed --methods fp16,kvquant --contexts 32768 --repeats 2`,
-also with KVQuantCache.prefill_compiled_off_cpu = True and prefill_piece_tokens = 16384.
+GPU's choices (`--warmup --as-gpu`): 17 -> 13 (the prefill kernel adds one mx.fast.cuda_kernel
+compile). Not yet run on a GPU (no device time this session): `pytest
+tests/cache/test_kvquant_prefill_kernel_emulated.py` (its CUDA identity test), then `python -m
+veloxquant_mlx.bench.kernel_probe --parts prefill --methods kvquant` and `python -m
+veloxquant_mlx.bench.gpu_speed --methods fp16,kvquant --contexts 32768 --repeats 2`, and with
+VELOXQUANT_CUDA_KERNELS=0 the eager pieces for comparison.
 
 Deviations from the paper (all because a cache sees no calibration data and post-RoPE keys):
   - Keys are quantized after RoPE: mlx-lm hands the cache rotated keys and the attention
@@ -124,11 +131,13 @@ class KVQuantCache(CompressedKVCache):
     # for 512 / 1024 against 123 ms for 4096, 2 shared cores under load 8), else
     # GPU_CHUNK_TOKENS (fewer, larger kernels; not yet measured on a GPU). An int overrides.
     decode_chunk_tokens: int | None = None
-    # Off the CPU the prefill's history pieces run as eager ops (no fused kernel to JIT on
-    # first use); True: through mx.compile with the product kept apart (same bits). See
-    # `_prefill_piece_mode`; not yet measured on a GPU.
+    # Where the prefill's history is decoded in pieces off the CPU (a GPU without our CUDA
+    # kernel: VELOXQUANT_CUDA_KERNELS=0, or another backend) they run as eager ops (no fused
+    # kernel to JIT on first use); True: through mx.compile with the product kept apart (same
+    # bits). See `_prefill_piece_mode`; not yet measured on a GPU.
     prefill_compiled_off_cpu: bool = False
-    # Tokens of history one prefill piece decodes (rounded down to whole blocks). None: the
+    # Tokens of history one prefill piece decodes (rounded down to whole blocks; the pieces'
+    # path only, not the CUDA kernel's, which decodes the whole history at once). None: the
     # attention's chunk (`_chunk_blocks`: 1024 on the CPU, 4096 elsewhere). Larger pieces mean
     # fewer launches per prompt chunk on a GPU (~14 eager ops per piece) and a larger float32
     # transient (one piece's). On the CPU (16K history, 8 x 128, 5 runs under load ~60)
