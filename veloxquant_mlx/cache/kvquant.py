@@ -66,8 +66,8 @@ run's median shown; same load): at 8K history bf16 308/303 -> 250/232 ms, float3
 start 394 -> 171 MiB (the result itself 72 MiB). The first history chunks trace the pieces
 (4 traces: sink piece and the others, keys and values), none after
 (tests/cache/test_kvquant_prefill_warmup.py). First-use fused kernels of a 2K prompt with the
-GPU's choices (`--warmup --as-gpu`): 17 -> 13 (the prefill kernel adds one mx.fast.cuda_kernel
-compile). Not yet run on a GPU (no device time this session): `pytest
+GPU's choices (`--warmup --as-gpu`): 17 -> 13 (the prefill kernel adds two mx.fast.cuda_kernel
+compiles, keys and values having different templates). Not yet run on a GPU (no device time this session): `pytest
 tests/cache/test_kvquant_prefill_kernel_emulated.py` (its CUDA identity test), then `python -m
 veloxquant_mlx.bench.kernel_probe --parts prefill --methods kvquant` and `python -m
 veloxquant_mlx.bench.gpu_speed --methods fp16,kvquant --contexts 32768 --repeats 2`, and with
