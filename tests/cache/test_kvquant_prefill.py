@@ -11,10 +11,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant_mlx.cache import kvquant
+from veloxquant_mlx.cache import kvquant, kvquant_prefill_kernel
 from veloxquant_mlx.cache.base import CompressedKVCache
 from veloxquant_mlx.cache.kvquant import KVQuantCache
 from veloxquant_mlx.config import KVCacheConfig
+
+
+@pytest.fixture(autouse=True)
+def _pieces_path(monkeypatch):
+    """These tests are about the pieces (the CPU's path, and a GPU's without our CUDA kernel);
+    the kernel has its own tests (test_kvquant_prefill_kernel_emulated.py)."""
+    monkeypatch.setattr(kvquant_prefill_kernel, "enabled", lambda: False)
 
 
 def _filled(dtype, tokens: int, chunk: int, fraction: float, bits: int = 3, dim: int = 64, seed: int = 0):

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant_mlx.cache import kvquant, nonuniform_codebook
+from veloxquant_mlx.cache import kvquant, kvquant_prefill_kernel, nonuniform_codebook
 from veloxquant_mlx.cache.kvquant import KVQuantCache
 from veloxquant_mlx.config import KVCacheConfig
 
@@ -53,6 +53,8 @@ def traces(monkeypatch):
     monkeypatch.setattr(kvquant, "decode_key_blocks", counting("piece", kvquant.decode_key_blocks))
     monkeypatch.setattr(kvquant, "decode_value_blocks", counting("piece", kvquant.decode_value_blocks))
     monkeypatch.setattr(kvquant, "select_outliers", counting("normalize", kvquant.select_outliers))
+    # The pieces' path (on CUDA the kernel decodes the history instead: nothing traced).
+    monkeypatch.setattr(kvquant_prefill_kernel, "enabled", lambda: False)
     caches = (kvquant._prefill_piece_function, kvquant._compiled_normalize, kvquant._normalize_function)
     for c in caches:
         c.cache_clear()
