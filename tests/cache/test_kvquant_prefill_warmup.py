@@ -55,6 +55,8 @@ def traces(monkeypatch):
     monkeypatch.setattr(kvquant, "select_outliers", counting("normalize", kvquant.select_outliers))
     # The pieces' path (on CUDA the kernel decodes the history instead: nothing traced).
     monkeypatch.setattr(kvquant_prefill_kernel, "enabled", lambda: False)
+    # Compiled pieces (what traces), as fused on the CPU, with the product apart elsewhere.
+    monkeypatch.setattr(kvquant, "_prefill_piece_mode", lambda: (True, mx.default_device() != mx.cpu))
     caches = (kvquant._prefill_piece_function, kvquant._compiled_normalize, kvquant._normalize_function)
     for c in caches:
         c.cache_clear()
