@@ -59,15 +59,17 @@ The codebook's pair table is built once per codebook, and the codebook fit runs 
 the CPU (nonuniform_codebook.fit_codebook). Decoded values bit-identical to the base path
 (tests/cache/test_kvquant_prefill.py: bf16 and float32, with and without outliers, all three
 piece modes; test_kvquant_prefill_kernel_emulated.py: the kernel under the CPU emulation, bf16,
-fp16 and float32 caches, 2-4 bits, with and without outliers, other queries dtypes). Measured here, history decode per chunk (medians of two runs of 3 fills, each
-run's median shown; same load): at 8K history bf16 308/303 -> 250/232 ms, float32 513/796 ->
+fp16 and float32 caches, 2-4 bits, with and without outliers, other queries dtypes).
+Measured here, the pieces' history decode per chunk (two runs of 3 fills, each run's median
+over the repeat fills shown; same load): at 8K history bf16 308/303 -> 250/232 ms, float32 513/796 ->
 216/354 ms; at 14K bf16 582/1427 -> 244/405 ms, float32 693/1155 -> 393/643 ms; graph nodes
 386 -> 260 (bf16), 298 -> 202 (float32); peak memory of one 16K bf16 history decode over its
 start 394 -> 171 MiB (the result itself 72 MiB). The first history chunks trace the pieces
 (4 traces: sink piece and the others, keys and values), none after
 (tests/cache/test_kvquant_prefill_warmup.py). First-use fused kernels of a 2K prompt with the
-GPU's choices (`--warmup --as-gpu`): 17 -> 13 (the prefill kernel adds two mx.fast.cuda_kernel
-compiles, keys and values having different templates). Not yet run on a GPU (no device time this session): `pytest
+GPU's choices (`--warmup --as-gpu`): 17 -> 13 (the prefill kernel adds two
+mx.fast.cuda_kernel compiles, keys and values having different templates). Not yet run on a
+GPU (no device time this session): `pytest
 tests/cache/test_kvquant_prefill_kernel_emulated.py` (its CUDA identity test), then `python -m
 veloxquant_mlx.bench.kernel_probe --parts prefill --methods kvquant` and `python -m
 veloxquant_mlx.bench.gpu_speed --methods fp16,kvquant --contexts 32768 --repeats 2`, and with
