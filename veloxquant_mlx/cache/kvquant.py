@@ -28,6 +28,53 @@ scatters fuse, which stores the same bits as the uncompiled ops (tests/cache/
 test_encoder_identity.py) in fewer passes: one layer of 8 KV heads x 128, a 2048-token chunk,
 on the CPU 1.29-1.47x faster (results/encoder_speed_cpu_s4.json; not yet measured on a GPU).
 
+Prefill (session 5). On the H200 (8B-shaped llama, 8 layers, bf16, 2048-token chunks) kvquant's
+32K prefill took 1.68 s warm against fp16's 0.41 (4.1x; results/gpu_speed_h200_s4.json), its 128K
+one 30.1 s against 5.88, and its untimed 2K warm-up 69.7 s against kivi's 5.2
+(results/gpu_speed_h200_s5_128k.json). A prefill chunk decodes the layer's whole history for
+mx.fast attention and then encodes the chunk. Measured here (one layer, 8 kv heads x 128,
+2048-token chunks up to 16K, CPU under load 60+; `python -m tests.cache.bench_kvquant_prefill`):
+  - host syncs: one per layer and chunk, the base's prefill_eval_queries; none in this
+    method's code (no .item(), .tolist() or numpy); the encoder: none;
+  - traces: the encoder's compiled functions see one shape per chunk (64 blocks), traced on
+    the first chunk and again only for mlx-lm's last chunk, one token short (63 blocks); the
+    history decode was eager (no traces) through `_decode`: per 1024-token chunk (4096 off the
+    CPU) ~12 ops, then a float32 concatenation of the pieces, a cast of the whole history and
+    a concatenation with the window: 386 non-view graph nodes at 14K history (bf16);
+  - first use: a 2K prompt built 17 distinct fused kernels (each a JIT compile on a GPU, ~s
+    cold), kivi's 4; 4 of them only the codebook fit's (work done once per layer; its other 2,
+    nearest_level's, the codes function builds as well: kernels are named by their ops, not
+    shapes, so those are shared).
+`_prefill_keys_values` now, on MLX's CUDA backend (kernels on, fused_decode.kernels_enabled),
+decodes each part's whole history with one kernel (kvquant_prefill_kernel.py) straight into the
+result in the queries' dtype, then writes the window after it: two launches per part and prompt
+chunk whatever the history, no float32 array, one compile for every length. Elsewhere (the CPU,
+or VELOXQUANT_CUDA_KERNELS=0) it writes fixed-size pieces (`_prefill_pieces`: every piece the
+same number of blocks, the last moved back to overlap its neighbour, so the shapes stop
+changing once the history holds one piece) into one result allocated in the queries' dtype: no
+float32 history, no concatenation. On the CPU each piece is one compiled function (exact
+there); on another GPU backend eager by default, or compiled with the product kept apart
+(`prefill_compiled_off_cpu`; an FMA would change bits otherwise, see `_prefill_piece_mode`).
+The codebook's pair table is built once per codebook, and the codebook fit runs eagerly off
+the CPU (nonuniform_codebook.fit_codebook). Decoded values bit-identical to the base path
+(tests/cache/test_kvquant_prefill.py: bf16 and float32, with and without outliers, all three
+piece modes; test_kvquant_prefill_kernel_emulated.py: the kernel under the CPU emulation, bf16,
+fp16 and float32 caches, 2-4 bits, with and without outliers, other queries dtypes).
+Measured here, the pieces' history decode per chunk (two runs of 3 fills, each run's median
+over the repeat fills shown; same load): at 8K history bf16 308/303 -> 250/232 ms, float32 513/796 ->
+216/354 ms; at 14K bf16 582/1427 -> 244/405 ms, float32 693/1155 -> 393/643 ms; graph nodes
+386 -> 260 (bf16), 298 -> 202 (float32); peak memory of one 16K bf16 history decode over its
+start 394 -> 171 MiB (the result itself 72 MiB). The first history chunks trace the pieces
+(4 traces: sink piece and the others, keys and values), none after
+(tests/cache/test_kvquant_prefill_warmup.py). First-use fused kernels of a 2K prompt with the
+GPU's choices (`--warmup --as-gpu`): 17 -> 13 (the prefill kernel adds two
+mx.fast.cuda_kernel compiles, keys and values having different templates). Not yet run on a
+GPU (no device time this session): `pytest
+tests/cache/test_kvquant_prefill_kernel_emulated.py` (its CUDA identity test), then `python -m
+veloxquant_mlx.bench.kernel_probe --parts prefill --methods kvquant` and `python -m
+veloxquant_mlx.bench.gpu_speed --methods fp16,kvquant --contexts 32768 --repeats 2`, and with
+VELOXQUANT_CUDA_KERNELS=0 the eager pieces for comparison.
+
 Deviations from the paper (all because a cache sees no calibration data and post-RoPE keys):
   - Keys are quantized after RoPE: mlx-lm hands the cache rotated keys and the attention
     receives rotated queries, so pre-RoPE quantization would need the model's RoPE inside the
@@ -50,7 +97,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode_codebook
+from veloxquant_mlx.cache import fused_decode_codebook, kvquant_prefill_kernel
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.kvquant_attention import (
     chunks,
@@ -86,6 +133,19 @@ class KVQuantCache(CompressedKVCache):
     # for 512 / 1024 against 123 ms for 4096, 2 shared cores under load 8), else
     # GPU_CHUNK_TOKENS (fewer, larger kernels; not yet measured on a GPU). An int overrides.
     decode_chunk_tokens: int | None = None
+    # Where the prefill's history is decoded in pieces off the CPU (a GPU without our CUDA
+    # kernel: VELOXQUANT_CUDA_KERNELS=0, or another backend) they run as eager ops (no fused
+    # kernel to JIT on first use); True: through mx.compile with the product kept apart (same
+    # bits). See `_prefill_piece_mode`; not yet measured on a GPU.
+    prefill_compiled_off_cpu: bool = False
+    # Tokens of history one prefill piece decodes (rounded down to whole blocks; the pieces'
+    # path only, not the CUDA kernel's, which decodes the whole history at once). None: the
+    # attention's chunk (`_chunk_blocks`: 1024 on the CPU, 4096 elsewhere). Larger pieces mean
+    # fewer launches per prompt chunk on a GPU (~14 eager ops per piece) and a larger float32
+    # transient (one piece's). On the CPU (16K history, 8 x 128, 5 runs under load ~60)
+    # medians float32 1143 / 912 / 1168 ms, bf16 861 / 1111 / 1190 ms for 1024 / 4096 /
+    # 16384: no clear winner. An int overrides (e.g. 16384 for a GPU session to try).
+    prefill_piece_tokens: int | None = None
 
     def _setup(self) -> None:
         # Not named `bits`: mlx-lm routes any cache with a `bits` attribute to its own
@@ -222,7 +282,7 @@ class KVQuantCache(CompressedKVCache):
             ("value", self.value_dim, decode_value_blocks),
         ):
             codes, scale, zero, codebook, sink, *sparse = self._reader_args(prefix)
-            table = lookup_table(codebook, self.code_bits, self.group_size * dim)
+            table = self._lookup_table(prefix, dim)
             parts = [
                 decode(
                     codes, scale, zero, codebook, b0, b1, self.code_bits, self.group_size, dim,
@@ -233,6 +293,137 @@ class KVQuantCache(CompressedKVCache):
             x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
             out.append(x.astype(self.dtype))
         return out[0], out[1]
+
+    def _lookup_table(self, prefix: str, dim: int) -> mx.array:
+        """lookup_table of the stored codebook, kept while the codebook is the same array: the
+        codebook is written once (first encode; a restored state or a trim to nothing brings
+        a new array), so the few ops that build the pair table run once, not per read."""
+        codebook = self.store[f"{prefix}_codebook"]
+        tables = self.__dict__.setdefault("_tables", {})
+        cached = tables.get(prefix)
+        if cached is None or cached[0] is not codebook:
+            cached = (codebook, lookup_table(codebook, self.code_bits, self.group_size * dim))
+            tables[prefix] = cached
+        return cached[1]
+
+    def _prefill_pieces(self, n_blocks: int) -> tuple[int, list[int]]:
+        """(blocks per piece, first block of each piece) covering [0, n_blocks) for the prefill
+        decode: every piece has the same size, at most `prefill_piece_tokens`, the last one moved
+        back to end at n_blocks (it overlaps its neighbour, whose blocks it decodes again to
+        the same values: every op is per block). So once the history holds a whole piece the
+        shapes no longer change from one prompt chunk to the next (one compiled trace, and on
+        a GPU the same kernels), and no piece reads past the filled blocks."""
+        per_piece = self._chunk_blocks()
+        if self.prefill_piece_tokens is not None:
+            per_piece = max(1, self.prefill_piece_tokens // self.group_size)
+        piece = min(per_piece, n_blocks)
+        starts = list(range(0, n_blocks - piece + 1, piece))
+        if starts[-1] + piece < n_blocks:
+            starts.append(n_blocks - piece)
+        return piece, starts
+
+    def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
+        """The decoded history and the exact window in the queries' dtype for a prefill chunk's
+        fused attention: the same values as the base class's `_full_keys_values()` path (the
+        history decoded to float32, cast to the cache dtype, then to the queries'), built for
+        speed and memory (see "Prefill" in the module docstring): the result is allocated once
+        and written piece by piece, each piece cast straight to the queries' dtype, with no
+        float32 history, no concatenation of pieces or with the window, and fixed-size pieces
+        (`_prefill_pieces`) decoded through one compiled function where fusion is exact."""
+        if not self.n_compressed:
+            return super()._prefill_keys_values(queries)
+        self._order_after_queries(queries)  # the base class's prefill_eval_queries
+        if kvquant_prefill_kernel.enabled():
+            return self._kernel_keys_values(queries.dtype)
+        dtype, G = queries.dtype, self.group_size
+        B, H, n, w = self.batch_size, self.n_kv_heads, self.n_compressed, self._window_length()
+        piece, starts = self._prefill_pieces(n // G)
+        compiled, apart = _prefill_piece_mode()
+        out = []
+        for prefix, dim, window, decode in (
+            ("key", self.head_dim, self.window_keys, decode_key_blocks),
+            ("value", self.value_dim, self.window_values, decode_value_blocks),
+        ):
+            codes, scale, zero, _, sink, *sparse = self._reader_args(prefix)
+            table = self._lookup_table(prefix, dim)
+            per_token = prefix == "value"  # value scales are per token, key scales per block
+            full = mx.zeros((B, H, n + w, dim), dtype)
+            for b0 in starts:
+                b1 = b0 + piece
+                s0, s1 = (b0 * G, b1 * G) if per_token else (b0, b1)
+                args = [codes[:, :, b0:b1], scale[:, :, s0:s1], zero[:, :, s0:s1], table]
+                args += [a[:, :, b0:b1] for a in sparse]
+                if b0 == 0:
+                    args.append(sink)
+                fn = _prefill_piece_function(
+                    prefix, self.code_bits, G, dim, bool(sparse), b0 == 0, self.dtype, dtype, compiled, apart
+                )
+                full[:, :, b0 * G : b1 * G] = fn(*args)
+            if w:
+                full[:, :, n:] = window.astype(dtype)
+            out.append(full)
+        return out[0], out[1]
+
+
+    def _kernel_keys_values(self, dtype) -> tuple[mx.array, mx.array]:
+        """`_prefill_keys_values` on MLX's CUDA backend: the whole history of each part
+        decoded by one kernel (kvquant_prefill_kernel.py) into the result, then the window."""
+        n, w, G = self.n_compressed, self._window_length(), self.group_size
+        out = []
+        for prefix, dim, window in (("key", self.head_dim, self.window_keys), ("value", self.value_dim, self.window_values)):
+            codes, scale, zero, codebook, sink, *sparse = self._reader_args(prefix)
+            full = kvquant_prefill_kernel.history_decode(
+                codes, scale, zero, codebook, tuple(sparse) or None, sink, n_blocks=n // G, out_tokens=n + w,
+                group=G, dim=dim, bits=self.code_bits, per_token=prefix == "value", cache_dtype=self.dtype,
+                out_dtype=dtype,
+            )
+            if w:
+                full[:, :, n:] = window.astype(dtype)
+            out.append(full)
+        return out[0], out[1]
+
+
+# ---- the prefill decode's pieces --------------------------------------------------------------
+
+
+def _prefill_fusion_is_exact() -> bool:
+    """Whether the compiled piece decode, fused as it comes, gives the uncompiled one's bits.
+    On the CPU it does (MLX's fused CPU kernels are built for baseline x86-64, without FMA).
+    Elsewhere the fused levels * scale + zero could be contracted into one FMA (nvrtc's
+    default --fmad=true): the product of a float32 level and a 16-bit scale is not exact in
+    float32, so the FMA would round once where the separate ops round twice."""
+    return mx.default_device() == mx.cpu
+
+
+def _prefill_piece_mode() -> tuple[bool, bool]:
+    """(compiled, product apart) for the prefill pieces on the current device: compiled and
+    fused on the CPU; elsewhere eager unless KVQuantCache.prefill_compiled_off_cpu, then
+    compiled with the product written apart (kvquant_attention._apart), which keeps the bits.
+    Eager is the default off the CPU because every distinct fused kernel is a JIT compile on
+    a GPU's first use (~seconds each cold) while the eager ops are precompiled kernels; which
+    is faster per chunk is for the next GPU session to measure (module docstring)."""
+    if _prefill_fusion_is_exact():
+        return True, False
+    return (True, True) if KVQuantCache.prefill_compiled_off_cpu else (False, False)
+
+
+@lru_cache(maxsize=None)
+def _prefill_piece_function(prefix, bits, group, dim, outliers, sink, cache_dtype, out_dtype, compiled, apart=False):
+    """(codes, scale, zero, table[, positions, exact][, sink]) of one piece of blocks -> its
+    K or V in out_dtype: decode_key_blocks / decode_value_blocks over the whole piece (block
+    0 of the piece is the history's first when `sink`), cast to the cache dtype and then to
+    out_dtype as `_decode` and the base's prefill do. Through mx.compile when `compiled`;
+    `apart`: the scaled levels written out before the zero is added (no FMA can form)."""
+    decode = decode_key_blocks if prefix == "key" else decode_value_blocks
+
+    def piece(codes, scale, zero, table, *rest):
+        sparse = tuple(rest[:2]) if outliers else None
+        first = rest[-1] if sink else None
+        n = codes.shape[2]
+        x = decode(codes, scale, zero, None, 0, n, bits, group, dim, sparse, first, table, product_apart=apart)
+        return x.astype(cache_dtype).astype(out_dtype)
+
+    return mx.compile(piece) if compiled else piece
 
 
 # ---- the encoder's pure parts, through mx.compile ---------------------------------------------

@@ -36,26 +36,39 @@ import mlx.core as mx
 from veloxquant_mlx.cache.nonuniform_codebook import lookup_packed, lookup_table
 
 
-def decode_key_blocks(codes, scale, zero, codebook, b0, b1, bits, group, dim, sparse=None, sink=None, table=None):
+def decode_key_blocks(codes, scale, zero, codebook, b0, b1, bits, group, dim, sparse=None, sink=None, table=None,
+                      product_apart=False):
     """Keys of blocks [b0, b1) as float32 (B, H, (b1 - b0) * group, dim): codebook levels times
     each block's channel scale plus its zero, exact outliers written over their entries and,
-    when given (b0 == 0), the exact sink over token 0."""
+    when given (b0 == 0), the exact sink over token 0. `product_apart`: see `_apart`."""
     B, H = codes.shape[:2]
     u = lookup_packed(codebook, codes[:, :, b0:b1], bits, group * dim, table)
     k = u.reshape(B, H, b1 - b0, group, dim) * scale[:, :, b0:b1, None].astype(mx.float32)
-    k = k + zero[:, :, b0:b1, None].astype(mx.float32)
+    k = _apart(k, product_apart) + zero[:, :, b0:b1, None].astype(mx.float32)
     return _finish(k.reshape(B, H, b1 - b0, group * dim), b0, b1, group, dim, sparse, sink)
 
 
-def decode_value_blocks(codes, scale, zero, codebook, b0, b1, bits, group, dim, sparse=None, sink=None, table=None):
+def decode_value_blocks(codes, scale, zero, codebook, b0, b1, bits, group, dim, sparse=None, sink=None, table=None,
+                        product_apart=False):
     """Values of blocks [b0, b1) as float32 (B, H, (b1 - b0) * group, dim): codebook levels times
     each token's scale plus its zero, with the exact outliers and sink as for the keys."""
     B, H = codes.shape[:2]
     t0, t1 = b0 * group, b1 * group
     u = lookup_packed(codebook, codes[:, :, b0:b1], bits, group * dim, table)
     v = u.reshape(B, H, t1 - t0, dim) * scale[:, :, t0:t1, None].astype(mx.float32)
-    v = v + zero[:, :, t0:t1, None].astype(mx.float32)
+    v = _apart(v, product_apart) + zero[:, :, t0:t1, None].astype(mx.float32)
     return _finish(v.reshape(B, H, b1 - b0, group * dim), b0, b1, group, dim, sparse, sink)
+
+
+def _apart(product: mx.array, apart: bool) -> mx.array:
+    """The scaled levels, written out before the zero is added when `apart`. Under mx.compile
+    `levels * scale + zero` fuses into one kernel, which nvrtc (--fmad=true) may contract into
+    an FMA: one rounding where the eager ops round twice, so other bits. mx.contiguous ends
+    the fused kernel (checked: the compiled graph then holds a Multiply kernel, Contiguous and
+    an Add kernel, tests/cache/test_kvquant_prefill.py) and the add reads the rounded product
+    from memory; on an already contiguous product it shares the buffer (no copy). mx.stop_gradient
+    does not: compile drops it and fuses across."""
+    return mx.contiguous(product) if apart else product
 
 
 def _finish(flat, b0, b1, group, dim, sparse, sink):

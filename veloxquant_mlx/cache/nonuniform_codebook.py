@@ -26,16 +26,33 @@ def fit_codebook(samples: mx.array, n_levels: int, iterations: int = 20) -> mx.a
     for 1-D data converges in a few iterations. A level that loses all its samples keeps its
     previous value, so the result always has n_levels finite entries.
 
-    Runs through mx.compile (one trace per setting and shape): the 20 unrolled iterations'
-    compares, one-hot and products fuse into a few kernels each instead of ~10 ops per
-    iteration. The reductions and sorts are the same ops on the same arrays as uncompiled, so
-    the levels are bit-identical (tests/cache/test_encoder_identity.py).
+    On the CPU it runs through mx.compile (one trace per setting and shape): the 20 unrolled
+    iterations' compares, one-hot and products fuse into a few kernels each instead of ~10 ops
+    per iteration. Elsewhere it runs as eager ops: a fit runs once per layer (the first
+    encoded block), so fusion saves a few hundred launches once (~ms on a GPU), while each of
+    the fit's distinct fused kernels is a JIT compile on a GPU's first use (MLX's CUDA backend
+    compiles every fused kernel with nvrtc, ~seconds each cold; kvquant's untimed 2K warm-up
+    took 69.7 s on the H200 against kivi's 5.2 s). Counted on the CPU (`python -m
+    tests.cache.bench_kvquant_prefill --warmup [--as-gpu]`): the compiled fit builds 6, the
+    eager one none of its own (nearest_level stays compiled: its 2 kernels are also those of
+    kvquant's codes function, kernels being named by their ops, not shapes); a 2K prompt's
+    first use 17 -> 13. The reductions and sorts are the same ops on the same arrays either
+    way, and no product feeds an add inside a fused kernel (no FMA to contract), so the levels
+    are bit-identical (tests/cache/test_encoder_identity.py, test_kvquant_prefill_warmup.py).
     """
     x = samples.astype(mx.float32)
     n = x.shape[-1]
     if n > MAX_FIT_SAMPLES:  # a strided subsample keeps every part of the block represented
         x = x[..., :: (n + MAX_FIT_SAMPLES - 1) // MAX_FIT_SAMPLES]
+    if not _fit_compiled():
+        return _lloyd(x, n_levels, iterations)
     return _compiled_lloyd(n_levels, iterations)(x)
+
+
+def _fit_compiled() -> bool:
+    """Whether fit_codebook runs through mx.compile: on the CPU, where a fused kernel costs a
+    g++ build once per machine (MLX keeps them on disk), not on a GPU (see fit_codebook)."""
+    return mx.default_device() == mx.cpu
 
 
 @lru_cache(maxsize=None)
