@@ -45,19 +45,24 @@ BIT_VIEW = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16
 @contextmanager
 def emulated():
     """The kernels on and emulated (the intrinsics above added to the header), this module's
-    kernel factory emptied before and after so a mutated source is built anew."""
+    kernel switched on (cuda_emulation.emulated_kernels() switches on the attention kernels
+    only: fused_encode_affine._kernels_enabled) and its factory emptied before and after so a
+    mutated source is built anew."""
     real = cuda_emulation.cuda_kernel
 
     def with_intrinsics(name, input_names, output_names, source, header="", **kwargs):
         return real(name, input_names, output_names, source, EMULATED_INTRINSICS + header, **kwargs)
 
+    switch = fused_encode_affine._kernels_enabled
     fused_encode_affine._kernel_for.cache_clear()
     cuda_emulation.cuda_kernel = with_intrinsics
+    fused_encode_affine._kernels_enabled = lambda: True  # emulated_kernels() does not switch it on
     try:
         with cuda_emulation.emulated_kernels() as made:
             yield made
     finally:
         cuda_emulation.cuda_kernel = real
+        fused_encode_affine._kernels_enabled = switch
         fused_encode_affine._kernel_for.cache_clear()
 
 
@@ -267,10 +272,19 @@ def test_the_portable_path_is_kept_where_the_kernel_is_not_active(monkeypatch):
     cache = _cache(bit_width_inlier=2)
     keys, values = _block(1, 2, 96, 64, 64, mx.float32, 2, 2, 32)
     cache.update_and_fetch(keys[:, :, :1], values[:, :, :1])  # the cache learns its shapes
-    # Switched off by the environment, a width or a shape the kernel refuses: nothing launched.
+    # Switched off by the environment (or off CUDA: the CPU here), a width or a shape the kernel
+    # refuses, different dtypes: nothing launched.
     monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
     assert fused_encode_affine.encode_step(cache, keys, values) is None
     monkeypatch.delenv(fused_decode.ENV_SWITCH)
+    assert fused_encode_affine._kernels_enabled() == fused_decode._on_cuda()
+    # The attention kernels' emulation alone leaves the encoder portable (its tests count the
+    # kernels they launch): a flush inside it builds nothing.
+    with cuda_emulation.emulated_kernels() as made:
+        cache.update_and_fetch(keys[:, :, 1:], values[:, :, 1:])
+        cache._flush()
+        mx.eval(cache.store)
+    assert made == [] and cache.n_compressed == 64
     assert not fused_encode_affine.supports(64, 64, 32, 5, 2)
     assert not fused_encode_affine.supports(64, 64, 16, 2, 2)
     assert not fused_encode_affine.supports(64, 48, 32, 2, 2)

@@ -92,6 +92,14 @@ SHARED_LIMIT = 48 * 1024
 INPUT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 SIDE_DTYPES = (mx.float16, mx.bfloat16)
 
+# The kernels' switch (CUDA and VELOXQUANT_CUDA_KERNELS), bound when this module is imported.
+# tests/cache/cuda_emulation.emulated_kernels() stands `lambda: True` in for
+# fused_decode.kernels_enabled so that the attention kernels run emulated on the CPU; this kernel
+# changes how the store is written, not how attention reads it, and the emulated attention tests
+# count the kernels their steps launch (and their shim lacks __fdiv_rn): they keep the portable
+# encoder. This module's tests switch it on explicitly (monkeypatching this name).
+_kernels_enabled = fused_decode.kernels_enabled
+
 OUTPUTS = ("key_codes", "key_scales", "key_biases", "value_codes", "value_scales", "value_biases")
 
 # The header's own additions to fused_decode's: the side dtype's explicit round-to-nearest cast.
@@ -248,7 +256,7 @@ def encode_step(cache, keys: mx.array, values: mx.array):
     """KIVICache's encoded block (the dict _encode returns) from the kernel, or None where it is
     not active (off CUDA, switched off, a shape `supports` refuses, an input dtype without a
     kernel variant): the cache then takes the portable compiled path."""
-    if not fused_decode.kernels_enabled():
+    if not _kernels_enabled():
         return None
     if not supports(cache.head_dim, cache.value_dim, cache.group_size, cache.key_bits, cache.value_bits):
         return None
