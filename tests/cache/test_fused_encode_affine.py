@@ -154,7 +154,7 @@ def _programs_built_in_parallel():
     if cuda_emulation.COMPILER is None:
         return
     settings = [(dtype, kb, vb, g, D, DV) for _, dtype, kb, vb, g, _, _, _, D, DV in CASES]
-    settings += [(mx.bfloat16, 2, 2, 32, 64, 64), (mx.float32, 3, 4, 32, 64, 64)]
+    settings += [(mx.float32, 2, 2, 32, 32, 32), (mx.bfloat16, 2, 2, 32, 64, 64), (mx.float32, 3, 4, 32, 64, 64)]
     with cuda_emulation.signatures_only() as captured:
         for dtype, kb, vb, g, D, DV in settings:
             with emulated():
@@ -195,6 +195,27 @@ def test_half_way_elements_round_to_even():
     assert unpacked == [int(np.round(k)) for k in ks]  # numpy rounds half to even too
     assert any(k % 1 == 0.5 and np.round(k) < k for k in ks), "no tie rounded down: the data test nothing"
     _assert_same(got, _portable(keys, values, group, 2, 2))
+
+
+@emulation
+def test_a_zero_minimum_keeps_the_sign_of_the_groups_first_zero():
+    # Groups whose minimum is 0 with both +0.0 and -0.0 in them: MLX's CPU reduction keeps the
+    # first (the kernel's `v < lo ? v : lo` too), and the bias stores its sign bit.
+    rng = np.random.default_rng(0)
+    rows = []
+    for plus, minus in [(0, 1), (1, 0), (5, 20), (20, 5), (30, 2), (2, 30), (9, 17), (17, 9)]:
+        row = np.abs(rng.normal(size=32)).astype(np.float32) + 0.5
+        row[plus], row[minus] = 0.0, -0.0
+        rows.append(row)
+    rows = np.stack(rows * 4)  # (32 tokens, 32 channels): a value group per token
+    values = mx.array(rows)[None, None]
+    keys = mx.array(np.ascontiguousarray(rows[:8].T))[None, None]  # key channels along tokens
+    keys = mx.concatenate([keys] * 4, axis=3)
+    expected = _portable(keys, values, 32, 2, 2)
+    signs = np.signbit(np.array(expected[5].astype(mx.float32)))
+    assert signs.any() and not signs.all(), "no mix of -0.0 and +0.0 biases: the data test nothing"
+    assert np.signbit(np.array(expected[2].astype(mx.float32))).any()
+    _assert_same(_encode(keys, values, 32, 2, 2), expected)
 
 
 def _cache(**fields):

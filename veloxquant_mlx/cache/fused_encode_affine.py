@@ -74,7 +74,10 @@ loads for the values' runs and two channels per thread for the keys are the next
 probe shows it far below.
 
 The portable path (compiled_affine_quantize) stays the fallback: on the CPU and Metal, with the
-kernels switched off, and for shapes `supports` refuses.
+kernels switched off, and for shapes `supports` refuses. The switch is fused_decode's, bound at
+import (`_kernels_enabled`): the attention kernels' CPU emulation (cuda_emulation.
+emulated_kernels) replaces fused_decode.kernels_enabled and does not switch this kernel on; its
+own tests do (tests/cache/test_fused_encode_affine.py).
 """
 
 from __future__ import annotations
