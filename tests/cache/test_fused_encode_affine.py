@@ -26,9 +26,15 @@ from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import fused_decode, fused_encode_affine
 from veloxquant_mlx.cache.kivi import KIVICache, compiled_affine_quantize
 
-emulation = pytest.mark.skipif(
+_needs_compiler = pytest.mark.skipif(
     cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier and _Float16 for the kernels' CPU emulation"
 )
+
+
+def emulation(test):
+    """Decorator of an emulated test: skipped without g++, and the emulated programs are built
+    up front (in parallel) only when such a test runs: not for `pytest -m cuda` on the GPU."""
+    return pytest.mark.usefixtures("_programs_built_in_parallel")(_needs_compiler(test))
 
 # CUDA intrinsics the emulation's shim lacks, defined for the CPU program only.
 EMULATED_INTRINSICS = r"""
@@ -147,7 +153,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def _programs_built_in_parallel():
     """The emulated programs the tests below run, compiled up front one per core (a cold run
     pays g++ ~1 s each): their signatures captured from one-group blocks of the same settings."""
