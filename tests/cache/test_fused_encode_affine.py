@@ -8,10 +8,9 @@ data make the rounding cases happen: outlier channels and tokens, constant group
 safe divisor 1), and elements exactly half-way between two levels (round half to even; a kernel
 that rounds half away from zero must fail). Source corruptions must fail the comparison.
 
-The emulation's shim (tests/cache/cuda_emulation.py, not this module's) has no __fdiv_rn,
-__float2half_rn, __float2bfloat16_rn: `emulated()` below gives them to the kernel's header, as
-their definitions (IEEE division in g++ without fast math; the shim's round-to-nearest-even
-conversions), only where __CUDACC__ is not defined (nvcc and nvrtc keep CUDA's own).
+The emulation's shim has no __fdiv_rn / __float2half_rn / __float2bfloat16_rn: the kernel's
+header defines them where __CUDACC__ is not defined (the emulation's g++), as the IEEE division
+and the shim's round-to-nearest-even conversions; nvcc and nvrtc keep CUDA's own.
 """
 
 from contextlib import contextmanager
@@ -36,38 +35,22 @@ def emulation(test):
     up front (in parallel) only when such a test runs: not for `pytest -m cuda` on the GPU."""
     return pytest.mark.usefixtures("_programs_built_in_parallel")(_needs_compiler(test))
 
-# CUDA intrinsics the emulation's shim lacks, defined for the CPU program only.
-EMULATED_INTRINSICS = r"""
-#ifndef __CUDACC__
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline __half __float2half_rn(float x) { return __float2half(x); }
-inline __nv_bfloat16 __float2bfloat16_rn(float x) { return __float2bfloat16(x); }
-#endif
-"""
 
 BIT_VIEW = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16}
 
 
 @contextmanager
 def emulated():
-    """The kernels on and emulated (the intrinsics above added to the header), this module's
-    kernel switched on (cuda_emulation.emulated_kernels() switches on the attention kernels
-    only: fused_encode_affine._kernels_enabled) and its factory emptied before and after so a
-    mutated source is built anew."""
-    real = cuda_emulation.cuda_kernel
-
-    def with_intrinsics(name, input_names, output_names, source, header="", **kwargs):
-        return real(name, input_names, output_names, source, EMULATED_INTRINSICS + header, **kwargs)
-
+    """The kernels on and emulated, this module's kernel switched on (emulated_kernels() switches
+    on the attention kernels only: fused_encode_affine._kernels_enabled) and its factory emptied
+    before and after, so a mutated source is built anew."""
     switch = fused_encode_affine._kernels_enabled
     fused_encode_affine._kernel_for.cache_clear()
-    cuda_emulation.cuda_kernel = with_intrinsics
     fused_encode_affine._kernels_enabled = lambda: True  # emulated_kernels() does not switch it on
     try:
         with cuda_emulation.emulated_kernels() as made:
             yield made
     finally:
-        cuda_emulation.cuda_kernel = real
         fused_encode_affine._kernels_enabled = switch
         fused_encode_affine._kernel_for.cache_clear()
 

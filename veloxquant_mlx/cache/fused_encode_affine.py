@@ -99,14 +99,22 @@ SIDE_DTYPES = (mx.float16, mx.bfloat16)
 # tests/cache/cuda_emulation.emulated_kernels() stands `lambda: True` in for
 # fused_decode.kernels_enabled so that the attention kernels run emulated on the CPU; this kernel
 # changes how the store is written, not how attention reads it, and the emulated attention tests
-# count the kernels their steps launch (and their shim lacks __fdiv_rn): they keep the portable
-# encoder. This module's tests switch it on explicitly (monkeypatching this name).
+# count the kernels their steps launch: they keep the portable encoder. This module's tests switch it on explicitly (monkeypatching this name).
 _kernels_enabled = fused_decode.kernels_enabled
 
 OUTPUTS = ("key_codes", "key_scales", "key_biases", "value_codes", "value_scales", "value_biases")
 
 # The header's own additions to fused_decode's: the side dtype's explicit round-to-nearest cast.
+# Where the source is compiled as plain C++ (no __CUDACC__: nvcc and nvrtc define it), i.e. by
+# the CPU emulation in tests/cache/cuda_emulation.py, whose shim has no __fdiv_rn and no *_rn
+# conversions, they are defined as what they compute: the IEEE division (g++ without fast math)
+# and the shim's round-to-nearest-even conversions.
 _HEADER = fused_decode._HEADER + r"""
+#ifndef __CUDACC__
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline __half __float2half_rn(float x) { return __float2half(x); }
+inline __nv_bfloat16 __float2bfloat16_rn(float x) { return __float2bfloat16(x); }
+#endif
 template <typename T> __device__ __forceinline__ T vq_side_rn(float x);
 template <> __device__ __forceinline__ __half vq_side_rn<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 vq_side_rn<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
