@@ -54,7 +54,9 @@ same elements (from L1) computes and packs the codes, the finished words go to s
 on consecutive words of a channel's row. Values: a thread per (token, group of G channels), the
 G channels read in order, its words written to the token's row (consecutive threads: consecutive
 groups, so a warp's stores cover a contiguous stretch of the rows); scales and biases of values
-are stored fully coalesced. Shared memory: G * KB / 32 * (D + 1) words (1 KB at G 32, KB 2,
+are stored fully coalesced. The reductions are serial in token (channel) order on purpose: a
+group whose minimum is 0 with both -0.0 and +0.0 stores the sign of the first, as MLX's CPU
+reduction does (a test checks it); a shuffle tree would pick by another order. Shared memory: G * KB / 32 * (D + 1) words (1 KB at G 32, KB 2,
 D 128; 32 KB at G 128, KB 8, D 256).
 
 What the next GPU session must measure (no GPU figure could be taken when this was written; no
@@ -71,7 +73,9 @@ K^T transpose copy), the block read once per pass and every output written once.
 measured: whether the serial per-thread reductions (G dependent loads per thread, 64 blocks per
 head at T = 2048, G = 32) keep enough loads in flight to reach the copy bandwidth; wider (16-byte)
 loads for the values' runs and two channels per thread for the keys are the next steps if the
-probe shows it far below.
+probe shows it far below. Not removed: mx.fast.cuda_kernel's copy of a block that is not row
+contiguous (ensure_row_contiguous: a leading slice of the window when B * H > 1), ~2 x 4 MB per
+layer and chunk at the 8B shape; reading through the inputs' strides would remove it.
 
 The portable path (compiled_affine_quantize) stays the fallback: on the CPU and Metal, with the
 kernels switched off, and for shapes `supports` refuses. The switch is fused_decode's, bound at
