@@ -103,7 +103,9 @@ SIDE_DTYPES = (mx.float16, mx.bfloat16)
 # tests/cache/cuda_emulation.emulated_kernels() stands `lambda: True` in for
 # fused_decode.kernels_enabled so that the attention kernels run emulated on the CPU; this kernel
 # changes how the store is written, not how attention reads it, and the emulated attention tests
-# count the kernels their steps launch: they keep the portable encoder. This module's tests switch it on explicitly (monkeypatching this name).
+# count the kernels their steps launch: they keep the portable encoder. This module's tests switch
+# it on explicitly (monkeypatching this name); a test that patches fused_decode._on_cuda (as
+# tests/bench/test_kernel_probe.py does) gets it emulated too.
 _kernels_enabled = fused_decode.kernels_enabled
 
 OUTPUTS = ("key_codes", "key_scales", "key_biases", "value_codes", "value_scales", "value_biases")
