@@ -76,7 +76,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from veloxquant_mlx.cache import fused_decode, fused_prefill_affine
+from veloxquant_mlx.cache import fused_decode, fused_encode_affine, fused_prefill_affine
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.sink import with_sink_placeholder
 from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
@@ -207,6 +207,11 @@ class KIVICache(CompressedKVCache):
         if self.n_compressed == 0:
             # This block starts the sequence: set its sink aside, exact.
             keys, values = self._set_sink_aside(keys, values)
+        # On CUDA one kernel encodes K^T and V straight into the store layout, bit for bit the
+        # compiled path's (cache/fused_encode_affine.py); elsewhere the compiled affine_quantize.
+        fused = fused_encode_affine.encode_step(self, keys, values)
+        if fused is not None:
+            return fused
         G, side = self.group_size, self._side_dtype()
         key_codes, key_scales, key_biases = compiled_affine_quantize(G, self.key_bits, side)(keys.swapaxes(-1, -2))
         value_codes, value_scales, value_biases = compiled_affine_quantize(G, self.value_bits, side)(values)
