@@ -13,7 +13,8 @@ import mlx.core as mx
 import pytest
 
 from tests.cache import cuda_emulation
-from veloxquant_mlx.cache import fused_decode, kvquant_prefill_kernel
+from tests.cache.cuda_marks import cuda_test
+from veloxquant_mlx.cache import kvquant_prefill_kernel
 from veloxquant_mlx.cache.base import CompressedKVCache
 from veloxquant_mlx.cache.kvquant import KVQuantCache
 from veloxquant_mlx.config import KVCacheConfig
@@ -70,7 +71,7 @@ def test_kernel_history_is_the_ops_path_bit_for_bit(dtype, qdtype, bits, fractio
         assert bytes(memoryview(a)) == bytes(memoryview(b))
 
 
-@pytest.mark.skipif(not fused_decode._on_cuda(), reason="needs MLX's CUDA backend (run on the H200)")
+@cuda_test
 @pytest.mark.parametrize("dtype, qdtype, bits, fraction, dim, B", CASES)
 def test_kernel_history_on_cuda_is_the_ops_path_bit_for_bit(monkeypatch, dtype, qdtype, bits, fraction, dim, B):
     cache = _filled(dtype, 32 * 70 + 7, bits=bits, fraction=fraction, dim=dim, B=B, chunk=512)
