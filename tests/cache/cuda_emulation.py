@@ -618,7 +618,7 @@ def merge(part_o, part_m, part_l) -> np.ndarray:
 
 
 def kernel_builders() -> list:
-    """The lru-cached kernel factories of every veloxquant_mlx.cache.fused_* module (each
+    """The lru-cached kernel factories of every veloxquant_mlx.cache.fused_* / *_kernel module (each
     builds its mx.fast.cuda_kernel objects once): emptied, they build anew with whatever
     mx.fast.cuda_kernel is at the time."""
     import importlib
@@ -628,7 +628,7 @@ def kernel_builders() -> list:
 
     found = []
     for info in pkgutil.iter_modules(package.__path__):
-        if info.name.startswith("fused_"):
+        if info.name.startswith("fused_") or info.name.endswith("_kernel"):
             module = importlib.import_module(f"veloxquant_mlx.cache.{info.name}")
             found += [f for f in vars(module).values() if callable(f) and hasattr(f, "cache_clear")]
     return found

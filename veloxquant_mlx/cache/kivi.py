@@ -60,7 +60,9 @@ Deviations from the paper:
   history is small next to a chunk's score matrix. On CUDA that K/V (sink, decoded history,
   window) is written by one kernel in the queries' dtype (cache/fused_prefill_affine.py, session
   5; bit-identical to the portable path under the CPU emulation, not yet timed on a GPU) instead
-  of a dequantize, a transpose and two concatenations. Decode steps always
+  of a dequantize, a transpose and two concatenations; and the blocks leaving the window are
+  encoded by one kernel too (cache/fused_encode_affine.py, the same bits as
+  compiled_affine_quantize under the emulation). Decode steps always
   read the compressed form (quantized_matmul); the history is never decoded there.
 - Scales' dtype: mx.quantized_matmul takes float32 queries with float16 scales and biases
   (checked on CPU); the speed was the same as with float32 side data in our measurement.
