@@ -159,6 +159,18 @@ _SOURCE = r"""
     p.safe = scale32 > 0.f ? scale32 : 1.f;
     return p;
   };
+  // A group's exact minimum and maximum, its G elements `stride` apart, in order (a serial
+  // scan keeps the sign of the first of -0.0 / +0.0 as MLX's CPU reduction does).
+  const auto range = [](const IT* x, size_t stride, float& lo, float& hi) {
+    lo = vq_f32(x[0]);
+    hi = lo;
+    #pragma unroll 8
+    for (int j = 1; j < G; ++j) {
+      const float v = vq_f32(x[(size_t)j * stride]);
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+    }
+  };
   const auto code = [](float x, const vq_group& p, float levels) {
     return (unsigned)fminf(fmaxf(rintf(__fdiv_rn(x - p.bias32, p.safe)), 0.f), levels);
   };
@@ -167,13 +179,8 @@ _SOURCE = r"""
   const IT* k_tile = keys + ((size_t)bh * T + t0) * D;
   for (int d = tid; d < D; d += nthreads) {
     const IT* x = k_tile + d;
-    float lo = vq_f32(x[0]), hi = lo;
-    #pragma unroll 8
-    for (int j = 1; j < G; ++j) {
-      const float v = vq_f32(x[(size_t)j * D]);
-      lo = v < lo ? v : lo;
-      hi = v > hi ? v : hi;
-    }
+    float lo, hi;
+    range(x, (size_t)D, lo, hi);
     const vq_group p = params(lo, hi, (float)((1 << KB) - 1));
     const size_t side_at = ((size_t)bh * D + d) * n_groups + g;
     key_scales[side_at] = p.scale;
@@ -205,13 +212,8 @@ _SOURCE = r"""
     const int tl = i / GV, gv = i % GV;
     const size_t t = t0 + tl;
     const IT* x = values + ((size_t)bh * T + t) * DV + gv * G;
-    float lo = vq_f32(x[0]), hi = lo;
-    #pragma unroll 8
-    for (int j = 1; j < G; ++j) {
-      const float v = vq_f32(x[j]);
-      lo = v < lo ? v : lo;
-      hi = v > hi ? v : hi;
-    }
+    float lo, hi;
+    range(x, (size_t)1, lo, hi);
     const vq_group p = params(lo, hi, (float)((1 << VB) - 1));
     const size_t side_at = ((size_t)bh * T + t) * GV + gv;
     value_scales[side_at] = p.scale;
