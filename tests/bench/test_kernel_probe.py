@@ -82,3 +82,17 @@ def test_the_step_probe_times_whole_steps_and_kivis_pieces(monkeypatch):
 def test_step_methods_are_checked():
     with pytest.raises(SystemExit):
         kernel_probe.parse_args(["--parts", "step", "--methods", "fp16,nonesuch"])
+
+
+def test_set_names_an_integer_constant_of_a_cache_module_or_is_refused(capsys):
+    module, name, value = kernel_probe.parse_setting("fused_decode.TARGET_WARPS=2048")
+    assert module is fused_decode and name == "TARGET_WARPS" and value == 2048
+    for bad, said in [("fused_decode.TARGET_WARPS", "expected MODULE.NAME=INT"),
+                      ("nosuch.X=1", "no module veloxquant_mlx.cache.nosuch"),
+                      ("fused_decode.NO_SUCH=1", "has no integer constant NO_SUCH"),
+                      ("fused_decode.TARGET_WARPS=many", "'many' is not an integer")]:
+        with pytest.raises(ValueError, match=said):
+            kernel_probe.parse_setting(bad)
+    with pytest.raises(SystemExit):
+        kernel_probe.parse_args(["--set", "fused_decode.NO_SUCH=1"])
+    assert "--set: 'fused_decode.NO_SUCH=1'" in capsys.readouterr().err

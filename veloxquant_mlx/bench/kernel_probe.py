@@ -28,6 +28,8 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   the step paid until the sink became the partials kernel's own inputs sk / sv: a reference
   for the saving, no longer part of the step). Tells
   the fixed per-step cost apart from the kernel's per-token cost (short contexts show it).
+`--set MODULE.NAME=INT` sets an integer constant of a cache module first (a kernel's register
+budget, say), so two runs time two settings of the shipped kernel.
 The kernel variants are derived from the shipped source by cutting marked spans: a change to
 that source that moves the markers fails loudly (`variant_source`).
 """
@@ -80,7 +82,15 @@ def parse_args(argv=None):
     p.add_argument("--contexts", default="32768,131072", help="decode contexts (default 32768,131072)")
     p.add_argument("--methods", default="fp16,kivi,xquant,turboquant_rvq",
                    help="cache specs of the `step` and `prefill` parts, as for `veloxquant bench` (default fp16,kivi,xquant,turboquant_rvq)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=INT",
+                   help="set an integer constant of a veloxquant_mlx.cache module before timing "
+                        "(e.g. fused_decode_codebook.MAX_VALUE_SUMS=64: the kernel a setting "
+                        "builds, to time two settings in two runs); repeatable")
     args = p.parse_args(argv)
+    try:
+        args.set = [parse_setting(x) for x in args.set]
+    except ValueError as exc:
+        p.error(f"--set: {exc}")
     args.parts = [x for x in args.parts.split(",") if x]
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
@@ -327,12 +337,38 @@ def probe_step(n: int, specs) -> dict:
     return out
 
 
+def parse_setting(text: str) -> tuple:
+    """'module.NAME=INT' -> (module, NAME, value), the module one of veloxquant_mlx.cache's and
+    NAME an integer constant it has (a typo must not time the default silently)."""
+    import importlib
+
+    target, eq, value = text.partition("=")
+    module_name, dot, name = target.strip().rpartition(".")
+    if not eq or not dot or not name:
+        raise ValueError(f"{text!r}: expected MODULE.NAME=INT, e.g. fused_decode.MAX_LANE_ACCUMULATORS=64")
+    try:
+        module = importlib.import_module(f"veloxquant_mlx.cache.{module_name}")
+    except ImportError:
+        raise ValueError(f"{text!r}: no module veloxquant_mlx.cache.{module_name}") from None
+    current = getattr(module, name, None)
+    if not isinstance(current, int) or isinstance(current, bool):
+        raise ValueError(f"{text!r}: veloxquant_mlx.cache.{module_name} has no integer constant {name}")
+    try:
+        return module, name, int(value)
+    except ValueError:
+        raise ValueError(f"{text!r}: {value!r} is not an integer") from None
+
+
 def run(args) -> dict:
     from veloxquant_mlx.cache.fused_decode import _on_cuda
     from veloxquant_mlx.errors import QuantizerConfigError
 
     if not _on_cuda():
         raise QuantizerConfigError(f"{MODULE} needs MLX's CUDA backend as the default device (it times CUDA kernels)")
+    settings = {}
+    for module, name, value in args.set:
+        settings[f"{module.__name__}.{name}"] = {"default": getattr(module, name), "set": value}
+        setattr(module, name, value)
     rows = {}
     if "read" in args.parts:
         rows["read"] = probe_read()
@@ -343,7 +379,8 @@ def run(args) -> dict:
     if "step" in args.parts:
         rows["step"] = {str(n): probe_step(n, args.specs) for n in args.contexts}
     return {"settings": {"parts": args.parts, "contexts": args.contexts,
-                         "methods": [s.name for s in args.specs]}, "results": rows}
+                         "methods": [s.name for s in args.specs], "constants_set": settings},
+            "results": rows}
 
 
 def main(argv=None) -> int:
