@@ -231,9 +231,9 @@ _SOURCE = r"""
 
 def _kernel():
     """The kernel, built once per kernel factory: keyed by mx.fast.cuda_kernel itself, so a
-    kernel built while a test stands the CPU emulation in for it (tests/cache/cuda_emulation.py,
-    whose emulated_kernels() empties only the fused_decode* modules' caches) is never served
-    after the real factory is back, nor the other way round."""
+    kernel built while a test stands the CPU emulation in for it (tests/cache/cuda_emulation.py)
+    is never served after the real factory is back, nor the other way round, whether or not
+    the test empties this module's cache."""
     return _kernel_for(mx.fast.cuda_kernel)
 
 
