@@ -94,7 +94,7 @@ from typing import ClassVar, NamedTuple
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode_gear
+from veloxquant_mlx.cache import fused_decode_gear, prefill_pieces
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.gear_attention import scores_function, values_function
 from veloxquant_mlx.cache.gear_encoder import EncoderSetting, dequantize, encode_side, group_means
@@ -280,7 +280,10 @@ class GEARCache(CompressedKVCache):
         self._order_after_queries(queries)  # the base class's prefill_eval_queries
         dtype, n, w = queries.dtype, self.n_compressed, self._window_length()
         piece = self._prefill_piece_tokens()
+        # Pieces are ordered (prefill_pieces: chained, or synced where one side's history
+        # exceeds prefill_unsynced_bytes of float32 and pieces are synced).
         synced = n * self._float32_bytes_per_token() > self.prefill_unsynced_bytes
+        previous = None
         out = []
         sides = (("k", self.head_dim, self.window_keys), ("v", self.value_dim, self.window_values))
         for s, dim, window in sides:
@@ -290,11 +293,12 @@ class GEARCache(CompressedKVCache):
             full = mx.zeros((self.batch_size, self.n_kv_heads, n + w, dim), dtype)
             for start in range(0, n, piece):
                 stop = min(n, start + piece)
-                full[:, :, start:stop] = decode(*self._side_range(s, start, stop))
+                previous = decode(*prefill_pieces.chained(self._side_range(s, start, stop), previous))
+                full[:, :, start:stop] = previous
                 if synced and not (s == "v" and stop == n):
                     # MLX would otherwise schedule all pieces' ops side by side and hold
                     # their float32 temporaries at once (see "Prefill" in the docstring).
-                    mx.eval(full)
+                    prefill_pieces.settle(full)
             if w:
                 full[:, :, n:] = window.astype(dtype)
             out.append(full)

@@ -137,7 +137,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode_rotated
+from veloxquant_mlx.cache import fused_decode_rotated, prefill_pieces
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.hadamard import fast_transform_available, is_power_of_two, random_signs, rotate, unrotate
 from veloxquant_mlx.cache.packing import pack_codes
@@ -347,26 +347,29 @@ class TurboQuantRVQCache(CompressedKVCache):
         piece = max(1, blocks) * self.block_size
         out = []
         parts = ((self.head_dim, self.window_keys), (self.value_dim, self.window_values))
+        previous = None
         for which, (dim, window_part) in enumerate(parts):
             full = mx.zeros((B, H, n + w, dim), dtype)
             for start in range(0, n, piece):
                 stop = min(n, start + piece)
-                full[:, :, start:stop] = self._compiled_decode_range(start, stop, which).astype(dtype)
-                mx.eval(full)
+                previous = self._compiled_decode_range(start, stop, which, after=previous).astype(dtype)
+                full[:, :, start:stop] = previous
+                prefill_pieces.settle(full)
             if w:
                 full[:, :, n:] = window_part.astype(dtype)
             out.append(full)
         return out[0], out[1]
 
-    def _compiled_decode_range(self, start: int, stop: int, which: int) -> mx.array:
+    def _compiled_decode_range(self, start: int, stop: int, which: int, after=None) -> mx.array:
         """`_decode_range(start, stop, "kv"[which])` through one compiled function (the same
         ops, bit for bit; tests/cache/test_turboquant_rvq_encoder_identity.py). Only the prefill
         uses it: its pieces have one or two lengths per chunk, while `_decode` (the lazily
         decoded K/V of every update_and_fetch) sees a new length every block, and mx.compile
-        traces again per input shape."""
+        traces again per input shape. `after`: the previous piece's output, which this piece's
+        inputs wait for (prefill_pieces.chained)."""
         p, dim, total = self._parts()[which]
         stages = tuple(self._stages(total))
-        arrays = [a[:, :, start:stop] for a in self._stage_arrays(p, stages)]
+        arrays = prefill_pieces.chained([a[:, :, start:stop] for a in self._stage_arrays(p, stages)], after)
         extra = [self.key_mean] if which == 0 else []
         sink = 0
         if self.sink_deltas is not None:
