@@ -114,12 +114,20 @@ def test_every_window_length_and_the_first_blocks():
     assert seen == set(range(1, 33)) and histories == {32, 64, 96}
 
 
+def test_value_lanes_follow_the_value_sum_budget(monkeypatch):
+    # The shipped budget (32 sums): 16 channels up to 2 rows, 8 from 3 on (the 8B shape's 4
+    # rows among them); the session-4 budget (64): 16 up to 4 rows.
+    assert fdr.MAX_VALUE_SUMS == 32
+    assert [fdr.channels_per_lane(r) for r in range(1, 9)] == [16] * 2 + [8] * 6
+    monkeypatch.setattr(fdr, "MAX_VALUE_SUMS", 64)
+    assert [fdr.channels_per_lane(r) for r in range(1, 9)] == [16] * 4 + [8] * 4
+
+
 def test_codes_are_read_as_the_encoder_wrote_them():
     # The kernel's bit reads (key chunks, value lanes of 16 and 8 channels with the funnel shift
     # or a plain shift, sign words) against MLX's own dequantize of the same words: 2- and 3-bit
     # codes (3-bit lanes cross words: 48 bits at 16 channels, 24 at 8).
     mx.random.seed(3)
-    assert [fdr.channels_per_lane(r) for r in range(1, 9)] == [16] * 4 + [8] * 4
     for bits in (2, 3):
         for dim in (64, 128):
             x = mx.random.normal((5, dim))

@@ -103,7 +103,7 @@ MAX_TILES_PER_WARP = 256
 # tests/cache/test_kernels_nvcc.py); 8 channels take 16 lanes per value token at d 128 (32 at
 # d 256), which the stage-1 stream allows at every width (a lane's 8 / 16 / 24 bits, at most
 # one word boundary inside) and the sign words too (a quarter word per lane).
-MAX_VALUE_SUMS = 64
+MAX_VALUE_SUMS = 32
 MAX_ROWS = 8
 STAGE1_BITS = (0, 1, 2, 3)  # 0: no stage 1 (total 1 bit); 1: a second sign plane (total 2)
 
@@ -113,10 +113,7 @@ def channels_per_lane(rows: int) -> int:
     return 16 if rows * 16 <= MAX_VALUE_SUMS else 8
 
 
-_HEADER = fused_decode._HEADER + f"""
-// The lane's R x CPL value sums stay under this many registers (channels_per_lane in Python).
-constexpr int VQ_MAX_VALUE_SUMS = {MAX_VALUE_SUMS};
-""" + r"""
+_HELPERS = r"""
 // A small unsigned integer (< 2^23) as a float without the int-to-float conversion unit (a
 // quarter-rate or slower path on Hopper): or it into the mantissa of 2^23 and subtract 2^23.
 __device__ __forceinline__ float vq_u2f(unsigned small) {
@@ -135,6 +132,21 @@ __device__ __forceinline__ unsigned vq_code(const uint32_t (&w)[N], int j) {
   return v & ((1u << B) - 1u);
 }
 """
+
+def _header(max_value_sums: int) -> str:
+    """The kernel's header at a value-sum budget. The budget is also a template argument of the
+    launch (a function-scope constant of the same name, which takes precedence over this one):
+    MLX's CUDA backend keys its compiled modules on the kernel's name and template arguments
+    only, not on the header, so without it a second budget in one process would reuse the
+    first one's module. This namespace-scope copy serves launches without that argument
+    (tests/cache/cuda_emulation.py's older interface of this kernel)."""
+    return fused_decode._HEADER + f"""
+// The lane's R x CPL value sums stay under this many registers (channels_per_lane in Python).
+constexpr int VQ_MAX_VALUE_SUMS = {max_value_sums};
+""" + _HELPERS
+
+
+_HEADER = _header(MAX_VALUE_SUMS)  # at the shipped budget
 
 # Template constants: D, DV (key / value dims), R (query rows per kv head), KB1, VB1 (stage-1
 # bits, 0..3: see the module docstring), KG, VG (stage-1 groups of the uniform codes), QT
@@ -474,13 +486,15 @@ _INPUTS = ["q", "ksg", "vsg", "kmean", "kc1", "ks1", "kz1", "kc2", "km2",
 
 
 @lru_cache(maxsize=None)
-def _partials_kernel():
+def _partials_kernel(max_value_sums: int):
+    """The partials kernel at a value-sum budget (keyed on it: setting MAX_VALUE_SUMS builds
+    another kernel; the launch passes the budget as a template argument as well)."""
     return mx.fast.cuda_kernel(
         name="vq_rotated_decode_partials",
         input_names=_INPUTS,
         output_names=["part_o", "part_m", "part_l"],
         source=_PARTIALS,
-        header=_HEADER,
+        header=_header(max_value_sums),
     )
 
 
@@ -589,11 +603,13 @@ def rotated_decode_attention(
         n_valid - n_sink, BH, "rotated fused decode", tokens_per_block)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), n_sink)
     dtype = queries.dtype
-    part_o, part_m, part_l = _partials_kernel()(
+    budget = MAX_VALUE_SUMS  # read at each call: a probe sets it to time another lane split
+    part_o, part_m, part_l = _partials_kernel(budget)(
         inputs=[queries, key_signs, value_signs, key_mean.astype(dtype), *stores,
                 window_keys.astype(dtype), window_values.astype(dtype), sk, sv, meta],
         template=[("D", D), ("DV", DV), ("R", R), ("KB1", key_stage1_bits),
-                  ("VB1", value_stage1_bits), ("KG", key_group), ("VG", value_group), ("QT", dtype)],
+                  ("VB1", value_stage1_bits), ("KG", key_group), ("VG", value_group), ("QT", dtype),
+                  ("VQ_MAX_VALUE_SUMS", budget)],
         grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
         threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
         output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
