@@ -70,6 +70,9 @@ bits: 3-bit stage-1 codes), budget 64 (session 4) -> 32 (now), no spills or stac
   bf16, 3 rows, d 64 (SmolLM2):        151 -> 106   3 -> 4
   fp16, 8 rows, d 128:                 130 -> 130   3 (8 channels at either budget)
   float32, 1 row, d 128:                80 ->  80   6 (16 channels at either budget)
+  bf16, 4 rows, d 128 at other totals: 3 bits 146 -> 108 and 1 bit 144 -> 104 (3 -> 4 blocks);
+  2 bits (a sign-plane stage 1) 130 -> 138, 3 blocks at either budget (there the split costs
+  its extra loads without adding warps); no spills at totals 1..3, 2..8 rows, d 64 / 128.
 (an SM's 65536 registers are handed out per warp in units of 256, i.e. 8 per thread: 4 blocks
 need <= 128 registers, 5 need <= 96; 3 -> 4 blocks is 12 -> 16 resident warps per SM.) Why
 fewer registers should help: at long contexts this kernel is latency-bound (few bytes per
