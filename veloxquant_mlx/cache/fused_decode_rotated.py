@@ -91,9 +91,9 @@ passes it as a template argument, so both settings can run in one process):
   python -m veloxquant_mlx.bench.gpu_speed --methods fp16,turboquant_rvq --contexts 32768,131072 --repeats 2 --out results/gpu_speed_h200_rvq_sums32.json
   python -c "import sys; from veloxquant_mlx.cache import fused_decode_rotated as f; f.MAX_VALUE_SUMS = 64; from veloxquant_mlx.bench import gpu_speed; sys.exit(gpu_speed.main(['--methods', 'fp16,turboquant_rvq', '--contexts', '32768,131072', '--repeats', '2', '--out', 'results/gpu_speed_h200_rvq_sums64.json']))"
 and `pytest -m cuda tests/cache/test_fused_decode_rotated.py` (its 4-row cases run the new split
-on the GPU). Keep 32 if its step is faster at both contexts beyond the repeats' spread (issue 5:
->= 0.9x fp16 at 32K, >= 1.0x at 128K; session 4's at budget 64: 0.84x, repeats 0.65 / 1.04, and 1.18x), else set
-64 back.
+on the GPU). Keep 32 if its step is faster at both contexts beyond the repeats' spread, else
+set 64 back (issue 5's targets: >= 0.9x fp16's tokens/s at 32K, >= 1.0x at 128K; session 4's
+figures at budget 64: 0.84x, repeats 0.65 / 1.04, and 1.18x).
 
 `supports()` lists the shapes taken (others take the portable path): head_dim and value dim
 powers of two in 32..256, stage-1 bits 0..3 (total 1..4), 1 <= R <= 8.
@@ -167,6 +167,7 @@ __device__ __forceinline__ unsigned vq_code(const uint32_t (&w)[N], int j) {
   return v & ((1u << B) - 1u);
 }
 """
+
 
 def _header(max_value_sums: int) -> str:
     """The kernel's header at a value-sum budget. The budget is also a template argument of the
