@@ -114,12 +114,20 @@ def test_every_window_length_and_the_first_blocks():
     assert seen == set(range(1, 33)) and histories == {32, 64, 96}
 
 
+def test_value_lanes_follow_the_value_sum_budget(monkeypatch):
+    # The shipped budget (32 sums): 16 channels up to 2 rows, 8 from 3 on (the 8B shape's 4
+    # rows among them); the session-4 budget (64): 16 up to 4 rows.
+    assert fdr.MAX_VALUE_SUMS == 32
+    assert [fdr.channels_per_lane(r) for r in range(1, 9)] == [16] * 2 + [8] * 6
+    monkeypatch.setattr(fdr, "MAX_VALUE_SUMS", 64)
+    assert [fdr.channels_per_lane(r) for r in range(1, 9)] == [16] * 4 + [8] * 4
+
+
 def test_codes_are_read_as_the_encoder_wrote_them():
     # The kernel's bit reads (key chunks, value lanes of 16 and 8 channels with the funnel shift
     # or a plain shift, sign words) against MLX's own dequantize of the same words: 2- and 3-bit
     # codes (3-bit lanes cross words: 48 bits at 16 channels, 24 at 8).
     mx.random.seed(3)
-    assert [fdr.channels_per_lane(r) for r in range(1, 9)] == [16] * 4 + [8] * 4
     for bits in (2, 3):
         for dim in (64, 128):
             x = mx.random.normal((5, dim))
@@ -186,6 +194,58 @@ def test_the_kernel_source_run_by_a_thread_emulation_is_the_portable_attention(m
     expected = np.array(cache.attention(q_heads, scale=D**-0.5))  # flushes nothing: window < 128
     assert n_hist >= (2 if not warps else 1)
     assert np.abs(got - expected).max() < 2e-5, np.abs(got - expected).max()
+
+
+# The cache's own decode path (fdr.decode_step's launch, template and header included) with the
+# emulated kernel, at the shipped value-sum budget and at session 4's through the constant:
+# (MAX_VALUE_SUMS, dtype, query rows, head_dim, value channels per lane). The 8B shape (bf16, 4
+# rows, d 128, 4 bits: 3-bit stage-1 codes, a lane's 24 bits cross at most one word) takes 8
+# channels at 32 sums, 16 (48 bits, the funnel shift over three words) at 64; SmolLM2's 3 rows
+# of d 64 the same.
+BUDGET_CASES = [
+    (32, mx.bfloat16, 4, 128, 8),
+    (64, mx.bfloat16, 4, 128, 16),
+    (32, mx.float16, 3, 64, 8),
+    (64, mx.float32, 3, 64, 16),
+]
+
+
+@pytest.mark.skipif(cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier for the kernel's CPU emulation")
+@pytest.mark.parametrize("budget, dtype, rep, D, channels", BUDGET_CASES,
+                         ids=[f"sums{c[0]}-{str(c[1]).split('.')[-1]}-r{c[2]}-d{c[3]}" for c in BUDGET_CASES])
+def test_the_emulated_decode_step_at_each_value_sum_budget(monkeypatch, budget, dtype, rep, D, channels):
+    monkeypatch.setattr(fdr, "MAX_VALUE_SUMS", budget)
+    assert fdr.channels_per_lane(rep) == channels
+    shape = dict(B=1, rep=rep, D=D, dtype=dtype)
+    cache = _filled(_cache(bits=4), 300, **shape)
+    q_heads = _step(cache, **shape)
+    # The portable step in float32 (the kernel computes in float32 from bf16/fp16 inputs); the
+    # window stays under residual + block tokens, so neither call flushes.
+    expected = np.array(cache.attention(q_heads.astype(mx.float32), scale=D**-0.5))
+    got, made = cuda_emulation.emulated_decode_step(cache, q_heads, D**-0.5)
+    partials = [k for k in made if k.name == "vq_rotated_decode_partials" and k.calls]
+    assert len(partials) == 1 and f"VQ_MAX_VALUE_SUMS = {budget};" in partials[0].header
+    assert got.dtype == dtype and got.shape == q_heads.shape
+    tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
+    got = np.array(got.astype(mx.float32))
+    assert np.allclose(got, expected, atol=tol, rtol=tol), np.abs(got - expected).max()
+
+
+def test_each_budget_builds_and_launches_its_own_kernel(monkeypatch):
+    # The factory is keyed on the budget and the launch passes it as a template argument: MLX's
+    # CUDA backend keys its compiled modules on the name and the template only, so a probe that
+    # sets MAX_VALUE_SUMS between two calls in one process gets the other lane split.
+    cache = _filled(_cache(bits=4), 300, D=128, dtype=mx.bfloat16)
+    q_heads = _step(cache, D=128, dtype=mx.bfloat16)
+    with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
+        for budget in (32, 64, 32):
+            monkeypatch.setattr(fdr, "MAX_VALUE_SUMS", budget)
+            cache.attention(q_heads, scale=128**-0.5)
+    launches = [(k, dict(sig.template)) for k, sig in captured if k.name == "vq_rotated_decode_partials"]
+    assert [t["VQ_MAX_VALUE_SUMS"] for _, t in launches] == [32, 64, 32]
+    assert launches[0][0] is launches[2][0] and launches[0][0] is not launches[1][0]
+    assert "VQ_MAX_VALUE_SUMS = 64;" in launches[1][0].header
+    assert fdr._HEADER == fdr._header(32)  # the emulation's older interface: the shipped budget
 
 
 def test_supported_shapes():

@@ -53,16 +53,47 @@ the last block per head over the exact tokens. A warp walks tiles of 32 tokens:
     re-aligned with a funnel shift when 3-bit codes cross a word, and part of a sign word), so
     32 / LPT tokens go per round and a round reads one contiguous run of value words; loads of
     up to 64 / CPL rounds are issued before their arithmetic.
-Accumulators per lane: R score sums and R x CPL value sums, CPL = 16 channels up to R = 4 and
-8 above (channels_per_lane): at R = 8 16 channels made 128 sums and ptxas spilled (255
-registers + 48 bytes of stack, fp16, d 128); 8 channels take 130 registers, no stack. The
+Accumulators per lane: R score sums and R x CPL value sums, CPL = 16 channels while R x 16 fits
+the value-sum budget MAX_VALUE_SUMS and 8 otherwise (channels_per_lane). The budget is 32 since
+session 5: 16 channels at R = 1, 2 and 8 from R = 3 on (the 8B shape's 4 rows, SmolLM2's 3). It
+was 64 in session 4 (16 channels up to R = 4, 8 above); before that 16 channels at every R, and
+at R = 8 128 sums made ptxas spill (255 registers + 48 bytes of stack, fp16, d 128). The
 stage-1 stream allows 8 channels at every width: a lane's 8 / 16 / 24 bits start on a multiple
 of its width, so 1- and 2-bit lanes lie inside one word and a 3-bit lane crosses at most one
-boundary (the funnel shift's case); its 8 sign bits are a quarter of one sign word. R <= 4
-is unchanged for the default 4 bits (3-bit stage 1: nvcc gives the same PTX, bf16 d 128); at
-totals 2 and 3 a lane no longer loads the word after its bits (its bits lie inside one word or
-fill whole ones: a plain shift, one load fewer per lane and token; 130 / 146 registers instead
-of 151 / 146 at R = 4).
+boundary (the funnel shift's case); its 8 sign bits are a quarter of one sign word. At totals 2
+and 3 an 8-channel lane does not load the word after its bits (a plain shift).
+
+Registers per thread of the partials kernel, nvcc 13.0 for sm_90 (`-Xptxas -v`), at
+tests/cache/test_kernels_nvcc.py's shapes (the caches' own decode steps, the method's default 4
+bits: 3-bit stage-1 codes), budget 64 (session 4) -> 32 (now), no spills or stack at either:
+  bf16, 4 rows, d 128 (the 8B shape):  143 -> 108   blocks of 4 warps per SM: 3 -> 4
+  bf16, 3 rows, d 64 (SmolLM2):        151 -> 106   3 -> 4
+  fp16, 8 rows, d 128:                 130 -> 130   3 (8 channels at either budget)
+  float32, 1 row, d 128:                80 ->  80   6 (16 channels at either budget)
+  bf16, 4 rows, d 128 at other totals: 3 bits 146 -> 108 and 1 bit 144 -> 104 (3 -> 4 blocks);
+  2 bits (a sign-plane stage 1) 130 -> 138, 3 blocks at either budget (there the split costs
+  its extra loads without adding warps); no spills at totals 1..3, 2..8 rows, d 64 / 128.
+(an SM's 65536 registers are handed out per warp in units of 256, i.e. 8 per thread: 4 blocks
+need <= 128 registers, 5 need <= 96; 3 -> 4 blocks is 12 -> 16 resident warps per SM.) Why
+fewer registers should help: at long contexts this kernel is latency-bound (few bytes per
+element, many instructions), and more resident warps hide more load latency; kivi's kernel
+went 184 -> 104 registers by the same split in session 4 and its partials 0.092 -> 0.086 ms per
+layer at 32K on the H200. What it costs: at 4 rows, d 128 a value token is read by 16 lanes
+instead of 8, so a 32-token tile takes 16 value rounds instead of 8; per lane and tile that is
+16 x (2 stage-1 words, a sign word, scale, zero, magnitude) = 96 loads instead of 8 x 7 = 56
+(the token's side values are read by twice as many lanes) and 16 x R probabilities from shared
+memory instead of 8 x R; the FMAs are the same. Whether the warps win over the extra loads is
+not known: no GPU figure exists for budget 32. The next GPU session must measure, budget 32 as
+shipped and budget 64 set through the constant (the kernel factory is keyed on it and the launch
+passes it as a template argument, so both settings can run in one process):
+  python -m veloxquant_mlx.bench.kernel_probe --parts step --contexts 32768,131072 --methods fp16,turboquant_rvq
+  python -c "import sys; from veloxquant_mlx.cache import fused_decode_rotated as f; f.MAX_VALUE_SUMS = 64; from veloxquant_mlx.bench import kernel_probe; sys.exit(kernel_probe.main(['--parts', 'step', '--contexts', '32768,131072', '--methods', 'fp16,turboquant_rvq']))"
+  python -m veloxquant_mlx.bench.gpu_speed --methods fp16,turboquant_rvq --contexts 32768,131072 --repeats 2 --out results/gpu_speed_h200_rvq_sums32.json
+  python -c "import sys; from veloxquant_mlx.cache import fused_decode_rotated as f; f.MAX_VALUE_SUMS = 64; from veloxquant_mlx.bench import gpu_speed; sys.exit(gpu_speed.main(['--methods', 'fp16,turboquant_rvq', '--contexts', '32768,131072', '--repeats', '2', '--out', 'results/gpu_speed_h200_rvq_sums64.json']))"
+and `pytest -m cuda tests/cache/test_fused_decode_rotated.py` (its 4-row cases run the new split
+on the GPU). Keep 32 if its step is faster at both contexts beyond the repeats' spread, else
+set 64 back (issue 5's targets: >= 0.9x fp16's tokens/s at 32K, >= 1.0x at 128K; session 4's
+figures at budget 64: 0.84x, repeats 0.65 / 1.04, and 1.18x).
 
 `supports()` lists the shapes taken (others take the portable path): head_dim and value dim
 powers of two in 32..256, stage-1 bits 0..3 (total 1..4), 1 <= R <= 8.
@@ -81,8 +112,9 @@ tests there (`pytest tests/cache/test_fused_decode_rotated.py -k "kernel_step or
 6 passed, commit 7b7f52c) and, in the whole 8-layer model at 32K tokens, decoded at 0.71x the
 fp16 cache's tokens/s (417 vs 590, median of 2; 0.29x before any kernel;
 results/gpu_speed_h200_s3.json). Its one-layer time alone was not measured.
-The 8-channel value lanes above 4 rows (session 4) are checked on the CPU only (the emulation,
-nvcc's register report): neither their results nor their speed on the H200 yet.
+The 8-channel value lanes above 4 rows (session 4) and at 3 and 4 rows (session 5's budget 32)
+are checked on the CPU only (the emulation, nvcc's register report): neither their results nor
+their speed on the H200 yet.
 """
 
 from __future__ import annotations
@@ -97,26 +129,26 @@ TILE = 32  # tokens per warp tile: one per lane when scoring
 WARPS_PER_BLOCK = 4
 TARGET_WARPS = 4096  # ~31 warps per SM on an H200 (132 SMs), as fused_decode
 MAX_TILES_PER_WARP = 256
-# Value channels a lane owns: 16 up to 4 query rows per kv head, 8 above, so that the lane's
-# R x CPL value sums stay within MAX_VALUE_SUMS registers. With 16 channels at 8 rows (128 sums)
-# ptxas for sm_90 gave 255 registers and 24-48 bytes of spills per step (fp16/bf16, d 128,
-# tests/cache/test_kernels_nvcc.py); 8 channels take 16 lanes per value token at d 128 (32 at
-# d 256), which the stage-1 stream allows at every width (a lane's 8 / 16 / 24 bits, at most
-# one word boundary inside) and the sign words too (a quarter word per lane).
-MAX_VALUE_SUMS = 64
+# The budget of value sums per lane: a lane owns CPL = 16 value channels while R x 16 <= the
+# budget, else 8 (channels_per_lane; the kernel's CPL). 32 since session 5 (8 channels from 3
+# rows on: 108 registers instead of 143 at the 8B shape); it was 64 in session 4 (16 channels
+# up to 4 rows). A module constant read at each launch: the kernel factory is keyed on it and
+# the launch passes it as a template argument, so a probe may set it to time the other split.
+# 8 channels take 16 lanes per value token at d 128 (32 at d 256), which the stage-1 stream
+# allows at every width (a lane's 8 / 16 / 24 bits, at most one word boundary inside) and the
+# sign words too (a quarter word per lane); below 8 a d-256 token would need 64 lanes.
+MAX_VALUE_SUMS = 32
 MAX_ROWS = 8
 STAGE1_BITS = (0, 1, 2, 3)  # 0: no stage 1 (total 1 bit); 1: a second sign plane (total 2)
 
 
 def channels_per_lane(rows: int) -> int:
-    """Value channels per lane at `rows` query rows per kv head (the kernel's CPL)."""
+    """Value channels per lane at `rows` query rows per kv head (the kernel's CPL) at the
+    current MAX_VALUE_SUMS."""
     return 16 if rows * 16 <= MAX_VALUE_SUMS else 8
 
 
-_HEADER = fused_decode._HEADER + f"""
-// The lane's R x CPL value sums stay under this many registers (channels_per_lane in Python).
-constexpr int VQ_MAX_VALUE_SUMS = {MAX_VALUE_SUMS};
-""" + r"""
+_HELPERS = r"""
 // A small unsigned integer (< 2^23) as a float without the int-to-float conversion unit (a
 // quarter-rate or slower path on Hopper): or it into the mantissa of 2^23 and subtract 2^23.
 __device__ __forceinline__ float vq_u2f(unsigned small) {
@@ -135,6 +167,22 @@ __device__ __forceinline__ unsigned vq_code(const uint32_t (&w)[N], int j) {
   return v & ((1u << B) - 1u);
 }
 """
+
+
+def _header(max_value_sums: int) -> str:
+    """The kernel's header at a value-sum budget. The budget is also a template argument of the
+    launch (a function-scope constant of the same name, which takes precedence over this one):
+    MLX's CUDA backend keys its compiled modules on the kernel's name and template arguments
+    only, not on the header, so without it a second budget in one process would reuse the
+    first one's module. This namespace-scope copy serves launches without that argument
+    (tests/cache/cuda_emulation.py's older interface of this kernel)."""
+    return fused_decode._HEADER + f"""
+// The lane's R x CPL value sums stay under this many registers (channels_per_lane in Python).
+constexpr int VQ_MAX_VALUE_SUMS = {max_value_sums};
+""" + _HELPERS
+
+
+_HEADER = _header(MAX_VALUE_SUMS)  # at the shipped budget
 
 # Template constants: D, DV (key / value dims), R (query rows per kv head), KB1, VB1 (stage-1
 # bits, 0..3: see the module docstring), KG, VG (stage-1 groups of the uniform codes), QT
@@ -474,13 +522,15 @@ _INPUTS = ["q", "ksg", "vsg", "kmean", "kc1", "ks1", "kz1", "kc2", "km2",
 
 
 @lru_cache(maxsize=None)
-def _partials_kernel():
+def _partials_kernel(max_value_sums: int):
+    """The partials kernel at a value-sum budget (keyed on it: setting MAX_VALUE_SUMS builds
+    another kernel; the launch passes the budget as a template argument as well)."""
     return mx.fast.cuda_kernel(
         name="vq_rotated_decode_partials",
         input_names=_INPUTS,
         output_names=["part_o", "part_m", "part_l"],
         source=_PARTIALS,
-        header=_HEADER,
+        header=_header(max_value_sums),
     )
 
 
@@ -589,11 +639,13 @@ def rotated_decode_attention(
         n_valid - n_sink, BH, "rotated fused decode", tokens_per_block)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), n_sink)
     dtype = queries.dtype
-    part_o, part_m, part_l = _partials_kernel()(
+    budget = MAX_VALUE_SUMS  # read at each call: a probe sets it to time another lane split
+    part_o, part_m, part_l = _partials_kernel(budget)(
         inputs=[queries, key_signs, value_signs, key_mean.astype(dtype), *stores,
                 window_keys.astype(dtype), window_values.astype(dtype), sk, sv, meta],
         template=[("D", D), ("DV", DV), ("R", R), ("KB1", key_stage1_bits),
-                  ("VB1", value_stage1_bits), ("KG", key_group), ("VG", value_group), ("QT", dtype)],
+                  ("VB1", value_stage1_bits), ("KG", key_group), ("VG", value_group), ("QT", dtype),
+                  ("VQ_MAX_VALUE_SUMS", budget)],
         grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
         threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
         output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
