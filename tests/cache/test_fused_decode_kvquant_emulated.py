@@ -44,28 +44,38 @@ def _filled(cache, n, *, B, H, rep, D, dtype, seed=0):
 
 _emulated_step = cuda_emulation.emulated_decode_step
 
-# (name, cache factory, dtype, head dim, batch, GQA rows, prefill tokens, TARGET_WARPS or None)
+# (name, cache factory, dtype, head dim, batch, GQA rows, prefill tokens, TARGET_WARPS or None,
+# MAX_LANE_ACCUMULATORS or None for the module's)
 CASES = [
     # the default (3 bits: codes straddle tokens inside words; 1% outliers; G 32); 1088 history
     # tokens: blocks of 512, 512 and a ragged 64 (half a tile)
-    ("kvquant-3 default hd128 gqa4", _kvquant(), mx.float32, 128, 1, 4, 1100, None),
-    ("kvquant-2 hd128 batch2 mha", _kvquant(kvquant_bits=2), mx.float32, 128, 2, 1, 700, None),
+    ("kvquant-3 default hd128 gqa4", _kvquant(), mx.float32, 128, 1, 4, 1100, None, None),
+    ("kvquant-2 hd128 batch2 mha", _kvquant(kvquant_bits=2), mx.float32, 128, 2, 1, 700, None, None),
     ("kvquant-4 hd64 gqa2 no outliers", _kvquant(kvquant_bits=4, kvquant_outlier_fraction=0.0),
-     mx.float32, 64, 1, 2, 700, None),
+     mx.float32, 64, 1, 2, 700, None, None),
     # 3 bits at head dim 64: a token's last run of codes is 4 channels (64 = 6 * 10 + 4)
-    ("kvquant-3 hd64 batch2 gqa2", _kvquant(), mx.float32, 64, 2, 2, 700, None),
-    # 8 rows: 8 value channels per lane, which for 2 bits starts inside a word (the two-word
-    # window with all 32 bits used)
-    ("kvquant-2 hd128 gqa8", _kvquant(kvquant_bits=2), mx.float32, 128, 1, 8, 700, None),
-    ("kvquant-3 g64 hd128 gqa4", _kvquant(kvquant_group_size=64), mx.float32, 128, 1, 4, 700, None),
+    ("kvquant-3 hd64 batch2 gqa2", _kvquant(), mx.float32, 64, 2, 2, 700, None, None),
+    # 8 rows: 4 value channels per lane (32 lanes per token), which for 2 bits is a quarter word
+    # starting inside it (the two-word window with all 32 bits used)
+    ("kvquant-2 hd128 gqa8", _kvquant(kvquant_bits=2), mx.float32, 128, 1, 8, 700, None, None),
+    ("kvquant-3 g64 hd128 gqa4", _kvquant(kvquant_group_size=64), mx.float32, 128, 1, 4, 700, None, None),
     # a tile is one block of 128 tokens (164 outliers each)
-    ("kvquant-4 g128 hd128 gqa4", _kvquant(kvquant_bits=4, kvquant_group_size=128), mx.float32, 128, 1, 4, 1100, None),
+    ("kvquant-4 g128 hd128 gqa4", _kvquant(kvquant_bits=4, kvquant_group_size=128), mx.float32, 128, 1, 4, 1100, None, None),
     # one block per head: each warp walks several 128-token tiles (online softmax across tiles)
-    ("kvquant-3 many tiles per warp", _kvquant(), mx.float32, 128, 1, 4, 1100, 1),
+    ("kvquant-3 many tiles per warp", _kvquant(), mx.float32, 128, 1, 4, 1100, 1, None),
     # the 16-bit load and store paths (QT, ST)
-    ("kvquant-3 fp16 hd128 gqa4", _kvquant(), mx.float16, 128, 1, 4, 700, None),
-    ("kvquant-3 bf16 hd128 gqa4", _kvquant(), mx.bfloat16, 128, 1, 4, 700, None),
-    ("kvquant-2 bf16 hd64 mha", _kvquant(kvquant_bits=2), mx.bfloat16, 64, 1, 1, 700, None),
+    ("kvquant-3 fp16 hd128 gqa4", _kvquant(), mx.float16, 128, 1, 4, 700, None, None),
+    ("kvquant-3 bf16 hd128 gqa4", _kvquant(), mx.bfloat16, 128, 1, 4, 700, None, None),
+    ("kvquant-2 bf16 hd64 mha", _kvquant(kvquant_bits=2), mx.bfloat16, 64, 1, 1, 700, None, None),
+    # The value split (channels_per_lane): 32 accumulators give 8 channels at 4 rows (16 lanes per
+    # token; 3 bits: a lane's 8 codes start inside a word) and 4 at 8 rows (32 lanes per token);
+    # 3 rows at head dim 64 (SmolLM2): 8 channels, 8 lanes.
+    ("kvquant-3 hd128 gqa8", _kvquant(), mx.float32, 128, 1, 8, 700, None, None),
+    ("kvquant-4 hd128 gqa8", _kvquant(kvquant_bits=4), mx.float32, 128, 1, 8, 700, None, None),
+    ("kvquant-3 hd64 gqa3", _kvquant(), mx.float32, 64, 1, 3, 700, None, None),
+    # the old setting through the constant (64: 16 channels up to 4 rows, 8 above)
+    ("kvquant-3 default hd128 gqa4 acc64", _kvquant(), mx.float32, 128, 1, 4, 1100, None, 64),
+    ("kvquant-2 hd128 gqa8 acc64", _kvquant(kvquant_bits=2), mx.float32, 128, 1, 8, 700, None, 64),
 ]
 
 # Each must fail the comparison (one change in the source, in memory).
@@ -91,9 +101,12 @@ def _programs_built_in_parallel():
     """Every program the tests below compile, built up front one per core: the signatures are
     captured from small caches of the same shapes."""
     with cuda_emulation.signatures_only() as captured:
-        for name, make, dtype, D, B, rep, n, warps in CASES:
-            cache = make()
-            _emulated_step(cache, _filled(cache, 100, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
+        for name, make, dtype, D, B, rep, n, warps, accumulators in CASES:
+            with pytest.MonkeyPatch.context() as split:
+                if accumulators:
+                    split.setattr(fused_decode_codebook, "MAX_LANE_ACCUMULATORS", accumulators)
+                cache = make()
+                _emulated_step(cache, _filled(cache, 100, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
         for name, old, new in MUTATIONS:
             with pytest.MonkeyPatch.context() as mutated:
                 _mutated(mutated, old, new)
@@ -102,10 +115,13 @@ def _programs_built_in_parallel():
     cuda_emulation.prebuild_captured(captured)
 
 
-@pytest.mark.parametrize("name, make, dtype, D, B, rep, n, warps", CASES, ids=[c[0] for c in CASES])
-def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make, dtype, D, B, rep, n, warps):
+@pytest.mark.parametrize("name, make, dtype, D, B, rep, n, warps, accumulators", CASES, ids=[c[0] for c in CASES])
+def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make, dtype, D, B, rep, n, warps,
+                                                         accumulators):
     if warps:
         monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
+    if accumulators:
+        monkeypatch.setattr(fused_decode_codebook, "MAX_LANE_ACCUMULATORS", accumulators)
     cache = make()
     q_heads = _filled(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
     n_valid, window = cache.n_compressed, cache.window_keys.shape[2]

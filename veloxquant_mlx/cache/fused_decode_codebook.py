@@ -37,9 +37,11 @@ tokens, a multiple of 512), one more block per head for the exact tokens; a warp
   probabilities: per token R floats in the warp's shared tile at slot i * 33 + lane (the lane's
       i-th token), one vector store per token without bank conflicts; the value loop's 4
       tokens per read (slots 33 apart) fall in different banks.
-  values: LPT = DV / 16 lanes share a token, 16 channels each (8 for R > 4: R = 8 spilled at
-      16); the value scale is folded into the probability (p * scale, stored once per token)
-      and the zero into one sum per row (sum p * zero, added to every channel at the end), so
+  values: LPT = DV / CPL lanes share a token, CPL channels each (channels_per_lane: 16 halved
+      while R x CPL exceeds MAX_LANE_ACCUMULATORS = 32: 8 at R = 3..4, 4 at R = 5..8; the old
+      setting 64 gave 16 up to 4 rows, 8 above); the value scale is folded into the probability
+      (p * scale, stored once per token) and the zero into one sum per row (sum p * zero,
+      added to every channel at the end), so
       per element: extract + lookup + R FMAs.
   value outliers: the lanes spread them as for the keys and add p * scale * ((exact - zero) /
       scale - level) into a per-warp (R, DV) correction buffer in shared memory (atomics),
@@ -54,8 +56,8 @@ compile-time shifts as in the aligned case.
 Shared memory (4-byte floats): queries R*D, per warp a tile of R*max(132, D, DV) (scores, then
 probabilities, then the warp's partial), with value outliers per warp R*DV corrections, two
 codebooks, per warp and row m and l. supports() counts it against 48 KB (18880 bytes for the
-default on the 8B shape, as ptxas reports). Registers (ptxas, sm_90): 168 per thread for the
-default on the 8B shape; no spills over every supported R, bits, outliers at head dims 64,
+default on the 8B shape, as ptxas reports). Registers (ptxas, sm_90): 128 per thread for the
+default on the 8B shape (168 with the old value split, see below); no spills over every supported R, bits, outliers at head dims 64,
 128, 256 (checked with nvcc 13.0; the test compiles three where nvcc exists).
 
 tests/cache/test_fused_decode_kvquant_emulated.py runs this source on the CPU under
@@ -80,10 +82,15 @@ from veloxquant_mlx.errors import QuantizerConfigError
 
 SUPPORTED_BITS = (2, 3, 4)
 TOKENS_PER_LANE = 4  # scoring: a lane's tokens, all inside one block of G
-# values: a lane's channels of one token; with more than 4 rows 8, so that the R x channels
-# accumulators stay in registers (ptxas for sm_90, R = 8, D = DV = 128: 16 channels spilled)
-CHANNELS_PER_LANE = {True: 16, False: 8}  # keyed by rows <= 4
-MAX_ROWS = 8  # GQA rows per KV head: R * CHANNELS_PER_LANE accumulators per lane in registers
+# values: a lane's channels of one token (lanes_per_token): MAX_CHANNELS_PER_LANE, halved while
+# rows x channels exceeds MAX_LANE_ACCUMULATORS (the value sums a lane holds in registers).
+# Session 5: 32 (8 channels at 3-4 rows; 168 -> 128 registers on the 8B shape). The old
+# setting, 64 (16 channels up to 4 rows, 8 above: CHANNELS_PER_LANE {rows <= 4: 16, else 8}),
+# is MAX_LANE_ACCUMULATORS = 64: set it to time both (the launch's LPT follows it).
+MAX_LANE_ACCUMULATORS = 32
+MAX_CHANNELS_PER_LANE = 16
+MIN_CHANNELS_PER_LANE = 4
+MAX_ROWS = 8  # GQA rows per KV head
 MAX_HEAD_DIM = 256
 SHARED_BYTES = 48 * 1024
 
@@ -529,7 +536,10 @@ _INPUTS = ["q", "kc", "ks", "kz", "kcb", "vc", "vs", "vz", "vcb", "kop", "kov", 
 
 
 @lru_cache(maxsize=None)
-def _partials_kernel():
+def _partials_kernel(lane_accumulators: int):
+    """The partials kernel for a MAX_LANE_ACCUMULATORS setting. The source does not read it (the
+    lane split is the template's LPT, and MLX compiles one kernel per template), but a probe that
+    changes the constant gets a kernel object of its own, never one built for the other split."""
     return mx.fast.cuda_kernel(
         name="vq_codebook_decode_partials",
         input_names=_INPUTS,
@@ -539,10 +549,21 @@ def _partials_kernel():
     )
 
 
+def channels_per_lane(rows: int) -> int:
+    """A lane's value channels of one token: MAX_CHANNELS_PER_LANE, halved (down to
+    MIN_CHANNELS_PER_LANE) while rows x channels exceeds MAX_LANE_ACCUMULATORS. At 32: 16
+    channels for 1-2 rows, 8 for 3-4, 4 for 5-8; at 64 (the old setting): 16 up to 4 rows, 8
+    above."""
+    channels = MAX_CHANNELS_PER_LANE
+    while rows * channels > MAX_LANE_ACCUMULATORS and channels > MIN_CHANNELS_PER_LANE:
+        channels //= 2
+    return channels
+
+
 def lanes_per_token(value_dim: int, rows: int) -> int | None:
-    """Lanes sharing one value token (CHANNELS_PER_LANE[rows <= 4] channels each), or None when
+    """Lanes sharing one value token (channels_per_lane(rows) channels each), or None when
     that does not split the value head dim into a power of two up to 32 lanes."""
-    channels = CHANNELS_PER_LANE[rows <= 4]
+    channels = channels_per_lane(rows)
     lanes = value_dim // channels
     if value_dim % channels or lanes not in (1, 2, 4, 8, 16, 32):
         return None
@@ -648,7 +669,7 @@ def codebook_partials(
             counts.append(0)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip)
     dtype = queries.dtype
-    return _partials_kernel()(
+    return _partials_kernel(MAX_LANE_ACCUMULATORS)(
         inputs=[queries, store["key_codes"], store["key_scale"], store["key_zero"],
                 _as(store["key_codebook"], mx.float32), store["value_codes"], store["value_scale"],
                 store["value_zero"], _as(store["value_codebook"], mx.float32), *outliers,
