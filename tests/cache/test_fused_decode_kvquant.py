@@ -53,7 +53,11 @@ def test_supported_shapes():
     assert fused_decode_codebook.shared_bytes(256, 256, 4, 3, True) <= 48 * 1024
     assert not fused_decode_codebook.supports(256, 256, 32, 3, 8)
     assert not fused_decode_codebook.supports(256, 256, 32, 4, 7, value_outliers=False)  # spilled
-    assert fused_decode_codebook.shared_bytes(128, 128, 4, 3, True) == 4 * (512 + 4 * 132 * 4 + 2048 + 16 + 32)
+    # queries, 4 warps' tiles (4 * 33 token slots of 4 rows), value-outlier corrections, the parked
+    # value sums (a 1-float stand-in per warp when not parked), codebooks, per-warp maxima / sums
+    assert fused_decode_codebook.shared_bytes(128, 128, 4, 3, True) == 4 * (512 + 4 * 132 * 4 + 2048 + 4 + 16 + 32)
+    assert fused_decode_codebook.shared_bytes(128, 128, 4, 3, True, parked=True) == 4 * (
+        512 + 4 * 132 * 4 + 2048 + 4 * 4 * 8 * 32 + 16 + 32)
 
 
 def test_value_channels_per_lane_follow_the_accumulator_budget(monkeypatch):
@@ -72,19 +76,33 @@ def test_value_channels_per_lane_follow_the_accumulator_budget(monkeypatch):
     assert fused_decode_codebook.supports(256, 256, 32, 3, 4)
 
 
-def test_a_new_accumulator_budget_builds_a_kernel_of_its_own(monkeypatch):
-    # The kernel factory is keyed on the budget: a probe that sets the constant never reuses
-    # the kernel object built for the other split.
+def test_a_new_accumulator_setting_builds_a_kernel_of_its_own(monkeypatch):
+    # The kernel factory is keyed on the budget and the parking: a probe that sets a constant
+    # never reuses the kernel object built for the other setting.
     made = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kwargs: made.append(kwargs) or object())
     fused_decode_codebook._partials_kernel.cache_clear()
     try:
-        a = fused_decode_codebook._partials_kernel(32)
-        assert fused_decode_codebook._partials_kernel(32) is a
-        assert fused_decode_codebook._partials_kernel(64) is not a
-        assert len(made) == 2
+        a = fused_decode_codebook._partials_kernel(32, True)
+        assert fused_decode_codebook._partials_kernel(32, True) is a
+        assert fused_decode_codebook._partials_kernel(64, True) is not a
+        assert fused_decode_codebook._partials_kernel(32, False) is not a
+        assert len(made) == 3
     finally:
         fused_decode_codebook._partials_kernel.cache_clear()
+
+
+def test_value_sums_park_in_shared_memory_where_it_fits(monkeypatch):
+    # The 8B shape parks (35 KB of shared memory); 8 rows with value outliers would take 54 KB, head
+    # dim 256 at 4 rows with them 53 KB: their sums stay in registers. Off: nowhere.
+    assert fused_decode_codebook.parks(128, 128, 4, 3, True)
+    assert fused_decode_codebook.shared_bytes(128, 128, 4, 3, True, parked=True) == 35264
+    assert fused_decode_codebook.parks(64, 64, 3, 3, True)
+    assert fused_decode_codebook.parks(128, 128, 8, 3, False)
+    assert not fused_decode_codebook.parks(128, 128, 8, 3, True)
+    assert not fused_decode_codebook.parks(256, 256, 4, 3, True)
+    monkeypatch.setattr(fused_decode_codebook, "PARK_ACCUMULATORS", False)
+    assert not fused_decode_codebook.parks(128, 128, 4, 3, True)
 
 
 def test_cpu_takes_the_portable_path():
@@ -109,7 +127,7 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
         return ["o", "m", "l"]
 
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    monkeypatch.setattr(fused_decode_codebook, "_partials_kernel", lambda accumulators: kernel)
+    monkeypatch.setattr(fused_decode_codebook, "_partials_kernel", lambda accumulators, park: kernel)
     monkeypatch.setattr(fused_decode_codebook, "merge_partials",
                         lambda *a: seen.update(merge=a) or "kernel output")
     assert cache._fused_decode(q_heads, 0.5) == "kernel output"
@@ -138,7 +156,7 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
     template = dict(launch["template"])
     n_out = 41 if outliers else 0  # round(0.01 * 32 * 128)
     assert template == {"D": 128, "DV": 128, "R": 4, "G": 32, "BITS": 3, "LPT": 16, "NOK": n_out,
-                        "NOV": n_out, "QT": mx.float32, "ST": mx.float32}
+                        "NOV": n_out, "PARK": True, "QT": mx.float32, "ST": mx.float32}
     assert launch["grid"] == (128 * (n_hist + 1), 2, 1) and launch["threadgroup"] == (128, 1, 1)
     assert launch["output_shapes"] == [(2, n_hist + 1, 4, 128), (2, n_hist + 1, 4), (2, n_hist + 1, 4)]
     # Off, or a shape the kernel refuses: the portable path.
