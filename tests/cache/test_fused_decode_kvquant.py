@@ -53,7 +53,56 @@ def test_supported_shapes():
     assert fused_decode_codebook.shared_bytes(256, 256, 4, 3, True) <= 48 * 1024
     assert not fused_decode_codebook.supports(256, 256, 32, 3, 8)
     assert not fused_decode_codebook.supports(256, 256, 32, 4, 7, value_outliers=False)  # spilled
-    assert fused_decode_codebook.shared_bytes(128, 128, 4, 3, True) == 4 * (512 + 4 * 132 * 4 + 2048 + 16 + 32)
+    # queries, 4 warps' tiles (4 * 33 token slots of 4 rows), value-outlier corrections, the parked
+    # value sums (a 1-float stand-in per warp when not parked), codebooks, per-warp maxima / sums
+    assert fused_decode_codebook.shared_bytes(128, 128, 4, 3, True) == 4 * (512 + 4 * 132 * 4 + 2048 + 4 + 16 + 32)
+    assert fused_decode_codebook.shared_bytes(128, 128, 4, 3, True, parked=True) == 4 * (
+        512 + 4 * 132 * 4 + 2048 + 4 * 4 * 8 * 32 + 16 + 32)
+
+
+def test_value_channels_per_lane_follow_the_accumulator_budget(monkeypatch):
+    # rows x channels <= MAX_LANE_ACCUMULATORS (channels 16 down to 4): at 32, 8 channels at the
+    # 8B shape's 4 rows (16 lanes per 128-channel token), 4 at 8 rows (32 lanes).
+    assert fused_decode_codebook.MAX_LANE_ACCUMULATORS == 32
+    split = {rows: fused_decode_codebook.channels_per_lane(rows) for rows in range(1, 9)}
+    assert split == {1: 16, 2: 16, 3: 8, 4: 8, 5: 4, 6: 4, 7: 4, 8: 4}
+    assert [fused_decode_codebook.lanes_per_token(128, r) for r in (1, 4, 8)] == [8, 16, 32]
+    assert fused_decode_codebook.lanes_per_token(256, 8) is None  # 64 lanes: refused
+    assert fused_decode_codebook.lanes_per_token(256, 4) == 32
+    # The old setting through the constant: 16 channels up to 4 rows, 8 above.
+    monkeypatch.setattr(fused_decode_codebook, "MAX_LANE_ACCUMULATORS", 64)
+    split = {rows: fused_decode_codebook.channels_per_lane(rows) for rows in range(1, 9)}
+    assert split == {1: 16, 2: 16, 3: 16, 4: 16, 5: 8, 6: 8, 7: 8, 8: 8}
+    assert fused_decode_codebook.supports(256, 256, 32, 3, 4)
+
+
+def test_a_new_accumulator_setting_builds_a_kernel_of_its_own(monkeypatch):
+    # The kernel factory is keyed on the budget and the parking: a probe that sets a constant
+    # never reuses the kernel object built for the other setting.
+    made = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kwargs: made.append(kwargs) or object())
+    fused_decode_codebook._partials_kernel.cache_clear()
+    try:
+        a = fused_decode_codebook._partials_kernel(32, True)
+        assert fused_decode_codebook._partials_kernel(32, True) is a
+        assert fused_decode_codebook._partials_kernel(64, True) is not a
+        assert fused_decode_codebook._partials_kernel(32, False) is not a
+        assert len(made) == 3
+    finally:
+        fused_decode_codebook._partials_kernel.cache_clear()
+
+
+def test_value_sums_park_in_shared_memory_where_it_fits(monkeypatch):
+    # The 8B shape parks (35 KB of shared memory); 8 rows with value outliers would take 54 KB, head
+    # dim 256 at 4 rows with them 53 KB: their sums stay in registers. Off: nowhere.
+    assert fused_decode_codebook.parks(128, 128, 4, 3, True)
+    assert fused_decode_codebook.shared_bytes(128, 128, 4, 3, True, parked=True) == 35264
+    assert fused_decode_codebook.parks(64, 64, 3, 3, True)
+    assert fused_decode_codebook.parks(128, 128, 8, 3, False)
+    assert not fused_decode_codebook.parks(128, 128, 8, 3, True)
+    assert not fused_decode_codebook.parks(256, 256, 4, 3, True)
+    monkeypatch.setattr(fused_decode_codebook, "PARK_ACCUMULATORS", False)
+    assert not fused_decode_codebook.parks(128, 128, 4, 3, True)
 
 
 def test_cpu_takes_the_portable_path():
@@ -78,7 +127,7 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
         return ["o", "m", "l"]
 
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    monkeypatch.setattr(fused_decode_codebook, "_partials_kernel", lambda: kernel)
+    monkeypatch.setattr(fused_decode_codebook, "_partials_kernel", lambda accumulators, park: kernel)
     monkeypatch.setattr(fused_decode_codebook, "merge_partials",
                         lambda *a: seen.update(merge=a) or "kernel output")
     assert cache._fused_decode(q_heads, 0.5) == "kernel output"
@@ -106,8 +155,8 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
     assert inputs[17].tolist()[:3] == [n_valid, per_block, n_hist] and inputs[17].tolist()[4] == 1  # skip 1
     template = dict(launch["template"])
     n_out = 41 if outliers else 0  # round(0.01 * 32 * 128)
-    assert template == {"D": 128, "DV": 128, "R": 4, "G": 32, "BITS": 3, "LPT": 8, "NOK": n_out,
-                        "NOV": n_out, "QT": mx.float32, "ST": mx.float32}
+    assert template == {"D": 128, "DV": 128, "R": 4, "G": 32, "BITS": 3, "LPT": 16, "NOK": n_out,
+                        "NOV": n_out, "PARK": True, "QT": mx.float32, "ST": mx.float32}
     assert launch["grid"] == (128 * (n_hist + 1), 2, 1) and launch["threadgroup"] == (128, 1, 1)
     assert launch["output_shapes"] == [(2, n_hist + 1, 4, 128), (2, n_hist + 1, 4), (2, n_hist + 1, 4)]
     # Off, or a shape the kernel refuses: the portable path.

@@ -44,28 +44,45 @@ def _filled(cache, n, *, B, H, rep, D, dtype, seed=0):
 
 _emulated_step = cuda_emulation.emulated_decode_step
 
-# (name, cache factory, dtype, head dim, batch, GQA rows, prefill tokens, TARGET_WARPS or None)
+# (name, cache factory, dtype, head dim, batch, GQA rows, prefill tokens, TARGET_WARPS or None,
+# fused_decode_codebook constants set for the case: the value split and the parking)
+OLD = {"MAX_LANE_ACCUMULATORS": 64, "PARK_ACCUMULATORS": False}  # the kernel before session 5
+UNPARKED = {"PARK_ACCUMULATORS": False}
 CASES = [
     # the default (3 bits: codes straddle tokens inside words; 1% outliers; G 32); 1088 history
     # tokens: blocks of 512, 512 and a ragged 64 (half a tile)
-    ("kvquant-3 default hd128 gqa4", _kvquant(), mx.float32, 128, 1, 4, 1100, None),
-    ("kvquant-2 hd128 batch2 mha", _kvquant(kvquant_bits=2), mx.float32, 128, 2, 1, 700, None),
+    ("kvquant-3 default hd128 gqa4", _kvquant(), mx.float32, 128, 1, 4, 1100, None, {}),
+    ("kvquant-2 hd128 batch2 mha", _kvquant(kvquant_bits=2), mx.float32, 128, 2, 1, 700, None, {}),
     ("kvquant-4 hd64 gqa2 no outliers", _kvquant(kvquant_bits=4, kvquant_outlier_fraction=0.0),
-     mx.float32, 64, 1, 2, 700, None),
+     mx.float32, 64, 1, 2, 700, None, {}),
     # 3 bits at head dim 64: a token's last run of codes is 4 channels (64 = 6 * 10 + 4)
-    ("kvquant-3 hd64 batch2 gqa2", _kvquant(), mx.float32, 64, 2, 2, 700, None),
-    # 8 rows: 8 value channels per lane, which for 2 bits starts inside a word (the two-word
-    # window with all 32 bits used)
-    ("kvquant-2 hd128 gqa8", _kvquant(kvquant_bits=2), mx.float32, 128, 1, 8, 700, None),
-    ("kvquant-3 g64 hd128 gqa4", _kvquant(kvquant_group_size=64), mx.float32, 128, 1, 4, 700, None),
+    ("kvquant-3 hd64 batch2 gqa2", _kvquant(), mx.float32, 64, 2, 2, 700, None, {}),
+    # 8 rows: 4 value channels per lane (32 lanes per token), which for 2 bits is a quarter word
+    # starting inside it (the two-word window with all 32 bits used)
+    ("kvquant-2 hd128 gqa8", _kvquant(kvquant_bits=2), mx.float32, 128, 1, 8, 700, None, {}),
+    ("kvquant-3 g64 hd128 gqa4", _kvquant(kvquant_group_size=64), mx.float32, 128, 1, 4, 700, None, {}),
     # a tile is one block of 128 tokens (164 outliers each)
-    ("kvquant-4 g128 hd128 gqa4", _kvquant(kvquant_bits=4, kvquant_group_size=128), mx.float32, 128, 1, 4, 1100, None),
+    ("kvquant-4 g128 hd128 gqa4", _kvquant(kvquant_bits=4, kvquant_group_size=128), mx.float32, 128, 1, 4, 1100, None, {}),
     # one block per head: each warp walks several 128-token tiles (online softmax across tiles)
-    ("kvquant-3 many tiles per warp", _kvquant(), mx.float32, 128, 1, 4, 1100, 1),
+    ("kvquant-3 many tiles per warp", _kvquant(), mx.float32, 128, 1, 4, 1100, 1, {}),
     # the 16-bit load and store paths (QT, ST)
-    ("kvquant-3 fp16 hd128 gqa4", _kvquant(), mx.float16, 128, 1, 4, 700, None),
-    ("kvquant-3 bf16 hd128 gqa4", _kvquant(), mx.bfloat16, 128, 1, 4, 700, None),
-    ("kvquant-2 bf16 hd64 mha", _kvquant(kvquant_bits=2), mx.bfloat16, 64, 1, 1, 700, None),
+    ("kvquant-3 fp16 hd128 gqa4", _kvquant(), mx.float16, 128, 1, 4, 700, None, {}),
+    ("kvquant-3 bf16 hd128 gqa4", _kvquant(), mx.bfloat16, 128, 1, 4, 700, None, {}),
+    ("kvquant-2 bf16 hd64 mha", _kvquant(kvquant_bits=2), mx.bfloat16, 64, 1, 1, 700, None, {}),
+    # The value split (channels_per_lane): 32 accumulators give 8 channels at 4 rows (16 lanes per
+    # token; 3 bits: a lane's 8 codes start inside a word) and 4 at 8 rows (32 lanes per token);
+    # 3 rows at head dim 64 (SmolLM2): 8 channels, 8 lanes. The cases above park the value sums
+    # in shared memory (parks()) except at 8 rows with value outliers (too much shared memory).
+    ("kvquant-3 hd128 gqa8", _kvquant(), mx.float32, 128, 1, 8, 700, None, {}),
+    ("kvquant-4 hd128 gqa8 no outliers", _kvquant(kvquant_bits=4, kvquant_outlier_fraction=0.0),
+     mx.float32, 128, 1, 8, 700, None, {}),
+    ("kvquant-3 hd64 gqa3", _kvquant(), mx.float32, 64, 1, 3, 700, None, {}),
+    # the sums in registers (PARK_ACCUMULATORS off), and the old setting through the constants
+    # (64 accumulators: 16 channels up to 4 rows, 8 above; not parked)
+    ("kvquant-3 default hd128 gqa4 unparked", _kvquant(), mx.float32, 128, 1, 4, 1100, None, UNPARKED),
+    ("kvquant-3 many tiles per warp unparked", _kvquant(), mx.float32, 128, 1, 4, 1100, 1, UNPARKED),
+    ("kvquant-3 default hd128 gqa4 old split", _kvquant(), mx.float32, 128, 1, 4, 1100, None, OLD),
+    ("kvquant-2 hd128 gqa8 old split", _kvquant(kvquant_bits=2), mx.float32, 128, 1, 8, 700, None, OLD),
 ]
 
 # Each must fail the comparison (one change in the source, in memory).
@@ -77,6 +94,12 @@ MUTATIONS = [
      "win[i] = vq_window<BITS>(lead[i], next, 0);"),
     ("value zeros dropped", "red_o[r * DV + ch0 + c] = acc[r][c] + zsum[r] + fix;",
      "red_o[r * DV + ch0 + c] = acc[r][c] + fix;"),
+    # the parked value sums (the default case parks): lost between tiles, or not rescaled to a
+    # later tile's maxima (the test runs these with one block per head: several tiles per warp)
+    ("parked sums not stored", "for (int c = 0; c < CPL; ++c) acc_park[(r * CPL + c) * 32] = acc[r][c];",
+     "for (int c = 0; c < CPL; ++c) (void)acc[r][c];"),
+    ("parked sums not rescaled", "acc[r][c] = acc_park[(r * CPL + c) * 32] * alpha_r[r];",
+     "acc[r][c] = acc_park[(r * CPL + c) * 32];"),
 ]
 
 
@@ -91,9 +114,12 @@ def _programs_built_in_parallel():
     """Every program the tests below compile, built up front one per core: the signatures are
     captured from small caches of the same shapes."""
     with cuda_emulation.signatures_only() as captured:
-        for name, make, dtype, D, B, rep, n, warps in CASES:
-            cache = make()
-            _emulated_step(cache, _filled(cache, 100, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
+        for name, make, dtype, D, B, rep, n, warps, constants in CASES:
+            with pytest.MonkeyPatch.context() as split:
+                for constant, value in constants.items():
+                    split.setattr(fused_decode_codebook, constant, value)
+                cache = make()
+                _emulated_step(cache, _filled(cache, 100, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
         for name, old, new in MUTATIONS:
             with pytest.MonkeyPatch.context() as mutated:
                 _mutated(mutated, old, new)
@@ -102,16 +128,23 @@ def _programs_built_in_parallel():
     cuda_emulation.prebuild_captured(captured)
 
 
-@pytest.mark.parametrize("name, make, dtype, D, B, rep, n, warps", CASES, ids=[c[0] for c in CASES])
-def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make, dtype, D, B, rep, n, warps):
+@pytest.mark.parametrize("name, make, dtype, D, B, rep, n, warps, constants", CASES, ids=[c[0] for c in CASES])
+def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make, dtype, D, B, rep, n, warps,
+                                                         constants):
     if warps:
         monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
+    for constant, value in constants.items():
+        monkeypatch.setattr(fused_decode_codebook, constant, value)
     cache = make()
     q_heads = _filled(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
     n_valid, window = cache.n_compressed, cache.window_keys.shape[2]
     outliers = "value_outlier_position" in cache.store
     assert outliers == ("no outliers" not in name)
     assert fused_decode_codebook.supports(D, D, cache.group_size, cache.code_bits, rep, outliers)
+    # which path the case takes: the value sums parked in shared memory unless switched off (or
+    # the old split) or 8 rows with value outliers (54 KB of shared memory with them)
+    parked = constants.get("PARK_ACCUMULATORS", True) and not (rep == 8 and outliers)
+    assert fused_decode_codebook.parks(D, D, rep, cache.code_bits, outliers) == parked
     # Kernels off (the CPU default) over the same store and window, float32 queries: the kernel
     # computes in float32 and rounds once at the end, while the portable path in fp16/bf16
     # rounds its scores and sums.
@@ -142,6 +175,8 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, 
     cache = CASES[0][1]()
     q_heads = _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
     expected = np.array(cache.attention(q_heads, scale=128**-0.5))
+    if name.startswith("parked"):
+        monkeypatch.setattr(fused_decode, "TARGET_WARPS", 1)
     _mutated(monkeypatch, old, new)
     got, made = _emulated_step(cache, q_heads, 128**-0.5)
     assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_codebook_decode_partials"]

@@ -35,32 +35,71 @@ tokens, a multiple of 512), one more block per head for the exact tokens; a warp
       outliers over themselves and add q[c] * (exact - decoded) with shared atomics (several
       outliers may hit one token), then read the scores back.
   probabilities: per token R floats in the warp's shared tile at slot i * 33 + lane (the lane's
-      i-th token), one vector store per token without bank conflicts; the value loop's 4
-      tokens per read (slots 33 apart) fall in different banks.
-  values: LPT = DV / 16 lanes share a token, 16 channels each (8 for R > 4: R = 8 spilled at
-      16); the value scale is folded into the probability (p * scale, stored once per token)
-      and the zero into one sum per row (sum p * zero, added to every channel at the end), so
-      per element: extract + lookup + R FMAs.
+      i-th token), one vector store per token without bank conflicts; the value loop's TPR
+      (= 32 / LPT) tokens per read (slots 33 apart) fall in different banks.
+  values: LPT = DV / CPL lanes share a token, CPL channels each (channels_per_lane: 16 halved
+      while R x CPL exceeds MAX_LANE_ACCUMULATORS = 32: 8 at R = 3..4, 4 at R = 5..8; the old
+      setting 64 gave 16 up to 4 rows, 8 above); the value scale is folded into the probability
+      (p * scale, stored once per token) and the zero into one sum per row (sum p * zero,
+      added to every channel at the end), so per element: extract + lookup + R FMAs.
+  parked value sums (PARK_ACCUMULATORS, where parks()): a lane's R x CPL sums wait in shared
+      memory (accs, slot (r * CPL + c) * 32 + lane: conflict-free) from the end of one tile's
+      value loop to the start of the next's, rescaled by the tile's alpha as they are taken, so
+      they hold no registers while a tile is scored (scores s[4][R], the 3-bit key path's words
+      and phases, the side data in flight: the kernel's peak). Cost per tile and lane: 2 R CPL
+      shared accesses (64 at R = 4) against the value loop's 128 / TPR rounds of R CPL FMAs,
+      CPL lookups and R probability loads (~3500 instructions at R = 4): ~2% more instructions.
   value outliers: the lanes spread them as for the keys and add p * scale * ((exact - zero) /
       scale - level) into a per-warp (R, DV) correction buffer in shared memory (atomics),
       rescaled with the accumulators at every tile and added to the warp's partial at the end.
 Codes: for 2 and 4 bits with D % (32 // bits) == 0 a token's codes are whole words and the
 shifts are compile-time constants. For 3 bits (10 codes per word, 2 padding bits) a token's
-codes (a lane's 16 value channels) start at a runtime phase inside a word, the same for each
+codes (a lane's CPL value channels) start at a runtime phase inside a word, the same for each
 run of 10 channels: per run the two words it spans are joined and shifted by the phase once
 (vq_window: 4 integer operations per run and token), then its 10 codes are read at
 compile-time shifts as in the aligned case.
 
 Shared memory (4-byte floats): queries R*D, per warp a tile of R*max(132, D, DV) (scores, then
-probabilities, then the warp's partial), with value outliers per warp R*DV corrections, two
-codebooks, per warp and row m and l. supports() counts it against 48 KB (18880 bytes for the
-default on the 8B shape, as ptxas reports). Registers (ptxas, sm_90): 168 per thread for the
-default on the 8B shape; no spills over every supported R, bits, outliers at head dims 64,
-128, 256 (checked with nvcc 13.0; the test compiles three where nvcc exists).
+probabilities, then the warp's partial), with value outliers per warp R*DV corrections, parked
+per warp R*CPL*32 value sums, two codebooks, per warp and row m and l. supports() counts it
+against 48 KB unparked, parks() parked (35264 bytes for the default on the 8B shape, as ptxas
+reports; unparked shared_bytes counts 16 bytes of stand-in that ptxas drops).
+
+Registers per thread (ptxas of nvcc 13.0 for sm_90, -Xptxas -v; no spills anywhere; the shapes of
+tests/cache/test_kernels_nvcc.py, default config: 3 bits, 1% outliers, G 32):
+                       before session 5   MAX_LANE_ACCUMULATORS 32   32 + parked (default)
+                       (64, unparked)     unparked
+  bf16 R 4 d 128 (8B)        168                 128                        96
+  fp16 R 8 d 128             219                 168                 168 (not parked: 54 KB)
+  fp32 R 1 d 128             128                 128                        96
+  bf16 R 3 d 64 (SmolLM2)    166                 141                        96
+  8B shape at 2 / 4 bits   168 / 168          130 / 142                  80 / 80
+The old split is MAX_LANE_ACCUMULATORS = 64 with PARK_ACCUMULATORS = False (those columns are
+that setting compiled now). Without parking the 8B shape's peak is the 3-bit key path with the
+R x 8 value sums live across it (ablations: 106 registers with that path cut). With 128 threads
+per block an SM's 65536 registers hold 3 blocks (12 warps) at 168, 4 (16) at <= 128, 5 (20) at
+<= 102; shared memory allows 5 at 35 KB. The 8B shape's grid at 32K tokens is 520 blocks (one
+128-token tile per warp; ~3.9 per SM on 132 SMs: one wave from 4 resident blocks on, 1.3 at 3);
+at 128K 1032 (two tiles per warp; 7.8 per SM: 2.6 waves at 3, 1.6 at 5).
+Not timed: no GPU this session, so no speed is claimed. The next GPU session must time
+  python -m veloxquant_mlx.bench.kernel_probe --parts step --contexts 32768,131072 --methods fp16,kvquant --out new.json
+  python -m veloxquant_mlx.bench.gpu_speed --methods fp16,kvquant --contexts 32768,131072 --repeats 2 --out new_speed.json
+at the default and again with the constants at the old setting (64, False), and at (32, False)
+for the unparked column, set in the process before the run, e.g. in `python -c`:
+  from veloxquant_mlx.cache import fused_decode_codebook as f
+  f.MAX_LANE_ACCUMULATORS, f.PARK_ACCUMULATORS = 64, False
+  from veloxquant_mlx.bench import kernel_probe
+  kernel_probe.main(["--no-openblas", "--parts", "step", "--contexts", "32768,131072",
+                     "--methods", "fp16,kvquant", "--out", "old.json"])
+(gpu_speed.main([...]) the same way). What should change: more resident warps per SM hide more
+of the code and side-data loads' latency (kivi's kernel went 184 -> 104 registers and 0.092 ->
+0.086 ms per layer at 32K); against it, 16 lanes per value token (was 8) double the value loop's
+per-token work per element (probability loads, code-word loads) and parking adds ~2%.
 
 tests/cache/test_fused_decode_kvquant_emulated.py runs this source on the CPU under
-tests/cache/cuda_emulation.py through KVQuantCache's decode path; test_fused_decode_kvquant.py
-has the wiring test and the CUDA tests.
+tests/cache/cuda_emulation.py through KVQuantCache's decode path (each setting of the constants);
+test_fused_decode_kvquant.py has the wiring test and the CUDA tests; test_fused_decode_kvquant_nvcc.py
+(slow, nvcc) bounds the 8B shape's registers in each setting.
 """
 
 from __future__ import annotations
@@ -80,10 +119,19 @@ from veloxquant_mlx.errors import QuantizerConfigError
 
 SUPPORTED_BITS = (2, 3, 4)
 TOKENS_PER_LANE = 4  # scoring: a lane's tokens, all inside one block of G
-# values: a lane's channels of one token; with more than 4 rows 8, so that the R x channels
-# accumulators stay in registers (ptxas for sm_90, R = 8, D = DV = 128: 16 channels spilled)
-CHANNELS_PER_LANE = {True: 16, False: 8}  # keyed by rows <= 4
-MAX_ROWS = 8  # GQA rows per KV head: R * CHANNELS_PER_LANE accumulators per lane in registers
+# values: a lane's channels of one token (lanes_per_token): MAX_CHANNELS_PER_LANE, halved while
+# rows x channels exceeds MAX_LANE_ACCUMULATORS (the value sums a lane holds in registers).
+# Session 5: 32 (8 channels at 3-4 rows; 168 -> 128 registers on the 8B shape, 96 parked). The old
+# setting, 64 (16 channels up to 4 rows, 8 above: CHANNELS_PER_LANE {rows <= 4: 16, else 8}),
+# is MAX_LANE_ACCUMULATORS = 64: set it to time both (the launch's LPT follows it).
+MAX_LANE_ACCUMULATORS = 32
+MAX_CHANNELS_PER_LANE = 16
+MIN_CHANNELS_PER_LANE = 4
+# PARK_ACCUMULATORS: a lane's value sums wait in shared memory (R x CPL floats per lane) while a
+# tile is scored instead of holding registers across the whole tile loop, where shared memory
+# allows (parks(): 48 KB with them). Session 5: on; before, off (the sums stayed in registers).
+PARK_ACCUMULATORS = True
+MAX_ROWS = 8  # GQA rows per KV head
 MAX_HEAD_DIM = 256
 SHARED_BYTES = 48 * 1024
 
@@ -132,6 +180,9 @@ _PARTIALS = r"""
   constexpr int SLOTS = TPL * 33;
   __shared__ __align__(16) float ps[NW][(SLOTS > DMAX ? SLOTS : DMAX) * R];
   __shared__ float corr[NW][NOV > 0 ? R * DV : 1];
+  // PARK: a lane's R x CPL value sums wait here between tiles (slot (r * CPL + c) * 32 + lane:
+  // consecutive lanes, no bank conflicts), not in registers through the scoring.
+  __shared__ float accs[NW][PARK ? R * CPL * 32 : 1];
   __shared__ float cbk[LEVELS];
   __shared__ float cbv[LEVELS];
   __shared__ float red_m[NW][R];
@@ -163,6 +214,7 @@ _PARTIALS = r"""
   const QT* wv_bh = wv + (size_t)bh * n_window * DV;
   float* p_tile = ps[warp];
 
+  float* acc_park = &accs[warp][PARK ? lane : 0];
   float m[R], l[R], zsum[R], acc[R][CPL];
   #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -170,7 +222,10 @@ _PARTIALS = r"""
     l[r] = 0.f;
     zsum[r] = 0.f;
     #pragma unroll
-    for (int c = 0; c < CPL; ++c) acc[r][c] = 0.f;
+    for (int c = 0; c < CPL; ++c) {
+      acc[r][c] = 0.f;
+      if (PARK) acc_park[(r * CPL + c) * 32] = 0.f;
+    }
   }
 
   const int first = window ? 0 : blockIdx.x * per_block;
@@ -330,7 +385,7 @@ _PARTIALS = r"""
       }
     }
     // ---- online softmax over the tile; probabilities (times the value scale) to shared ----
-    float vsc[TPL], vzp[TPL];
+    float vsc[TPL], vzp[TPL], alpha_r[R];
     #pragma unroll
     for (int i = 0; i < TPL; ++i) {
       const int tj = min(t0 + i, last - 1);
@@ -358,8 +413,11 @@ _PARTIALS = r"""
       }
       l[r] = l[r] * alpha + vq_warp_sum(sum);
       zsum[r] = fmaf(zsum[r], alpha, zs);
-      #pragma unroll
-      for (int c = 0; c < CPL; ++c) acc[r][c] *= alpha;
+      alpha_r[r] = alpha;  // parked value sums: rescaled when the value loop takes them
+      if (!PARK) {
+        #pragma unroll
+        for (int c = 0; c < CPL; ++c) acc[r][c] *= alpha;
+      }
       if (NOV > 0) {
         for (int c = lane; c < DV; c += 32) corr[warp][r * DV + c] *= alpha;
       }
@@ -389,6 +447,15 @@ _PARTIALS = r"""
           #pragma unroll
           for (int r = 0; r < R; ++r) atomicAdd(&corr[warp][r * DV + c], p_tile[slot * R + r] * u);
         }
+      }
+    }
+    if (PARK) {
+      // The parked value sums, rescaled to the new maxima (they held no registers while the
+      // tile was scored).
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        #pragma unroll
+        for (int c = 0; c < CPL; ++c) acc[r][c] = acc_park[(r * CPL + c) * 32] * alpha_r[r];
       }
     }
     // ---- values: past-the-end tokens read the last valid token (p = 0 there) ----
@@ -468,9 +535,23 @@ _PARTIALS = r"""
         }
       }
     }
+    if (PARK) {
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        #pragma unroll
+        for (int c = 0; c < CPL; ++c) acc_park[(r * CPL + c) * 32] = acc[r][c];
+      }
+    }
     __syncwarp();
   }
 
+  if (PARK) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      #pragma unroll
+      for (int c = 0; c < CPL; ++c) acc[r][c] = acc_park[(r * CPL + c) * 32];
+    }
+  }
   // Lanes holding the same channels for different tokens: sum them (the lane bits above LPT).
   #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -529,7 +610,11 @@ _INPUTS = ["q", "kc", "ks", "kz", "kcb", "vc", "vs", "vz", "vcb", "kop", "kov", 
 
 
 @lru_cache(maxsize=None)
-def _partials_kernel():
+def _partials_kernel(lane_accumulators: int, park: bool):
+    """The partials kernel for a MAX_LANE_ACCUMULATORS / PARK_ACCUMULATORS setting. The source does
+    not read them (the lane split and the parking are the template's LPT and PARK, and MLX
+    compiles one kernel per template), but a probe that changes a constant gets a kernel object of
+    its own, never one built for the other setting."""
     return mx.fast.cuda_kernel(
         name="vq_codebook_decode_partials",
         input_names=_INPUTS,
@@ -539,21 +624,35 @@ def _partials_kernel():
     )
 
 
+def channels_per_lane(rows: int) -> int:
+    """A lane's value channels of one token: MAX_CHANNELS_PER_LANE, halved (down to
+    MIN_CHANNELS_PER_LANE) while rows x channels exceeds MAX_LANE_ACCUMULATORS. At 32: 16
+    channels for 1-2 rows, 8 for 3-4, 4 for 5-8; at 64 (the old setting): 16 up to 4 rows, 8
+    above."""
+    channels = MAX_CHANNELS_PER_LANE
+    while rows * channels > MAX_LANE_ACCUMULATORS and channels > MIN_CHANNELS_PER_LANE:
+        channels //= 2
+    return channels
+
+
 def lanes_per_token(value_dim: int, rows: int) -> int | None:
-    """Lanes sharing one value token (CHANNELS_PER_LANE[rows <= 4] channels each), or None when
+    """Lanes sharing one value token (channels_per_lane(rows) channels each), or None when
     that does not split the value head dim into a power of two up to 32 lanes."""
-    channels = CHANNELS_PER_LANE[rows <= 4]
+    channels = channels_per_lane(rows)
     lanes = value_dim // channels
     if value_dim % channels or lanes not in (1, 2, 4, 8, 16, 32):
         return None
     return lanes
 
 
-def shared_bytes(head_dim: int, value_dim: int, rows: int, bits: int, value_outliers: bool) -> int:
-    """The kernel's static shared memory (4-byte floats), as declared in _PARTIALS."""
+def shared_bytes(head_dim: int, value_dim: int, rows: int, bits: int, value_outliers: bool,
+                 parked: bool = False) -> int:
+    """The kernel's static shared memory (4-byte floats), as declared in _PARTIALS; `parked`: with
+    the lanes' value sums parked (accs: R x CPL floats per lane)."""
     widest = max(TOKENS_PER_LANE * 33, head_dim, value_dim)  # ps: SLOTS = 4 * 33 tokens' rows
     floats = rows * head_dim + WARPS_PER_BLOCK * widest * rows
     floats += WARPS_PER_BLOCK * (rows * value_dim if value_outliers else 1)
+    floats += WARPS_PER_BLOCK * (rows * channels_per_lane(rows) * 32 if parked else 1)
     floats += 2 * (1 << bits) + 2 * WARPS_PER_BLOCK * rows
     return 4 * floats
 
@@ -572,6 +671,13 @@ def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rows: in
     if max(head_dim, value_dim) > 128 and rows > 4:
         return False  # ptxas (sm_90) spilled at head dim 256 with 7 or 8 rows
     return shared_bytes(head_dim, value_dim, rows, bits, value_outliers) <= SHARED_BYTES
+
+
+def parks(head_dim: int, value_dim: int, rows: int, bits: int, value_outliers: bool) -> bool:
+    """Whether the launch parks the value sums in shared memory: PARK_ACCUMULATORS and the
+    kernel's shared memory with them under 48 KB (the 8B shape: 35 KB; not at 8 rows with value
+    outliers: 54 KB, nor at head dim 256 with them)."""
+    return PARK_ACCUMULATORS and shared_bytes(head_dim, value_dim, rows, bits, value_outliers, True) <= SHARED_BYTES
 
 
 def _as(x: mx.array, dtype) -> mx.array:
@@ -648,13 +754,14 @@ def codebook_partials(
             counts.append(0)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip)
     dtype = queries.dtype
-    return _partials_kernel()(
+    park = parks(D, DV, R, bits, counts[1] > 0)
+    return _partials_kernel(MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS)(
         inputs=[queries, store["key_codes"], store["key_scale"], store["key_zero"],
                 _as(store["key_codebook"], mx.float32), store["value_codes"], store["value_scale"],
                 store["value_zero"], _as(store["value_codebook"], mx.float32), *outliers,
                 _as(window_keys, dtype), _as(window_values, dtype), sink_keys, sink_values, meta],
         template=[("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
-                  ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]),
+                  ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]), ("PARK", park),
                   ("QT", dtype), ("ST", side)],
         grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
         threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
