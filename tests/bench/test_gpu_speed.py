@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from veloxquant_mlx.bench import gpu_speed
 
 TINY = ["--layers", "1", "--hidden", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "64",
@@ -13,7 +15,7 @@ def test_quick_run_end_to_end_on_the_cpu(tmp_path):
     assert code == 0
     result = json.loads(out.read_text())
     assert result["settings"]["quick"] and result["settings"]["decode_tokens"] == 8
-    assert result["settings"]["warmup_context"] == 64
+    assert result["settings"]["warmup_context"] == 64 and result["settings"]["constants_set"] == {}
     assert set(result["warmup"]) == {"fp16", "mlx-q4"}
     assert [(c["spec"], c["context"]) for c in result["cases"]] == [
         ("fp16", 64), ("mlx-q4", 64), ("fp16", 96), ("mlx-q4", 96)]
@@ -86,3 +88,17 @@ def test_each_finished_run_is_saved_and_a_cut_file_can_be_recomputed(tmp_path, m
     kivi = {c["spec"]: c for c in again["cases"]}["kivi"]
     assert kivi["decode_tps"]["n"] == 1 and kivi["ratio_vs"]["fp16"]["decode_tps"] > 0
     assert again["targets"] == [] and again["recomputed_by"].endswith(str(out))
+
+
+def test_set_records_the_constant_and_a_bad_name_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    from veloxquant_mlx.cache import prefill_pieces
+
+    monkeypatch.setattr(prefill_pieces, "SYNC", prefill_pieces.SYNC)  # restored afterwards
+    out = tmp_path / "g.json"
+    assert gpu_speed.main(["--quick", *TINY, "--contexts", "64", "--methods", "fp16", "--prefill-step-size", "32",
+                           "--set", "prefill_pieces.SYNC=0", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["settings"]["constants_set"] == {
+        "veloxquant_mlx.cache.prefill_pieces.SYNC": {"default": 1, "set": 0}}
+    with pytest.raises(SystemExit):
+        gpu_speed.main(["--set", "prefill_pieces.NOPE=1", "--out", str(out)])
+    assert "--set: 'prefill_pieces.NOPE=1'" in capsys.readouterr().err

@@ -85,14 +85,27 @@ def test_step_methods_are_checked():
 
 
 def test_set_names_an_integer_constant_of_a_cache_module_or_is_refused(capsys):
-    module, name, value = kernel_probe.parse_setting("fused_decode.TARGET_WARPS=2048")
+    from veloxquant_mlx.bench import constants
+    from veloxquant_mlx.cache import prefill_pieces
+
+    module, name, value = constants.parse_setting("fused_decode.TARGET_WARPS=2048")
     assert module is fused_decode and name == "TARGET_WARPS" and value == 2048
-    for bad, said in [("fused_decode.TARGET_WARPS", "expected MODULE.NAME=INT"),
+    assert constants.parse_setting("fused_decode_codebook.PARK_ACCUMULATORS=0")[2] is False
+    for bad, said in [("fused_decode.TARGET_WARPS", "expected MODULE.NAME=VALUE"),
                       ("nosuch.X=1", "no module veloxquant_mlx.cache.nosuch"),
-                      ("fused_decode.NO_SUCH=1", "has no integer constant NO_SUCH"),
-                      ("fused_decode.TARGET_WARPS=many", "'many' is not an integer")]:
+                      ("fused_decode.NO_SUCH=1", "has no integer or boolean constant NO_SUCH"),
+                      ("fused_decode.TARGET_WARPS=many", "'many' is not an integer"),
+                      ("fused_decode_codebook.PARK_ACCUMULATORS=yes", "is a boolean: allowed are 0 and 1")]:
         with pytest.raises(ValueError, match=said):
-            kernel_probe.parse_setting(bad)
+            constants.parse_setting(bad)
     with pytest.raises(SystemExit):
         kernel_probe.parse_args(["--set", "fused_decode.NO_SUCH=1"])
     assert "--set: 'fused_decode.NO_SUCH=1'" in capsys.readouterr().err
+    # Applied, the run records the default beside the setting.
+    saved = prefill_pieces.SYNC
+    try:
+        applied = constants.apply_settings([constants.parse_setting("prefill_pieces.SYNC=0")])
+        assert prefill_pieces.SYNC == 0
+        assert applied == {"veloxquant_mlx.cache.prefill_pieces.SYNC": {"default": saved, "set": 0}}
+    finally:
+        prefill_pieces.SYNC = saved

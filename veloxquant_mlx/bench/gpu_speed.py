@@ -32,6 +32,8 @@ import os
 import sys
 import time
 
+from veloxquant_mlx.bench import constants
+
 LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256)
 DEFAULT_CONTEXTS = "32768,131072,4096,16384,65536"  # targets first: the budget may cut the tail
 TARGETS = {  # issue 5: decode >= 0.9x fp16 at 32K, >= 1.0x at 128K; prefill at 32K <= 1.2x time
@@ -66,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="context of each spec's untimed warm-up case (covers the chunk shapes)")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no new case after this many seconds (default 420)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
     p.add_argument("--run-after-failed-warmup", action="store_true",
                    help="time a spec whose warm-up failed anyway (default: its cases are recorded "
                         "as skipped, naming the warm-up's error)")
@@ -73,6 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="smoke test: first context only (4096 unless --contexts), 8 decode tokens")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    try:
+        args.set = [constants.parse_setting(x) for x in args.set]
+    except ValueError as exc:
+        p.error(f"--set: {exc}")
     if args.contexts is None:
         args.contexts = [4096] if args.quick else _int_list(DEFAULT_CONTEXTS)
     if args.quick:
@@ -104,6 +111,8 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     from veloxquant_mlx.cli.bench import resolve_methods
 
+    constants_set = constants.apply_settings(args.set)
+
     names = resolve_methods(args.methods, default=default_methods())
     specs = with_reference(parse_specs(names))
     shape = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
@@ -116,7 +125,7 @@ def run(args) -> dict:
             "warmup_tokens": args.warmup_tokens, "prefill_step_size": args.prefill_step_size,
             "warmup_context": args.warmup_context, "budget_s": args.budget_s, "quick": args.quick,
             "repeats": args.repeats, "cuda_kernels": os.environ.get("VELOXQUANT_CUDA_KERNELS", "1"),
-            "seed": args.seed,
+            "seed": args.seed, "constants_set": constants_set,
             "mlx_quantized_note": "mlx-q4 is mlx-lm's QuantizedKVCache(group_size=64, bits=4) from "
                                   "the first token (what kv_bits=4 converts to)",
         },

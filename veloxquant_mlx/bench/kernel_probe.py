@@ -28,8 +28,8 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   the step paid until the sink became the partials kernel's own inputs sk / sv: a reference
   for the saving, no longer part of the step). Tells
   the fixed per-step cost apart from the kernel's per-token cost (short contexts show it).
-`--set MODULE.NAME=INT` sets an integer constant of a cache module first (a kernel's register
-budget, say), so two runs time two settings of the shipped kernel.
+`--set MODULE.NAME=VALUE` sets an integer or boolean constant of a cache module first
+(bench/constants.py: a kernel's register budget, say), so two runs time two settings.
 The kernel variants are derived from the shipped source by cutting marked spans: a change to
 that source that moves the markers fails loudly (`variant_source`).
 """
@@ -75,6 +75,7 @@ READ_SOURCE = r"""
 
 
 def parse_args(argv=None):
+    from veloxquant_mlx.bench import constants
     from veloxquant_mlx.bench.command import parser
 
     p = parser(MODULE, __doc__)
@@ -82,13 +83,10 @@ def parse_args(argv=None):
     p.add_argument("--contexts", default="32768,131072", help="decode contexts (default 32768,131072)")
     p.add_argument("--methods", default="fp16,kivi,xquant,turboquant_rvq",
                    help="cache specs of the `step` and `prefill` parts, as for `veloxquant bench` (default fp16,kivi,xquant,turboquant_rvq)")
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=INT",
-                   help="set an integer constant of a veloxquant_mlx.cache module before timing "
-                        "(e.g. fused_decode_codebook.MAX_VALUE_SUMS=64: the kernel a setting "
-                        "builds, to time two settings in two runs); repeatable")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
     args = p.parse_args(argv)
     try:
-        args.set = [parse_setting(x) for x in args.set]
+        args.set = [constants.parse_setting(x) for x in args.set]
     except ValueError as exc:
         p.error(f"--set: {exc}")
     args.parts = [x for x in args.parts.split(",") if x]
@@ -337,38 +335,14 @@ def probe_step(n: int, specs) -> dict:
     return out
 
 
-def parse_setting(text: str) -> tuple:
-    """'module.NAME=INT' -> (module, NAME, value), the module one of veloxquant_mlx.cache's and
-    NAME an integer constant it has (a typo must not time the default silently)."""
-    import importlib
-
-    target, eq, value = text.partition("=")
-    module_name, dot, name = target.strip().rpartition(".")
-    if not eq or not dot or not name:
-        raise ValueError(f"{text!r}: expected MODULE.NAME=INT, e.g. fused_decode.MAX_LANE_ACCUMULATORS=64")
-    try:
-        module = importlib.import_module(f"veloxquant_mlx.cache.{module_name}")
-    except ImportError:
-        raise ValueError(f"{text!r}: no module veloxquant_mlx.cache.{module_name}") from None
-    current = getattr(module, name, None)
-    if not isinstance(current, int) or isinstance(current, bool):
-        raise ValueError(f"{text!r}: veloxquant_mlx.cache.{module_name} has no integer constant {name}")
-    try:
-        return module, name, int(value)
-    except ValueError:
-        raise ValueError(f"{text!r}: {value!r} is not an integer") from None
-
-
 def run(args) -> dict:
+    from veloxquant_mlx.bench import constants
     from veloxquant_mlx.cache.fused_decode import _on_cuda
     from veloxquant_mlx.errors import QuantizerConfigError
 
     if not _on_cuda():
         raise QuantizerConfigError(f"{MODULE} needs MLX's CUDA backend as the default device (it times CUDA kernels)")
-    settings = {}
-    for module, name, value in args.set:
-        settings[f"{module.__name__}.{name}"] = {"default": getattr(module, name), "set": value}
-        setattr(module, name, value)
+    settings = constants.apply_settings(args.set)
     rows = {}
     if "read" in args.parts:
         rows["read"] = probe_read()
