@@ -184,21 +184,24 @@ def test_queries_in_another_dtype_get_the_kv_in_theirs():
 @emulation
 def test_a_prefill_chunks_attention_takes_the_kernel_after_the_ordering_step(monkeypatch):
     # The whole attention of a chunk (>= prefill_rows query rows, causal): the same output as
-    # the portable path, bit for bit (same K/V into the same mx.fast attention), and the
-    # queries were evaluated (the base's ordering step) before the kernel was launched.
+    # the portable path, bit for bit (same K/V into the same mx.fast attention); the kernel's
+    # inputs were made to wait for the queries (the base's ordering step, as mx.depends) and
+    # no host sync was taken for it.
     # Two caches filled alike (attention flushes the window afterwards: one call each).
     portable, cache = _kivi(bit_width_inlier=2)(), _kivi(bit_width_inlier=2)()
     queries = _fill(portable, 300, 20, B=1, H=2, D=64, dtype=mx.float16)
     assert mx.array_equal(queries, _fill(cache, 300, 20, B=1, H=2, D=64, dtype=mx.float16)).item()
     expected = portable.attention(queries, scale=0.125, mask="causal")  # the last 16 positions'
     mx.eval(expected)
-    order = []
-    real = type(cache)._order_after_queries
-    monkeypatch.setattr(type(cache), "_order_after_queries", lambda self, q: (order.append(q.shape), real(self, q)))
+    order, synced = [], []
+    real = type(cache)._inputs_after_queries
+    monkeypatch.setattr(type(cache), "_inputs_after_queries",
+                        lambda self, arrays, q: (order.append(q.shape), real(self, arrays, q))[1])
+    monkeypatch.setattr(type(cache), "_order_after_queries", lambda self, q: synced.append(q.shape))
     with emulated() as made:
         got = cache.attention(queries, scale=0.125, mask="causal")
         mx.eval(got)
-    assert [k.calls for k in made] == [1] and order == [queries.shape]
+    assert [k.calls for k in made] == [1] and order == [queries.shape] and synced == []
     assert mx.array_equal(got, expected).item()
 
 

@@ -271,6 +271,15 @@ class CompressedKVCache(_BaseCache):
         if self.prefill_eval_queries and self.n_compressed:
             mx.eval(queries, *[a for a in (self.window_keys, self.window_values) if a is not None])
 
+    def _inputs_after_queries(self, arrays, queries: mx.array) -> list:
+        """The same order for a history built by one kernel (the CUDA prefill kernels), without
+        the host sync: the kernel's inputs made to wait for the queries (mx.depends). One
+        kernel allocates its output only when it runs, so nothing of this layer's history
+        exists before the model up to this layer has run: what the sync bounds, bounded."""
+        if not self.prefill_eval_queries:
+            return list(arrays)
+        return list(mx.depends(list(arrays), [queries]))
+
     def _gqa_repeats(self, n_q_heads: int) -> int:
         """Query heads per kv head, refusing a count that does not divide (or no K/V yet)."""
         if self.n_kv_heads == 0 or n_q_heads % self.n_kv_heads:

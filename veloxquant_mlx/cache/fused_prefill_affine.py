@@ -276,7 +276,7 @@ def prefill_step(cache, queries, arrays, *, group_size: int, key_bits: int, valu
     """A KIVI-layout cache's prefill K/V (everything cached, in the queries' dtype) from the
     kernel, or None where it is not active (off CUDA, switched off, a shape `supports` refuses,
     no history, dtypes that differ from the cache's): the cache then takes the portable path.
-    Takes the base's ordering step (the queries evaluated first) before building anything.
+    Its inputs wait for the queries (the base's ordering step, as mx.depends: no host sync).
     `arrays()` gives (key codes, scales, zeros, value codes, scales, zeros), called only when
     the kernel runs; `arith_dtype`: the dtype mx.dequantize computes in on the portable path;
     `sink`: (keys, values) (B, H, S, D / DV) exact in place of history columns [0, S), or None."""
@@ -289,9 +289,8 @@ def prefill_step(cache, queries, arrays, *, group_size: int, key_bits: int, valu
         exact += list(sink)
     if any(a.dtype != cache.dtype for a in exact):
         return None  # the portable path's promotions: not worth a kernel variant
-    cache._order_after_queries(queries)
     return affine_prefill_keys_values(
-        *arrays(), cache.window_keys, cache.window_values, sink, n=cache.n_compressed,
+        *cache._inputs_after_queries(arrays(), queries), cache.window_keys, cache.window_values, sink, n=cache.n_compressed,
         group_size=group_size, key_bits=key_bits, value_bits=value_bits,
         arith_dtype=arith_dtype, cache_dtype=cache.dtype, out_dtype=queries.dtype,
     )

@@ -34,8 +34,9 @@ one 30.1 s against 5.88, and its untimed 2K warm-up 69.7 s against kivi's 5.2
 (results/gpu_speed_h200_s5_128k.json). A prefill chunk decodes the layer's whole history for
 mx.fast attention and then encodes the chunk. Measured here (one layer, 8 kv heads x 128,
 2048-token chunks up to 16K, CPU under load 60+; `python -m tests.cache.bench_kvquant_prefill`):
-  - host syncs: one per layer and chunk, the base's prefill_eval_queries; none in this
-    method's code (no .item(), .tolist() or numpy); the encoder: none;
+  - host syncs: one per layer and chunk, the base's prefill_eval_queries (the CUDA kernel
+    path orders by mx.depends instead: none); none in this method's code (no .item(),
+    .tolist() or numpy); the encoder: none;
   - traces: the encoder's compiled functions see one shape per chunk (64 blocks), traced on
     the first chunk and again only for mlx-lm's last chunk, one token short (63 blocks); the
     history decode was eager (no traces) through `_decode`: per 1024-token chunk (4096 off the
@@ -332,9 +333,9 @@ class KVQuantCache(CompressedKVCache):
         (`_prefill_pieces`) decoded through one compiled function where fusion is exact."""
         if not self.n_compressed:
             return super()._prefill_keys_values(queries)
-        self._order_after_queries(queries)  # the base class's prefill_eval_queries
         if kvquant_prefill_kernel.enabled():
-            return self._kernel_keys_values(queries.dtype)
+            return self._kernel_keys_values(queries)
+        self._order_after_queries(queries)  # the base class's prefill_eval_queries
         dtype, G = queries.dtype, self.group_size
         B, H, n, w = self.batch_size, self.n_kv_heads, self.n_compressed, self._window_length()
         piece, starts = self._prefill_pieces(n // G)
@@ -365,13 +366,15 @@ class KVQuantCache(CompressedKVCache):
         return out[0], out[1]
 
 
-    def _kernel_keys_values(self, dtype) -> tuple[mx.array, mx.array]:
+    def _kernel_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
         """`_prefill_keys_values` on MLX's CUDA backend: the whole history of each part
-        decoded by one kernel (kvquant_prefill_kernel.py) into the result, then the window."""
-        n, w, G = self.n_compressed, self._window_length(), self.group_size
+        decoded by one kernel (kvquant_prefill_kernel.py) into the result, then the window;
+        the kernels' inputs wait for the queries (the base's ordering step, no host sync)."""
+        n, w, G, dtype = self.n_compressed, self._window_length(), self.group_size, queries.dtype
         out = []
         for prefix, dim, window in (("key", self.head_dim, self.window_keys), ("value", self.value_dim, self.window_values)):
             codes, scale, zero, codebook, sink, *sparse = self._reader_args(prefix)
+            codes, scale, zero = self._inputs_after_queries((codes, scale, zero), queries)
             full = kvquant_prefill_kernel.history_decode(
                 codes, scale, zero, codebook, tuple(sparse) or None, sink, n_blocks=n // G, out_tokens=n + w,
                 group=G, dim=dim, bits=self.code_bits, per_token=prefix == "value", cache_dtype=self.dtype,
