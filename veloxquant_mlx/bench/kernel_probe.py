@@ -83,12 +83,19 @@ def parse_args(argv=None):
     p.add_argument("--contexts", default="32768,131072", help="decode contexts (default 32768,131072)")
     p.add_argument("--methods", default="fp16,kivi,xquant,turboquant_rvq",
                    help="cache specs of the `step` and `prefill` parts, as for `veloxquant bench` (default fp16,kivi,xquant,turboquant_rvq)")
+    p.add_argument("--prefill-context", type=int, default=32768,
+                   help="the `prefill` part's prompt length (default 32768)")
+    p.add_argument("--fills", type=int, default=2,
+                   help="fills per cache in the `prefill` part (default 2: cold, then warm)")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
     args = p.parse_args(argv)
     try:
         args.set = [constants.parse_setting(x) for x in args.set]
     except ValueError as exc:
         p.error(f"--set: {exc}")
+    if args.fills < 1 or args.prefill_context < 2048:
+        p.error(f"--fills {args.fills} / --prefill-context {args.prefill_context}: allowed are "
+                "fills >= 1 and a context of at least one 2048-token chunk")
     args.parts = [x for x in args.parts.split(",") if x]
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
@@ -235,8 +242,8 @@ def probe_decode(n: int) -> dict:
     return out
 
 
-def probe_prefill(specs, n: int = 32768, chunk: int = 2048) -> dict:
-    """One layer's n-token prompt in `chunk`-token chunks for fp16 and each of `specs` (two
+def probe_prefill(specs, n: int = 32768, chunk: int = 2048, fills: int = 2) -> dict:
+    """One layer's n-token prompt in `chunk`-token chunks for fp16 and each of `specs` (`fills`
     fills each, the first paying the JIT compiles of every history length), and at the end
     the pieces of one more chunk's attention for ours: building the history's K/V for the
     fused attention, that attention, and encoding one chunk (ms, device time)."""
@@ -255,7 +262,7 @@ def probe_prefill(specs, n: int = 32768, chunk: int = 2048) -> dict:
     out = {"tokens": n, "chunk": chunk, "fills": {}, "last_chunk_ms": {}}
     fp16 = parse_layer_spec("fp16")
     for spec in [fp16] + [s for s in specs if s.name != "fp16"]:
-        for _ in range(2):
+        for _ in range(fills):
             cache = spec.make()
             ours = isinstance(cache, CompressedKVCache)
             start = time.perf_counter()
@@ -349,7 +356,7 @@ def run(args) -> dict:
     if "decode" in args.parts:
         rows["decode"] = {str(n): probe_decode(n) for n in args.contexts}
     if "prefill" in args.parts:
-        rows["prefill"] = probe_prefill(args.specs)
+        rows["prefill"] = probe_prefill(args.specs, n=args.prefill_context, fills=args.fills)
     if "step" in args.parts:
         rows["step"] = {str(n): probe_step(n, args.specs) for n in args.contexts}
     return {"settings": {"parts": args.parts, "contexts": args.contexts,
