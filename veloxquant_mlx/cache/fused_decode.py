@@ -605,6 +605,18 @@ class FusedDecodeMeta:
         return self._value
 
 
+def side_dtype(key_scales, key_zeros, value_scales, value_zeros, what: str):
+    """The one dtype of a KIVI-layout cache's scales and zeros (the kernels' ST), refusing
+    arrays that do not share it."""
+    side = key_scales.dtype
+    if {value_scales.dtype, key_zeros.dtype, value_zeros.dtype} != {side}:
+        raise QuantizerConfigError(
+            f"{what}: scales and zeros must share one dtype, got {key_scales.dtype}, "
+            f"{key_zeros.dtype}, {value_scales.dtype}, {value_zeros.dtype}"
+        )
+    return side
+
+
 def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bits: int,
                 value_bits: int, skip: int = 0, exact_prefix=None):
     """A KIVI-layout cache's decode-step attention through the kernels, or None where they are
@@ -664,12 +676,7 @@ def affine_partials(
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
     DV = value_codes.shape[-1] * 32 // value_bits
-    side = key_scales.dtype
-    if {value_scales.dtype, key_zeros.dtype, value_zeros.dtype} != {side}:
-        raise QuantizerConfigError(
-            f"fused decode: scales and zeros must share one dtype, got {key_scales.dtype}, "
-            f"{key_zeros.dtype}, {value_scales.dtype}, {value_zeros.dtype}"
-        )
+    side = side_dtype(key_scales, key_zeros, value_scales, value_zeros, "fused decode")
     check_skip(skip, n_valid, "fused decode")
     per_block, n_hist_blocks, n_blocks = history_blocks(n_valid, BH, "fused decode")
     dtype = queries.dtype

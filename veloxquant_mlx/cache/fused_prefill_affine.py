@@ -306,12 +306,7 @@ def affine_prefill_keys_values(
     then the window (None: W = 0). Only call where supports(...) holds: prefill_step checks."""
     B, H, D, _ = key_codes.shape
     DV = value_codes.shape[-1] * 32 // value_bits
-    side = key_scales.dtype
-    if {key_zeros.dtype, value_scales.dtype, value_zeros.dtype} != {side}:
-        raise QuantizerConfigError(
-            f"fused prefill: scales and zeros must share one dtype, got {key_scales.dtype}, "
-            f"{key_zeros.dtype}, {value_scales.dtype}, {value_zeros.dtype}"
-        )
+    side = fused_decode.side_dtype(key_scales, key_zeros, value_scales, value_zeros, "fused prefill")
     if key_zeros.shape != key_scales.shape or value_zeros.shape != value_scales.shape:
         raise QuantizerConfigError(
             f"fused prefill: zeros {key_zeros.shape} / {value_zeros.shape} must have the scales' "
