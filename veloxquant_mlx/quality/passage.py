@@ -9,8 +9,8 @@ Chapter 4); the Gutenberg line breaks are kept. Enough text for more than 4,200 
 the 4K-context speed and bytes benchmarks can use it too.
 
 ``data/*_ids.json``: the protocol's token ids (``passage_tokens``) for one model file's tokenizer,
-committed so the protocol runs where no tokenizer library is installed (the GPU machine has
-neither ``tokenizers`` nor a usable tokenizer for the GGUF): ``passage_token_ids(model_file)``
+committed so the protocol runs where no tokenizer library is installed (the GPU machine lacks
+``tokenizers``, through which we build the GGUF's tokenizer): ``passage_token_ids(model_file)``
 reads them back and refuses them if the passage text changed since they were written.
 tests/bench/test_gpu_quality.py checks them against the tokenizer wherever the weights are.
 """
