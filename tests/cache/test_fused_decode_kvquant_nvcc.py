@@ -35,8 +35,7 @@ def test_the_8b_shape_compiles_within_its_register_bound(monkeypatch, tmp_path, 
     captured = test_kernels_nvcc._captured("kvquant", mx.bfloat16, 4, 128)
     sources = {kernel.cuda_source(sig) for kernel, sig in captured if kernel.name == "vq_codebook_decode_partials"}
     assert len(sources) == 1
-    report = test_kernels_nvcc._compile(sources.pop(), tmp_path, 0)
+    report = test_kernels_nvcc.compiled_without_spills(sources.pop(), tmp_path)
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     print(f"{constants or 'default'}: {registers} registers")
-    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
     assert registers <= most, report

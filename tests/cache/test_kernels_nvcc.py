@@ -64,13 +64,19 @@ def _compile(source: str, tmp_path, index: int) -> str:
     return report
 
 
+def compiled_without_spills(source: str, tmp_path, index: int = 0) -> str:
+    """ptxas's report of `source` compiled by nvcc for sm_90 (printed registers), asserting that
+    nothing spilled."""
+    report = _compile(source, tmp_path, index)
+    print(re.findall(r"Used \d+ registers.*", report))
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+    return report
+
+
 @pytest.mark.parametrize("method, dtype, rep, D", CASES)
 def test_every_kernel_compiles_for_sm90_without_spills(tmp_path, method, dtype, rep, D):
     captured = _captured(method, dtype, rep, D)
     assert len(captured) >= 2, f"{method}: the decode step launched {len(captured)} kernels (kernels not taken?)"
     sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
     with ThreadPoolExecutor(max_workers=2) as pool:
-        reports = list(pool.map(lambda a: _compile(a[1], tmp_path, a[0]), enumerate(sources)))
-    for report in reports:
-        print(re.findall(r"Used \d+ registers.*", report))
-        assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+        list(pool.map(lambda a: compiled_without_spills(a[1], tmp_path, a[0]), enumerate(sources)))

@@ -5,21 +5,16 @@ by nvcc for sm_90 (slow) as a proxy for nvrtc."""
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
-
 import mlx.core as mx
 import pytest
 
 from tests.cache import cuda_emulation
 from tests.cache.cuda_marks import cuda_test
+from tests.cache.test_kernels_nvcc import NVCC, compiled_without_spills
 from veloxquant_mlx.cache import kvquant_prefill_kernel
 from veloxquant_mlx.cache.base import CompressedKVCache
 from veloxquant_mlx.cache.kvquant import KVQuantCache
 from veloxquant_mlx.config import KVCacheConfig
-
-NVCC = shutil.which("nvcc")
 
 
 def _filled(dtype, tokens: int, *, bits=3, fraction=0.01, dim=64, B=1, H=2, chunk=96, seed=0):
@@ -98,11 +93,4 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path):
     sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
     assert len(sources) == 2  # keys (per-channel side data) and values (per-token)
     for i, source in enumerate(sources):
-        path = tmp_path / f"k{i}.cu"
-        path.write_text(source)
-        done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-o", str(path.with_suffix(".cubin")), "-Xptxas", "-v",
-                               str(path)], capture_output=True, text=True, timeout=600)
-        report = done.stdout + done.stderr
-        assert done.returncode == 0, report[-3000:]
-        print(re.findall(r"Used \d+ registers.*", report))
-        assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+        compiled_without_spills(source, tmp_path, i)
