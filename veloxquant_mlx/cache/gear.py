@@ -264,8 +264,7 @@ class GEARCache(CompressedKVCache):
         return self.batch_size * self.n_kv_heads * max(self.head_dim, self.value_dim) * 4
 
     def _prefill_piece_tokens(self) -> int:
-        blocks = self.prefill_decode_bytes // self._float32_bytes_per_token() // self.block_tokens
-        return max(1, blocks) * self.block_tokens
+        return prefill_pieces.piece_tokens(self.prefill_decode_bytes, self._float32_bytes_per_token(), self.block_tokens)
 
     def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
         """The history decoded + the exact window in the queries' dtype, for a prefill chunk's

@@ -28,6 +28,12 @@ import mlx.core as mx
 SYNC = 1
 
 
+def piece_tokens(budget_bytes: int, bytes_per_token: int, block: int) -> int:
+    """Tokens per piece: whole blocks of `block` tokens whose float32 history fits
+    `budget_bytes` at `bytes_per_token` (at least one block)."""
+    return max(1, budget_bytes // bytes_per_token // block) * block
+
+
 def chained(inputs, previous) -> list:
     """A piece's input arrays, made to wait for `previous` (the previous piece's decoded output;
     None for the first piece) unless pieces are synced instead."""

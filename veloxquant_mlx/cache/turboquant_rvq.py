@@ -343,8 +343,7 @@ class TurboQuantRVQCache(CompressedKVCache):
         n, w = self.n_compressed, self._window_length()
         B, H = self.batch_size, self.n_kv_heads
         per_token = B * H * max(self.head_dim, self.value_dim) * 4
-        blocks = self.prefill_decode_bytes // per_token // self.block_size
-        piece = max(1, blocks) * self.block_size
+        piece = prefill_pieces.piece_tokens(self.prefill_decode_bytes, per_token, self.block_size)
         out = []
         parts = ((self.head_dim, self.window_keys), (self.value_dim, self.window_values))
         previous = None
