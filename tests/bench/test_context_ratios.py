@@ -1,0 +1,68 @@
+"""bench.context_ratios: ratios taken inside one gpu_speed file, from its raw runs."""
+
+import json
+
+import pytest
+
+from veloxquant_mlx.bench import context_ratios
+
+
+def _run(decode_tps, prefill_s):
+    return {"decode_tps": decode_tps, "prefill_s": prefill_s}
+
+
+def _file(tmp_path, name, cases):
+    path = tmp_path / name
+    path.write_text(json.dumps({"cases": cases}))
+    return str(path)
+
+
+def test_decode_is_the_median_of_repeats_and_prefill_the_fastest_repeat(tmp_path):
+    path = _file(tmp_path, "a.json", [
+        {"spec": "fp16", "context": 4096, "runs": [_run(500, 1.0), _run(400, 0.5), _run(450, 0.5)]},
+        # A cold first repeat (slow prefill) must not count: the fastest is taken.
+        {"spec": "kivi", "context": 4096, "runs": [_run(300, 2.0), _run(360, 0.6), _run(450, 0.7)]},
+    ])
+    (row,) = context_ratios.collect([path])
+    assert row["spec"] == "kivi" and row["context"] == 4096
+    assert row["decode_vs_fp16"] == pytest.approx(360 / 450)
+    assert row["prefill_time_vs_fp16"] == pytest.approx(0.6 / 0.5)
+    assert row["repeats"] == 3 and row["source"] == path
+
+
+def test_a_later_file_wins_and_a_spec_without_fp16_at_its_context_is_left_out(tmp_path):
+    old = _file(tmp_path, "old.json", [
+        {"spec": "fp16", "context": 32768, "runs": [_run(400, 0.4)]},
+        {"spec": "gear", "context": 32768, "runs": [_run(100, 4.0)]},
+        {"spec": "gear", "context": 65536, "runs": [_run(100, 4.0)]},  # no fp16 at 64K here
+    ])
+    new = _file(tmp_path, "new.json", [
+        {"spec": "fp16", "context": 32768, "runs": [_run(500, 0.5)]},
+        {"spec": "gear", "context": 32768, "runs": [_run(400, 1.0)]},
+        {"spec": "mlx-q4", "context": 32768, "runs": []},  # failed: no finished run
+    ])
+    rows = context_ratios.collect([old, new])
+    assert [(r["spec"], r["context"]) for r in rows] == [("gear", 32768)]
+    assert rows[0]["source"] == new and rows[0]["decode_vs_fp16"] == pytest.approx(0.8)
+
+
+def test_a_file_that_is_not_a_gpu_speed_result_is_refused_by_name(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"quality": []}))
+    with pytest.raises(SystemExit, match="other.json is not a bench.gpu_speed result"):
+        context_ratios.collect([str(path)])
+
+
+def test_main_writes_the_table_and_the_plot(tmp_path, capsys):
+    path = _file(tmp_path, "a.json", [
+        {"spec": "fp16", "context": 2048, "runs": [_run(500, 0.1), _run(500, 0.1)]},
+        {"spec": "kivi", "context": 2048, "runs": [_run(450, 0.2), _run(460, 0.2)]},
+        {"spec": "fp16", "context": 4096, "runs": [_run(400, 0.2)]},
+        {"spec": "kivi", "context": 4096, "runs": [_run(420, 0.3)]},
+    ])
+    out = tmp_path / "ratios.json"
+    assert context_ratios.main([path, "--out", str(out)]) == 0
+    table = json.loads(out.read_text())
+    assert [(r["spec"], r["context"]) for r in table["rows"]] == [("kivi", 2048), ("kivi", 4096)]
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "kivi" in capsys.readouterr().out

@@ -1,0 +1,131 @@
+"""Each cache's speed against the fp16 KVCache's of the same run, over context, from several
+`bench.gpu_speed` files: a JSON table and a two-panel PNG (decode, prefill).
+
+    python -m veloxquant_mlx.bench.context_ratios results/gpu_speed_h200_s4_short.json \\
+        results/gpu_speed_h200_s6_32k_a.json results/gpu_speed_h200_s6_32k_b.json \\
+        results/gpu_speed_h200_s6_64k.json results/gpu_speed_h200_s5_128k.json \\
+        --out results/gpu_speed_h200_ratios.json          # and gpu_speed_h200_ratios.png beside it
+
+Why its own module: the H200's figures at different contexts come from different sessions and
+machines, on which fp16 itself decoded anywhere from 381 to 655 tok/s at 32K; tokens/s across
+runs mislead, a ratio to fp16 of the same run does not (as much). Every ratio here is taken
+inside one file, from its raw runs, not from the file's summaries (older files summarise prefill
+by the median, which mixes the first repeat's JIT compiles with warm repeats):
+  - decode: the median over repeats of each repeat's decode tokens/s, against fp16's;
+  - prefill: the fastest repeat's seconds, against fp16's fastest (the first repeat of each spec
+    at a new context pays the compiles of its shapes).
+Where two files hold the same (spec, context), the later file on the command line wins; the
+table says which file each ratio comes from and how many repeats it had.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+TARGET_LINES = {"decode": ((32768, 0.9), (131072, 1.0)), "prefill": ((32768, 1.2),)}
+
+
+def ratios_of_file(result: dict, source: str) -> dict[tuple[str, int], dict]:
+    """(spec, context) -> its decode and prefill ratios to fp16 in this one file (specs whose
+    fp16 case at that context has no finished run are left out)."""
+    cases = {}
+    for case in result.get("cases", []):
+        runs = [r for r in case.get("runs", []) if r.get("decode_tps") and r.get("prefill_s")]
+        if runs:
+            cases[(case["spec"], case["context"])] = runs
+    out = {}
+    for (spec, context), runs in cases.items():
+        fp16 = cases.get(("fp16", context))
+        if spec == "fp16" or fp16 is None:
+            continue
+        decode = statistics.median(r["decode_tps"] for r in runs)
+        fp16_decode = statistics.median(r["decode_tps"] for r in fp16)
+        prefill = min(r["prefill_s"] for r in runs)
+        fp16_prefill = min(r["prefill_s"] for r in fp16)
+        out[(spec, context)] = {
+            "spec": spec, "context": context, "source": source, "repeats": len(runs),
+            "fp16_repeats": len(fp16),
+            "decode_tps": decode, "fp16_decode_tps": fp16_decode,
+            "decode_vs_fp16": decode / fp16_decode,
+            "prefill_s": prefill, "fp16_prefill_s": fp16_prefill,
+            "prefill_time_vs_fp16": prefill / fp16_prefill,
+        }
+    return out
+
+
+def collect(paths: list[str]) -> list[dict]:
+    """Rows of every file, the later file winning a (spec, context) both hold."""
+    merged: dict[tuple[str, int], dict] = {}
+    for path in paths:
+        try:
+            result = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"context_ratios: cannot read {path}: {exc}") from None
+        if "cases" not in result:
+            raise SystemExit(f"context_ratios: {path} is not a bench.gpu_speed result (no 'cases')")
+        merged.update(ratios_of_file(result, path))
+    return sorted(merged.values(), key=lambda row: (row["spec"], row["context"]))
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    panels = (("decode_vs_fp16", "decode tokens/s vs fp16 (same run)", "decode"),
+              ("prefill_time_vs_fp16", "prefill time vs fp16 (same run, fastest repeat)", "prefill"))
+    for ax, (key, title, target) in zip(axes, panels):
+        for spec in sorted({row["spec"] for row in rows}):
+            mine = [row for row in rows if row["spec"] == spec]
+            (line,) = ax.plot([row["context"] for row in mine], [row[key] for row in mine], label=spec)
+            # Filled: at least two repeats (a warm one); hollow: one cold repeat (its prefill
+            # includes the context's JIT compiles, its decode is one median of tokens).
+            for row in mine:
+                warm = row["repeats"] >= 2 and row["fp16_repeats"] >= 2
+                ax.plot([row["context"]], [row[key]], marker="o", color=line.get_color(),
+                        markerfacecolor=line.get_color() if warm else "none")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        for context, level in TARGET_LINES[target]:
+            ax.plot([context], [level], marker="_", markersize=30, color="red")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("H200, 8B-shaped llama (8 layers, bf16); red marks: issue 5's targets; hollow: one cold repeat", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m veloxquant_mlx.bench.context_ratios",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", metavar="RESULT.json", help="bench.gpu_speed result files, oldest first")
+    p.add_argument("--out", required=True, help="the JSON table; the PNG goes beside it (same stem)")
+    p.add_argument("--no-plot", action="store_true", help="write the JSON only")
+    args = p.parse_args(argv)
+    rows = collect(args.files)
+    if not rows:
+        p.error("no (spec, context) with both the spec's and fp16's finished runs in " + ", ".join(args.files))
+    out = Path(args.out)
+    out.write_text(json.dumps({"command": "python -m veloxquant_mlx.bench.context_ratios " + " ".join(argv or sys.argv[1:]),
+                               "rows": rows}, indent=1) + "\n")
+    print(f"{'spec':<16} {'context':>7}  decode vs fp16  prefill vs fp16  repeats  source")
+    for row in rows:
+        print(f"{row['spec']:<16} {row['context']:>7}  {row['decode_vs_fp16']:>13.2f}x  "
+              f"{row['prefill_time_vs_fp16']:>14.2f}x  {row['repeats']:>7}  {row['source']}")
+    if not args.no_plot:
+        print("plot:", plot(rows, out.with_suffix(".png")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
