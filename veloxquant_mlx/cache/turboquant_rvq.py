@@ -137,7 +137,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode_rotated, prefill_pieces
+from veloxquant_mlx.cache import fused_decode_rotated, prefill_pieces, turboquant_prefill_kernel
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.hadamard import fast_transform_available, is_power_of_two, random_signs, rotate, unrotate
 from veloxquant_mlx.cache.packing import pack_codes
@@ -338,6 +338,11 @@ class TurboQuantRVQCache(CompressedKVCache):
         """
         if not self.n_compressed:
             return super()._prefill_keys_values(queries)
+        # On CUDA one kernel writes the whole K/V in the queries' dtype, ordered after the
+        # queries without a host sync (cache/turboquant_prefill_kernel.py); elsewhere the pieces.
+        fused = turboquant_prefill_kernel.prefill_step(self, queries)
+        if fused is not None:
+            return fused
         dtype = queries.dtype
         self._order_after_queries(queries)  # the base class's prefill_eval_queries
         n, w = self.n_compressed, self._window_length()
