@@ -23,7 +23,7 @@ needs_emulation = pytest.mark.skipif(cuda_emulation.COMPILER is None,
 
 
 def filled(dtype, history: int, window: int, *, key_bits: int, value_bits: int, dim: int = 64,
-           B: int = 2, H: int = 2, sink: bool = True, block: int = 64) -> TurboQuantRVQCache:
+           B: int = 2, H: int = 1, sink: bool = True, block: int = 64) -> TurboQuantRVQCache:
     """A cache of `history` compressed tokens (a multiple of `block`, the encode block) and
     `window` exact ones (the exact residual set to it), everything evaluated; keys carry a
     constant offset (what the key mean removes) and a large first token (what the sink keeps)."""
@@ -61,9 +61,9 @@ def same_bytes(a: mx.array, b: mx.array) -> bool:
 
 CASES = [
     # (cache dtype, queries dtype, key bits, value bits, head dim, sink, history, window, block)
-    # The kernel's tile is 8 tokens: histories of 4-token blocks (68 = 8 * 8 + 4) are not whole
-    # tiles, nor are the totals 69, 203 and 67; 192 + 0 and 64 + 0 are.
-    pytest.param(mx.bfloat16, mx.bfloat16, 4, 4, 64, True, 192, 11, 64, id="bf16-4-4-d64-sink"),
+    # The kernel's tile is 8 tokens (a warp each): the totals 139, 68, 67 and 69 end inside a
+    # tile, 64 does not; 4-token encode blocks give a history (68) that is not whole tiles.
+    pytest.param(mx.bfloat16, mx.bfloat16, 4, 4, 64, True, 128, 11, 64, id="bf16-4-4-d64-sink"),
     pytest.param(mx.float16, mx.float32, 1, 3, 64, False, 68, 0, 4, id="fp16-to-f32-1-3-d64"),
     pytest.param(mx.float32, mx.bfloat16, 2, 4, 128, True, 64, 3, 4, id="f32-to-bf16-2-4-d128-sink"),
     pytest.param(mx.bfloat16, mx.float16, 3, 2, 128, False, 64, 0, 64, id="bf16-to-fp16-3-2-d128"),
@@ -76,7 +76,7 @@ CASES = [
 def test_kernel_history_is_the_portable_path_bit_for_bit(dtype, qdtype, kb, vb, dim, sink, history,
                                                           window, block):
     cache = filled(dtype, history, window, key_bits=kb, value_bits=vb, dim=dim, sink=sink, block=block)
-    queries = mx.random.normal((2, 4, 9, dim)).astype(qdtype)
+    queries = mx.random.normal((2, 2, 9, dim)).astype(qdtype)
     pieces = cache._prefill_keys_values(queries)  # the portable path: kernels off on the CPU
     one_graph = CompressedKVCache._prefill_keys_values(cache, queries)
     mx.eval(pieces, one_graph)
@@ -112,18 +112,40 @@ def test_corrupted_sources_fail(monkeypatch, old, new):
     monkeypatch.setattr(tpk, "_SOURCE", tpk._SOURCE.replace(old, new))
     monkeypatch.setattr(tpk, "_HELPERS", tpk._HELPERS.replace(old, new))
     cache = filled(mx.float32, 64, 3, key_bits=4, value_bits=4, sink=True)
-    queries = mx.random.normal((2, 4, 5, 64))
+    queries = mx.random.normal((2, 2, 5, 64))
     reference = cache._prefill_keys_values(queries)
     mx.eval(reference)
     ours = kernel_path(cache, queries)
     assert not all(same_bytes(a, b) for a, b in zip(ours, reference))
 
 
+def test_kernel_path_orders_after_the_queries_without_a_host_sync(monkeypatch):
+    """The portable path's syncs (the queries' evaluation, one per piece) are not taken; the
+    store's inputs go through the base's mx.depends on the queries instead."""
+    from veloxquant_mlx.cache import prefill_pieces
+
+    cache = filled(mx.bfloat16, 64, 3, key_bits=3, value_bits=3)
+    queries = mx.random.normal((2, 2, 5, 64)).astype(mx.bfloat16)
+
+    def no_sync(*args):
+        raise AssertionError("a host sync of the portable path ran on the kernel path")
+
+    waited = []
+    ordered = CompressedKVCache._inputs_after_queries
+    monkeypatch.setattr(prefill_pieces, "settle", no_sync)
+    monkeypatch.setattr(TurboQuantRVQCache, "_order_after_queries", no_sync)
+    monkeypatch.setattr(TurboQuantRVQCache, "_inputs_after_queries",
+                        lambda self, arrays, q: waited.append(q) or ordered(self, arrays, q))
+    keys, values = kernel_path(cache, queries)
+    assert len(waited) == 1 and waited[0] is queries
+    assert keys.shape == (2, 1, 67, 64) and values.dtype == mx.bfloat16
+
+
 def test_portable_path_stays_off_cuda_and_for_refused_shapes(monkeypatch):
     """The kernel is taken only where it runs: on the CPU (kernels off) prefill_step answers None;
     with the kernels on, a shape supports() refuses (no kernel built) answers None too."""
     cache = filled(mx.bfloat16, 64, 3, key_bits=4, value_bits=4)
-    queries = mx.random.normal((2, 4, 5, 64)).astype(mx.bfloat16)
+    queries = mx.random.normal((2, 2, 5, 64)).astype(mx.bfloat16)
     assert tpk.prefill_step(cache, queries) is None
     assert tpk.supports(64, 128, 1, 4) and tpk.supports(256, 32, 3, 2)
     for args in ((512, 64, 4, 4), (64, 16, 4, 4), (96, 64, 4, 4), (64, 64, 5, 4), (64, 64, 4, 0)):
@@ -131,7 +153,7 @@ def test_portable_path_stays_off_cuda_and_for_refused_shapes(monkeypatch):
     monkeypatch.setattr(tpk, "supports", lambda *a: False)
     with cuda_emulation.emulated_kernels() as made:
         keys, values = cache._prefill_keys_values(queries)
-    assert made == [] and keys.shape == (2, 2, 67, 64)
+    assert made == [] and keys.shape == (2, 1, 67, 64)
 
 
 def test_launch_refuses_inconsistent_inputs():
@@ -167,7 +189,7 @@ GPU_CASES = [
 
 @cuda_test
 @pytest.mark.parametrize("dtype, kb, vb, dim, sink", GPU_CASES)
-def test_kernel_on_cuda_is_the_cpu_portable_path_bit_for_bit(dtype, kb, vb, dim, sink):
+def test_kernel_on_cuda_is_the_cpu_portable_path_bit_for_bit(monkeypatch, dtype, kb, vb, dim, sink):
     """On the GPU: bit for bit the portable path computed on the CPU (the order the kernel
     copies); against the GPU's own portable path (whose Hadamard transform and dequantize may sum
     or contract otherwise) at most one unit in the last place of the output dtype, and the
@@ -177,16 +199,14 @@ def test_kernel_on_cuda_is_the_cpu_portable_path_bit_for_bit(dtype, kb, vb, dim,
     assert tpk.prefill_step(cache, queries) is not None  # the kernel runs here
     ours = cache._prefill_keys_values(queries)
     mx.eval(ours)
-    saved = tpk.prefill_step
+    monkeypatch.setattr(tpk, "prefill_step", lambda *a: None)
     try:
-        tpk.prefill_step = lambda *a: None
         gpu_portable = cache._prefill_keys_values(queries)
         mx.eval(gpu_portable)
         mx.set_default_device(mx.cpu)
         cpu_portable = cache._prefill_keys_values(queries)
         mx.eval(cpu_portable)
     finally:
-        tpk.prefill_step = saved
         mx.set_default_device(mx.gpu)
     for a, b, c in zip(ours, cpu_portable, gpu_portable):
         assert same_bytes(a, b)
