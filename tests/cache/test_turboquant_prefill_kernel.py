@@ -86,6 +86,31 @@ def test_kernel_history_is_the_portable_path_bit_for_bit(dtype, qdtype, kb, vb, 
         assert same_bytes(a, b) and same_bytes(a, c)
 
 
+@needs_emulation
+def test_prefill_chunk_attention_through_the_kernel_is_unchanged():
+    """A whole prefill chunk's attention (update_and_fetch, then cache.attention of >=
+    prefill_rows queries: the fused mx.fast attention over the kernel's K/V, then the flush) gives
+    the portable path's output and leaves the same store."""
+    caches = [filled(mx.bfloat16, 64, 7, key_bits=4, value_bits=2, dim=64) for _ in range(2)]
+    mx.random.seed(11)
+    k, v = mx.random.normal((2, 2, 1, 24, 64)).astype(mx.bfloat16)
+    queries = mx.random.normal((2, 2, 24, 64)).astype(mx.bfloat16)
+    outs = []
+    for i, cache in enumerate(caches):
+        cache.update_and_fetch(k, v)
+        if i:
+            with cuda_emulation.emulated_kernels() as made:
+                outs.append(cache.attention(queries, scale=0.125))
+                mx.eval(outs[-1])
+            assert [m.name for m in made] == ["vq_rvq_prefill_kv"]
+        else:
+            outs.append(cache.attention(queries, scale=0.125))
+    assert same_bytes(outs[0], outs[1])
+    assert caches[0].n_compressed == caches[1].n_compressed
+    for name, array in caches[0].store.items():
+        assert mx.array_equal(array, caches[1].store[name]).item(), name
+
+
 # Source changes the comparison must catch (each compiles one more emulated program).
 CORRUPTIONS = [
     # a butterfly's difference taken the other way round (b - a for a - b). Not here: the
