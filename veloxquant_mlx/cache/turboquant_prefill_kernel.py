@@ -4,7 +4,8 @@ Why. A prefill chunk's attention reads the layer's whole history decoded
 (TurboQuantRVQCache._prefill_keys_values). The portable path builds it in 16 MiB float32 pieces
 through a compiled decoder and evaluates each piece before the next (prefill_pieces.settle), plus
 one evaluation of the queries first (base._order_after_queries): at a 32K prompt of 8 layers in
-2048-token chunks that is ~600 host syncs, each draining the GPU queue. On the H200 (session 6,
+2048-token chunks (8 kv heads, d 128: 4096-token pieces) chunk c >= 1 makes ~ceil(c / 2) pieces
+per part, so 15 + 2 * 64 = 143 host syncs per layer, ~1,150 in all, each draining the GPU queue. On the H200 (session 6,
 8B-shaped llama, 8 layers, bf16, 32K prompt) turboquant_rvq's prefill took 2.43x the fp16
 KVCache's time: ~0.5 s more, ~4 ms per layer and chunk, far above its arithmetic or bytes
 (writing one layer's 32K-token bf16 K/V is ~134 MB, ~50 us at HBM speed). Here one launch per
