@@ -69,6 +69,11 @@ veloxquant_mlx.bench.prefill_peak, results/turboquant_rvq_prefill_peak_cpu.json 
 decode (every op acts per token; tests/cache/test_turboquant_rvq_prefill_peak.py). The cost is one
 mx.eval per piece and one for the queries: on a GPU a sync each, 9 per layer per chunk at 16K
 history tokens (8 kv heads, d 128); its H200 time was not measured (no device this session).
+Session 6 measured turboquant_rvq's prefill on the H200 at 2.43x fp16's (8 layers, 32K prompt):
+~4 ms per layer and chunk above fp16, far more than the decode's bytes. On MLX's CUDA backend the
+pieces and both syncs are now replaced by one kernel per layer and chunk
+(cache/turboquant_prefill_kernel.py: the same values bit for bit under the CPU emulation, its
+inputs ordered after the queries by mx.depends); its GPU time is not measured yet.
 
 Encoding and the prefill decode run through mx.compile (`_compiled_encoder`,
 `_compiled_decoder`, module end): the elementwise work between mx.quantize, mx.dequantize, the
@@ -137,7 +142,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode_rotated, prefill_pieces
+from veloxquant_mlx.cache import fused_decode_rotated, prefill_pieces, turboquant_prefill_kernel
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.hadamard import fast_transform_available, is_power_of_two, random_signs, rotate, unrotate
 from veloxquant_mlx.cache.packing import pack_codes
@@ -335,9 +340,19 @@ class TurboQuantRVQCache(CompressedKVCache):
            evaluated before the next is made, so the float32 intermediates of the decode
            (stage values, their sum, the unrotation, the key mean, the sink correction) exist
            for one piece only and no concatenation with the window copies the result again.
+        On MLX's CUDA backend (kernels on, shapes turboquant_prefill_kernel.supports takes)
+        neither step runs: one kernel launch writes the whole result in the queries' dtype
+        (no float32 history at all, bit for bit these values under the CPU emulation), its
+        inputs ordered after the queries by mx.depends instead of a host sync (session 6: the
+        ~9 syncs per layer and chunk here were the suspects of the 2.43x prefill on the H200).
         """
         if not self.n_compressed:
             return super()._prefill_keys_values(queries)
+        # On CUDA one kernel writes the whole K/V in the queries' dtype, ordered after the
+        # queries without a host sync (cache/turboquant_prefill_kernel.py); elsewhere the pieces.
+        fused = turboquant_prefill_kernel.prefill_step(self, queries)
+        if fused is not None:
+            return fused
         dtype = queries.dtype
         self._order_after_queries(queries)  # the base class's prefill_eval_queries
         n, w = self.n_compressed, self._window_length()
