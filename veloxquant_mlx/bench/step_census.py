@@ -29,8 +29,9 @@ How (per method; fp16 is mlx-lm's KVCache with mlx-lm's attention):
     evaluates each token); a node reached from several layers counts for the first one;
   * host build time: `time.perf_counter` around each layer's two calls (no evaluation), median
     and quartiles over layers x steps;
-  * `--steps` defaults to one whole block of the layer-0 cache (its `block_size`, at least 8
-    and at most 256), so every block flush is inside the averages.
+  * `--steps` defaults to 256: whole blocks of every method (block sizes 32..256 divide it)
+    and one growth of the compressed store and of fp16's KVCache (both grow 256 tokens at a
+    time), so flushes and growth are inside the averages in their real proportion.
 
 Primitive names are MLX's (`Concatenate`, `AsType`, ...), `CustomKernel:<name>` for a kernel
 launch. `launches` counts primitives that run a kernel on CUDA: everything except the ones that
@@ -64,6 +65,7 @@ import mlx.core as mx
 METHODS = ("fp16", "kivi", "xquant", "turboquant_rvq", "minicache", "gear", "kvquant", "pyramidkv")
 LLAMA_8B_ATTENTION = dict(heads=32, kv_heads=8, head_dim=128)
 KERNEL = "CustomKernel"
+DEFAULT_STEPS = 256  # CompressedKVCache.step and mlx-lm KVCache.step: one growth of each
 # Primitives that make a view (no kernel) on MLX's CUDA backend: Broadcast/Slice/Transpose/
 # ExpandDims/Squeeze/AsStrided set strides; Reshape does when the input's strides allow (the
 # common case; a copying Reshape is counted here too, so `launches` is a lower bound); Depends
@@ -88,15 +90,23 @@ def primitive_id(array: mx.array) -> int | None:
     return int(re.search(rf'(\d+) -> "{re.escape(sink.group(1))}"', dot).group(1))
 
 
-def graph_nodes(outputs) -> dict[int, str]:
-    """{primitive id: its name} of every not yet evaluated primitive the arrays depend on
-    (MLX's dot export stops at evaluated arrays)."""
+def graph_nodes(outputs) -> list[tuple[int, str]]:
+    """(primitive id, name) of every not yet evaluated array's primitive that the arrays depend
+    on, once per array (siblings of a multi-output primitive once); MLX's dot export stops at
+    evaluated arrays. Ids are not unique: the calls of one mx.compile'd function share their
+    primitives, so a node is an entry of this list, not an id."""
     arrays = [a for a in outputs if isinstance(a, mx.array)]
     if not arrays:
-        return {}
+        return []
     text = io.StringIO()
     mx.export_to_dot(text, *arrays)
-    return {int(i): name for i, name in _NODE.findall(text.getvalue())}
+    return [(int(i), name) for i, name in _NODE.findall(text.getvalue())]
+
+
+def graph_counts(outputs, launched: dict[int, str]) -> Counter:
+    """Primitive names -> count over the arrays' unevaluated graph; the recorder's nodes
+    (`launched`: id -> what it stands for) by what they stand for."""
+    return Counter(launched.get(i, name) for i, name in graph_nodes(outputs))
 
 
 class KernelRecorder:
@@ -311,14 +321,17 @@ def decode_steps(caches, attention, *, steps: int, kv_heads: int, heads: int, he
                 evaluated.append(label)
             else:
                 launched[node] = label
-        # Attribute each node to the first layer reaching it (the whole step's graph is alive).
-        seen: set[int] = set()
-        for record, arrays in zip(layer_records, outputs):
-            nodes = {i: name for i, name in graph_nodes(arrays).items() if i not in seen}
-            seen.update(nodes)
-            record["primitives"] = Counter(launched.get(i, name) for i, name in nodes.items())
+        # Each node counts for the first layer reaching it: layer i's nodes are those of the
+        # graph of layers 0..i less those of layers 0..i-1 (one export each: within one export
+        # MLX visits each array once).
+        reached = Counter()
+        for i, record in enumerate(layer_records):
+            upto = graph_counts([a for arrays in outputs[: i + 1] for a in arrays], launched)
+            record["primitives"] = upto - reached
+            reached = upto
         # Launches built but never reached (their output unused): no kernel would run.
-        unreached = [label for i, label in launched.items() if i not in seen]
+        reached_ids = {i for i, _ in graph_nodes([a for arrays in outputs for a in arrays])}
+        unreached = [label for i, label in launched.items() if i not in reached_ids]
         layer_records[0]["unreached_launches"] = unreached
         layer_records[0]["evaluated_launches"] = evaluated
         mx.eval([a for arrays in outputs for a in arrays])
@@ -343,7 +356,7 @@ def census(method: str, model, *, history: int, steps: int | None, chunk: int, s
         prefill(caches, attention, history=history, chunk=chunk, seed=seed, **shape)
         block = getattr(caches[0], "block_size", 1)
         if steps is None:
-            steps = min(256, max(8, block))
+            steps = max(DEFAULT_STEPS, block)
         recorder = KernelRecorder()
         with cuda_path(recorder):
             # Warm-up: kernel factories, mx.compile traces, placeholders, the dispatcher link.
@@ -442,7 +455,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="attention layers (default 4: two pairs)")
     p.add_argument("--history", type=int, default=4096, help="tokens cached before the steps")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps (default: layer 0's block size, within [8, 256])")
+                   help=f"timed steps (default {DEFAULT_STEPS}, or the block size if larger)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
