@@ -27,8 +27,10 @@ How (per method; fp16 is mlx-lm's KVCache with mlx-lm's attention):
     arrays (window and store: a flush writes them after the attention, and the next step reads
     them), new nodes only (everything is evaluated between steps, as mlx-lm's generate
     evaluates each token); a node reached from several layers counts for the first one;
-  * host build time: `time.perf_counter` around each layer's two calls (no evaluation), median
-    and quartiles over layers x steps;
+  * host build time: `time.perf_counter` around each layer's two calls (no evaluation), less
+    the time spent in the recorder (its mx.depends is not the real launch call: the figure is
+    the host time of everything but the kernel / fused-op calls themselves, which a real launch
+    adds per launch), median and quartiles over layers x steps;
   * `--steps` defaults to 256: whole blocks of every method (block sizes 32..256 divide it)
     and one growth of the compressed store and of fp16's KVCache (both grow 256 tokens at a
     time), so flushes and growth are inside the averages in their real proportion.
@@ -117,7 +119,8 @@ class KernelRecorder:
     ops on the CPU stream (see cuda_path)."""
 
     def __init__(self):
-        self.launches: list[str] = []
+        self.launches: list = []  # (what it stands for, its first output)
+        self.seconds = 0.0
         self._placeholders: dict = {}
 
     def __call__(self, name, input_names, output_names, source, header="", ensure_row_contiguous=True,
@@ -130,9 +133,13 @@ class KernelRecorder:
         return launch
 
     def record(self, label: str, specs, inputs) -> list:
+        t0 = time.perf_counter()
         outs = [self._placeholder(shape, dtype) for shape, dtype in specs]
         outs = mx.depends(outs, [a for a in inputs if isinstance(a, mx.array)])
         self.launches.append((label, outs[0]))
+        # Its own time (mx.depends alone is ~12 us) is not the real launch call's: the census
+        # takes it out of the build time (see decode_steps).
+        self.seconds += time.perf_counter() - t0
         return outs
 
     def _placeholder(self, shape, dtype) -> mx.array:
@@ -309,10 +316,11 @@ def decode_steps(caches, attention, *, steps: int, kv_heads: int, heads: int, he
         for i, cache in enumerate(caches):
             k, v, q = inputs[s][i]
             with counting_syncs() as syncs:
+                recorded = recorder.seconds
                 t0 = time.perf_counter()
                 keys, values = cache.update_and_fetch(k, v)
                 out = attention(q, keys, values, cache=cache, scale=scale, mask=None)
-                build_s = time.perf_counter() - t0
+                build_s = time.perf_counter() - t0 - (recorder.seconds - recorded)
             outputs.append([out, *state_arrays(cache)])
             layer_records.append({"build_s": build_s, "syncs": syncs[0]})
         # The recorder's nodes by id: each stands for the launch that made it.
@@ -348,7 +356,7 @@ def launches_of(primitives: Counter) -> int:
 
 # ---- a method's census ----------------------------------------------------------------------
 def census(method: str, model, *, history: int, steps: int | None, chunk: int, seed: int = 0,
-           warmup_steps: int = 2) -> dict:
+           warmup_steps: int | None = None) -> dict:
     """One method's decode-step census (see the module docstring)."""
     heads, kv_heads, head_dim = (model.args.num_attention_heads, model.args.num_key_value_heads,
                                  model.args.head_dim)
@@ -359,9 +367,12 @@ def census(method: str, model, *, history: int, steps: int | None, chunk: int, s
         block = getattr(caches[0], "block_size", 1)
         if steps is None:
             steps = max(DEFAULT_STEPS, block)
+        if warmup_steps is None:
+            warmup_steps = max(2, block)
         recorder = KernelRecorder()
         with cuda_path(recorder):
-            # Warm-up: kernel factories, mx.compile traces, placeholders, the dispatcher link.
+            # Warm-up, one block (a flush included): kernel factories, mx.compile traces of the
+            # flush's shapes, placeholders, the dispatcher's link to each cache.
             decode_steps(caches, attention, steps=warmup_steps, seed=seed + 1, recorder=recorder, **shape)
             records = decode_steps(caches, attention, steps=steps, seed=seed + 2, recorder=recorder, **shape)
         kinds = [type(c).__name__ for c in caches]
@@ -428,6 +439,8 @@ def with_ratios(results: dict) -> dict:
             "extra_ops": round(own["ops"] - base["ops"], 3),
             "extra_launches": round(own["launches"] - base["launches"], 3),
             "build_ratio": round(own["build_us"]["median"] / base["build_us"]["median"], 3),
+            # The mean carries the flush steps' host time (a block's encode), the median not.
+            "build_ratio_mean": round(own["build_us"]["mean"] / base["build_us"]["mean"], 3),
         }
     return results
 
@@ -435,16 +448,17 @@ def with_ratios(results: dict) -> dict:
 def table(results: dict) -> str:
     """Markdown table: per layer and step (averaged over a block), and the typical step."""
     lines = [
-        "| method | ops | launches | syncs | build us (median [p25, p75]) | vs fp16 build | typical step (layer 0) |",
+        "| method | ops | launches | syncs | build us: median [p25, p75], mean | vs fp16 build (median, mean) | typical step (layer 0) |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         s = r["per_layer_step"]
         b = s["build_us"]
-        ratio = r.get("vs_fp16", {}).get("build_ratio", "")
+        vs = r.get("vs_fp16", {})
+        ratio = f"{vs['build_ratio']}, {vs['build_ratio_mean']}" if vs else ""
         typical = ", ".join(f"{k} x{v}" for k, v in r["layers"][0]["typical_step"].items())
         lines.append(f"| {name} | {s['ops']:.1f} | {s['launches']:.1f} | {s['host_syncs']:.2f} | "
-                     f"{b['median']:.0f} [{b['p25']:.0f}, {b['p75']:.0f}] | {ratio} | {typical} |")
+                     f"{b['median']:.0f} [{b['p25']:.0f}, {b['p75']:.0f}], {b['mean']:.0f} | {ratio} | {typical} |")
     return "\n".join(lines)
 
 
@@ -460,6 +474,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"timed steps (default {DEFAULT_STEPS}, or the block size if larger)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="untimed steps first (default: one block of the method, at least 2)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -479,7 +495,7 @@ def run(args) -> dict:
     for method in methods:
         t0 = time.perf_counter()
         results[method] = census(method, model, history=args.history, steps=args.steps,
-                                 chunk=args.chunk, seed=args.seed)
+                                 chunk=args.chunk, seed=args.seed, warmup_steps=args.warmup_steps)
         print(f"[step_census] {method}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return {
         "machine": f"{platform.node()} {platform.machine()} (CPU; CUDA path taken, kernels recorded)",
