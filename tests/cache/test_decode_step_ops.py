@@ -152,3 +152,32 @@ def test_census_recorder_runs_the_cuda_path_of_xquant():
     for c in cuda_step_counts(caches):
         assert c == {"Concatenate": 2, "CustomKernel:vq_affine_decode_partials": 1,
                      "CustomKernel:vq_affine_decode_merge": 1, "Reshape": 1}, c
+
+
+@pytest.mark.parametrize("method", ["xquant", "kvquant", "minicache"])
+def test_census_takes_the_kernel_path_the_emulation_runs(method):
+    """The kernels step_census records for a decode step are the ones the CUDA emulation
+    (tests/cache/cuda_emulation.py) builds and runs for the same step, and the emulated step's
+    output matches the portable step's."""
+    from tests.cache.cuda_emulation import COMPILER, emulated_decode_step
+
+    if COMPILER is None:
+        pytest.skip("no g++ with C++20 for the emulation")
+    from veloxquant_mlx.cache.registry import cache_class
+
+    cls, config = cache_class(method), KVCacheConfig(method=method)
+    # minicache pairs from half the depth on: layers 2 and 3 of 4 (the last is the upper one).
+    caches = [cls(config, 0, 1)] if method == "kvquant" else cls.build_layers(config, 4 if method == "minicache" else 2)
+    run_steps(caches, [200, 1])
+    cache = caches[-1]
+    cache.update_and_fetch(*kv(1, 77))
+    q = query(1, 78)
+    recorder = KernelRecorder()
+    with cuda_path(recorder):
+        cache.attention(q, scale=D**-0.5)
+    # attention flushes after the step; the decode step proper is what was recorded before it.
+    recorded = [label.split(":", 1)[1] for label, _ in recorder.launches if label.startswith("CustomKernel:")]
+    out, made = emulated_decode_step(cache, q, D**-0.5)
+    assert recorded and sorted(recorded) == sorted(k.name for k in made if k.calls)
+    portable = cache.attention(q, scale=D**-0.5)
+    assert mx.allclose(out, portable, atol=2e-2, rtol=2e-2).item()
