@@ -3,6 +3,8 @@
     python -m veloxquant_mlx.bench.step_census --out results/step_census_cpu.json
     python -m veloxquant_mlx.bench.step_census --methods fp16,xquant --history 1024 --layers 2 \
         --out /tmp/census.json                                        # quick look
+    python -m veloxquant_mlx.bench.step_census --out results/step_census_h200.json   # on the H200:
+        # --stand-ins auto is off there: the real kernels run, the host times are the H200 host's
 
 Why: on the H200 one layer's fused attention kernel takes ~0.09 ms at 32K tokens, while the
 fp16 step is ~2.0-2.6 ms for 8 layers; every extra primitive per layer and step costs a launch
@@ -361,8 +363,10 @@ def launches_of(primitives: Counter) -> int:
 
 # ---- a method's census ----------------------------------------------------------------------
 def census(method: str, model, *, history: int, steps: int | None, chunk: int, seed: int = 0,
-           warmup_steps: int | None = None) -> dict:
-    """One method's decode-step census (see the module docstring)."""
+           warmup_steps: int | None = None, stand_ins: bool = True) -> dict:
+    """One method's decode-step census (see the module docstring). `stand_ins` False: the
+    device's own path and kernels (on MLX's CUDA backend: the real launches, evaluated each
+    step, and the real host time of building them; on the CPU: the portable path)."""
     heads, kv_heads, head_dim = (model.args.num_attention_heads, model.args.num_key_value_heads,
                                  model.args.head_dim)
     dtype = model.model.embed_tokens.weight.dtype
@@ -375,7 +379,7 @@ def census(method: str, model, *, history: int, steps: int | None, chunk: int, s
         if warmup_steps is None:
             warmup_steps = max(2, block)
         recorder = KernelRecorder()
-        with cuda_path(recorder):
+        with cuda_path(recorder) if stand_ins else contextlib.nullcontext():
             # Warm-up, one block (a flush included): kernel factories, mx.compile traces of the
             # flush's shapes, placeholders, the dispatcher's link to each cache.
             decode_steps(caches, attention, steps=warmup_steps, seed=seed + 1, recorder=recorder, **shape)
@@ -481,6 +485,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="untimed steps first (default: one block of the method, at least 2)")
+    p.add_argument("--stand-ins", choices=("auto", "on", "off"), default="auto",
+                   help="record kernels and take CUDA's branches on this device (on), or run the "
+                        "device's own path (off; on MLX's CUDA backend: the real kernels and "
+                        "host times); auto: off on CUDA, else on")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -494,16 +502,21 @@ def run(args) -> dict:
         raise SystemExit(f"step_census: unknown method(s) {unknown}: allowed are {', '.join(METHODS)}")
     if "fp16" in methods:  # the reference first
         methods = ["fp16", *[m for m in methods if m != "fp16"]]
+    from veloxquant_mlx.cache.fused_decode import _on_cuda
+
+    stand_ins = {"on": True, "off": False, "auto": not _on_cuda()}[args.stand_ins]
     model = random_llama(hidden=256, layers=args.layers, intermediate=64, vocab=64,
                          dtype=getattr(mx, args.dtype), seed=args.seed, **LLAMA_8B_ATTENTION)
     results = {}
     for method in methods:
         t0 = time.perf_counter()
         results[method] = census(method, model, history=args.history, steps=args.steps,
-                                 chunk=args.chunk, seed=args.seed, warmup_steps=args.warmup_steps)
+                                 chunk=args.chunk, seed=args.seed, warmup_steps=args.warmup_steps,
+                                 stand_ins=stand_ins)
         print(f"[step_census] {method}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return {
-        "machine": f"{platform.node()} {platform.machine()} (CPU; CUDA path taken, kernels recorded)",
+        "machine": f"{platform.node()} {platform.machine()} ({mx.default_device()})",
+        "stand_ins": stand_ins,  # True: CUDA's path taken on this device, kernels recorded
         "mlx": mx.__version__,
         "shape": {**LLAMA_8B_ATTENTION, "layers": args.layers, "dtype": args.dtype,
                   "history": args.history},
