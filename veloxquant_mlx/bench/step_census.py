@@ -25,6 +25,11 @@ How (per method; fp16 is mlx-lm's KVCache with mlx-lm's attention):
     `mx.depends(placeholders, inputs)` node (placeholders of the output shapes, made once), so
     the step's graph is the one CUDA would get, with one node per kernel launch, and evaluating
     it costs nothing (its values are not the kernel's: only shapes and the graph count here);
+    likewise `mx.fast.scaled_dot_product_attention` of one query row (MLX's CUDA backend runs
+    it as one fused primitive, sdpa_vector, where the CPU stream composes ~10 ops) and
+    `mx.dequantize` (one primitive on the GPU stream, ~5 ops per bit position on the CPU's);
+    mx.compile traces made under these stand-ins stay in their functions' caches, so the
+    census runs in a process of its own (the command; the tests run it in a subprocess);
   * the graph: `mx.export_to_dot` over each layer's attention output and the cache's state
     arrays (window and store: a flush writes them after the attention, and the next step reads
     them), new nodes only (everything is evaluated between steps, as mlx-lm's generate
@@ -44,8 +49,8 @@ Transpose, ...; a Reshape that must copy does launch, so the figure is a lower b
 `host_syncs` counts mx.eval / mx.async_eval calls made inside the step (each drains the GPU
 queue); an `.item()` inside the step would not be counted: none of the decode paths has one.
 
-What it cannot tell: GPU time, the real kernel's per-launch cost, MLX's CUDA graph capture of
-a step (it batches launches; the census counts them before that). Figures of host build time
+What it cannot tell: GPU time, the real kernel's per-launch cost, how MLX's CUDA backend
+batches the launches it is handed (the census counts them before that). Figures of host build time
 come from this machine's CPU and Python, not the H200's host; read them as ratios to fp16.
 """
 
