@@ -113,6 +113,7 @@ from veloxquant_mlx.cache.sink import with_sink_placeholder
 from veloxquant_mlx.cache.sparse_outliers import (
     gather_entries,
     outlier_count,
+    outlier_ranking,
     replace_with_vector_mean,
     select_outliers,
 )
@@ -266,13 +267,12 @@ class KVQuantCache(CompressedKVCache):
         out = {}
         for prefix, blocks, axis in (("key", kb, -2), ("value", vb, -1)):
             count = self._outliers(blocks.shape[-1])
-            positions = kept = None
+            ranking = kept = None
             if count:
-                select = _outlier_function(count, axis, _fusion_is_exact(blocks.shape[axis]))
-                positions = select(blocks)
-                kept = kvquant_encode_kernel.masked_blocks(blocks, positions).sum(axis=axis)
-            codes, zero, scale, exact = kvquant_encode_kernel.encode_blocks(
-                blocks, self.store[f"{prefix}_codebook"], self.code_bits, axis == -2, MIN_SCALE, positions, kept
+                ranking = _ranking_function(count, axis, _fusion_is_exact(blocks.shape[axis]))(blocks)
+                kept = kvquant_encode_kernel.masked_blocks(blocks, ranking, count).sum(axis=axis)
+            codes, zero, scale, positions, exact = kvquant_encode_kernel.encode_blocks(
+                blocks, self.store[f"{prefix}_codebook"], self.code_bits, axis == -2, MIN_SCALE, count, ranking, kept
             )
             if count:
                 out[f"{prefix}_outlier_position"], out[f"{prefix}_outlier_value"] = positions, exact
@@ -519,14 +519,15 @@ def _normalize_function(count: int, axis: int, dtype: mx.Dtype):
 
 
 @lru_cache(maxsize=None)
-def _outlier_function(count: int, axis: int, compiled: bool):
-    """blocks -> sparse_outliers.select_outliers' positions, through mx.compile where fusion is
-    exact (`_fusion_is_exact`: the same ops and the same condition as in `_normalize_function`)."""
+def _ranking_function(count: int, axis: int, compiled: bool):
+    """blocks -> sparse_outliers.outlier_ranking (select_outliers' argpartition, read in place
+    by kvquant_encode_kernel.py), through mx.compile where fusion is exact (`_fusion_is_exact`:
+    the same ops and the same condition as in `_normalize_function`)."""
 
-    def select(blocks: mx.array) -> mx.array:
-        return select_outliers(blocks, count, axis)
+    def ranking(blocks: mx.array) -> mx.array:
+        return outlier_ranking(blocks, count, axis)
 
-    return mx.compile(select) if compiled else select
+    return mx.compile(ranking) if compiled else ranking
 
 
 @lru_cache(maxsize=None)

@@ -72,8 +72,10 @@ _HOLES = r"""
   __shared__ unsigned char hole[E];
   for (int e = tid; e < E; e += blockDim.x) hole[e] = 0;
   __syncthreads();
+  // ranking: the block's argpartition (sparse_outliers.outlier_ranking), E entries per block,
+  // read in place: its first NO entries are the outliers' positions.
   if (NO > 0) {
-    for (int o = tid; o < NO; o += blockDim.x) hole[positions[blk * NO + o]] = 1;
+    for (int o = tid; o < NO; o += blockDim.x) hole[ranking[blk * E + o]] = 1;
   }
   __syncthreads();
   const CT* x = blocks + blk * E;
@@ -97,7 +99,11 @@ _ENCODE_SOURCE = _HOLES + r"""
     mids[tid] = __fmul_rn(__fadd_rn(levels[tid + 1], levels[tid]), 0.5f);
   }
   if (NO > 0) {
-    for (int o = tid; o < NO; o += blockDim.x) exact[blk * NO + o] = x[positions[blk * NO + o]];
+    for (int o = tid; o < NO; o += blockDim.x) {
+      const unsigned p = ranking[blk * E + o];
+      positions[blk * NO + o] = (unsigned short)p;
+      exact[blk * NO + o] = x[p];
+    }
   }
   for (int v = tid; v < NV; v += blockDim.x) {
     float f = 0.0f;
@@ -149,7 +155,7 @@ _ENCODE_SOURCE = _HOLES + r"""
 def _masked_kernel():
     return mx.fast.cuda_kernel(
         name="vq_kvquant_encode_masked",
-        input_names=["blocks", "positions"],
+        input_names=["blocks", "ranking"],
         output_names=["masked"],
         source=_MASKED_SOURCE,
         header=fused_decode._HEADER + _ROUNDING,
@@ -163,8 +169,8 @@ def _encode_kernel(min_scale: float):
     constant = f"  constexpr float MIN_SCALE = {float(min_scale).hex()}f;\n"
     return mx.fast.cuda_kernel(
         name="vq_kvquant_block_encode",
-        input_names=["blocks", "positions", "kept", "codebook", "meta"],
-        output_names=["codes", "zero", "scale", "exact"],
+        input_names=["blocks", "ranking", "kept", "codebook", "meta"],
+        output_names=["codes", "zero", "scale", "positions", "exact"],
         source=constant + _ENCODE_SOURCE,
         header=fused_decode._HEADER + _ROUNDING,
     )
@@ -194,36 +200,39 @@ def _launch(kernel, blocks: mx.array, inputs: list, template: list, shapes: list
     )
 
 
-def masked_blocks(blocks: mx.array, positions: mx.array) -> mx.array:
-    """blocks (B, H, nb, G, D) in the cache dtype, positions (B, H, nb, count) uint16 ->
-    float32 blocks with the outliers' entries multiplied by 0 and the others by 1."""
+def masked_blocks(blocks: mx.array, ranking: mx.array, count: int) -> mx.array:
+    """blocks (B, H, nb, G, D) in the cache dtype, ranking (B, H, nb, G * D) uint32 (the
+    outliers' positions first: sparse_outliers.outlier_ranking) -> float32 blocks with the
+    `count` outliers' entries multiplied by 0 and the others by 1."""
     G, D = blocks.shape[3:]
-    template = [("G", G), ("D", D), ("NO", positions.shape[-1]), ("CT", blocks.dtype)]
-    return _launch(_masked_kernel(), blocks, [positions], template, [blocks.shape], [mx.float32])[0]
+    template = [("G", G), ("D", D), ("NO", count), ("CT", blocks.dtype)]
+    return _launch(_masked_kernel(), blocks, [ranking], template, [blocks.shape], [mx.float32])[0]
 
 
 def encode_blocks(blocks: mx.array, codebook: mx.array, bits: int, per_channel: bool, min_scale: float,
-                  positions: mx.array | None = None, kept: mx.array | None = None) -> tuple:
+                  count: int = 0, ranking: mx.array | None = None, kept: mx.array | None = None) -> tuple:
     """One part's blocks encoded -> (codes (B, H, nb, words) uint32, zero, scale (B, H, nb,
-    vectors) in the blocks' dtype, exact outlier values (B, H, nb, count) or None).
+    vectors) in the blocks' dtype, outlier positions (B, H, nb, count) uint16 and exact values
+    in the blocks' dtype, or None, None without outliers).
 
     blocks (B, H, nb, G, D) in the cache dtype; codebook (B, H, 2**bits) sorted levels;
-    `per_channel`: the vectors are channels (keys) else tokens (values); positions (B, H, nb,
-    count) uint16 and kept (B, H, nb, vectors) float32, the sums of the vectors' kept entries
-    (`masked_blocks` summed along the vector by MLX), or both None without outliers."""
+    `per_channel`: the vectors are channels (keys) else tokens (values); with `count`
+    outliers, ranking (B, H, nb, G * D) uint32 (sparse_outliers.outlier_ranking) and kept
+    (B, H, nb, vectors) float32, the sums of the vectors' kept entries (`masked_blocks` summed
+    along the vector by MLX)."""
     B, H, nb, G, D = blocks.shape
     dtype = blocks.dtype
-    count = 0 if positions is None else positions.shape[-1]
     vectors = D if per_channel else G
     per = 32 // bits
     words = (G * D + per - 1) // per
-    if positions is None:
-        positions, kept = fused_decode.absent_input(mx.uint16), fused_decode.absent_input(mx.float32)
+    if not count:
+        ranking, kept = fused_decode.absent_input(mx.uint32), fused_decode.absent_input(mx.float32)
     template = [("G", G), ("D", D), ("BITS", bits), ("PER_CHANNEL", int(per_channel)), ("NO", count), ("CT", dtype)]
     meta = mx.array([nb], dtype=mx.int32)
-    shapes = [(B, H, nb, words), (B, H, nb, vectors), (B, H, nb, vectors), (B, H, nb, count) if count else (1,)]
-    codes, zero, scale, exact = _launch(
-        _encode_kernel(min_scale), blocks, [positions, kept, codebook.astype(mx.float32), meta], template, shapes,
-        [mx.uint32, dtype, dtype, dtype],
+    sparse_shape = (B, H, nb, count) if count else (1,)
+    codes, zero, scale, positions, exact = _launch(
+        _encode_kernel(min_scale), blocks, [ranking, kept, codebook.astype(mx.float32), meta], template,
+        [(B, H, nb, words), (B, H, nb, vectors), (B, H, nb, vectors), sparse_shape, sparse_shape],
+        [mx.uint32, dtype, dtype, mx.uint16, dtype],
     )
-    return codes, zero, scale, exact if count else None
+    return (codes, zero, scale, positions, exact) if count else (codes, zero, scale, None, None)
