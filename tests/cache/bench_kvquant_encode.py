@@ -10,11 +10,12 @@ chunk (sink and codebook fit), `later` any other. Per dtype and chunk kind:
   - cpu_ms: median / min / max of `_encode` plus its evaluation on the CPU (the MLX ops'
     path: the only one the CPU runs);
   - primitives: the lazy graph of one `_encode` (mx.export_to_dot), views left out (reshape,
-    broadcast, slice, ...), as on CUDA: `ops` the MLX ops' path (what CUDA ran before
-    kvquant_encode_kernel.py, and still runs for a first chunk), `cuda` the path MLX's CUDA
-    backend now takes (a later chunk through the kernels; counted with a stand-in for
-    mx.fast.cuda_kernel that adds one node per launch), with the count per primitive;
-    a primitive is about one kernel launch on a GPU (a Compiled node is one fused kernel);
+    broadcast, slice, ...): `ops` the MLX ops' path as the CPU runs it (the codebook fit
+    compiled), `cuda` the path MLX's CUDA backend takes (the codebook fit not compiled; our
+    kernels on, each launch counted as one node through a stand-in for mx.fast.cuda_kernel:
+    run in a tree without the kernels, as main before session 6, it is the eager ops'),
+    with the count per primitive; a primitive is about one kernel launch on a GPU (a Compiled
+    node is one fused kernel);
   - host_syncs: mx.eval / mx.async_eval calls made inside `_encode` (the code has no .item(),
     .tolist() or numpy conversion: read it);
   - traces: how many times the encoder's compiled functions were traced over `--chunks`
@@ -39,7 +40,8 @@ import mlx.core as mx
 
 from tests.cache.test_encoder_identity import _kv
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.cache import fused_decode, kvquant, kvquant_encode_kernel, nonuniform_codebook
+from tests.cache import cuda_emulation
+from veloxquant_mlx.cache import fused_decode, kvquant, nonuniform_codebook
 from veloxquant_mlx.cache.kvquant import KVQuantCache
 
 VIEW_PRIMITIVES = {"Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose", "AsStrided"}
@@ -73,28 +75,30 @@ def cpu_ms(keys, values, first: bool, rounds: int) -> dict:
 def _stand_in_kernels():
     """mx.fast.cuda_kernel replaced by a stand-in (nothing is computed): its outputs are zeros
     made to depend on its inputs (mx.depends), so the graph keeps everything the launch reads;
-    `primitives` swaps those Full and Depends nodes for one node per launch."""
+    `primitives` swaps those Full and Depends nodes for one node per launch. Yields the list
+    of (kernel name, outputs) launched."""
     launches = []
 
     def build(name, input_names, output_names, source, header="", **_):
         def launch(*, inputs, output_shapes, output_dtypes, **__):
-            launches.append(name)
+            launches.append((name, len(output_shapes)))
             outs = [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
             return mx.depends(outs, list(inputs))
 
         return launch
 
+    builders = cuda_emulation.kernel_builders()  # every lru-cached kernel factory of our caches
     saved = mx.fast.cuda_kernel, fused_decode.kernels_enabled, nonuniform_codebook._fit_compiled
-    for built in (kvquant_encode_kernel._masked_kernel, kvquant_encode_kernel._encode_kernel):
+    for built in builders:
         built.cache_clear()
-    # As on CUDA: the kernels on, the codebook fit eager (nonuniform_codebook._fit_compiled).
+    # As on CUDA: the kernels on, the codebook fit not compiled (nonuniform_codebook._fit_compiled).
     mx.fast.cuda_kernel, fused_decode.kernels_enabled = build, (lambda: True)
     nonuniform_codebook._fit_compiled = lambda: False
     try:
         yield launches
     finally:
         mx.fast.cuda_kernel, fused_decode.kernels_enabled, nonuniform_codebook._fit_compiled = saved
-        for built in (kvquant_encode_kernel._masked_kernel, kvquant_encode_kernel._encode_kernel):
+        for built in builders:
             built.cache_clear()
 
 
@@ -118,10 +122,9 @@ def primitives(keys, values, first: bool, path: str) -> dict:
     nodes = _graph(list(out.values()) + new_store)
     if launches:
         # The stand-in's zeros (one Full per kernel output) and its Depends nodes -> the launches.
-        outputs = {"vq_kvquant_encode_masked": 1, "vq_kvquant_block_encode": 5}
-        nodes["Full"] -= sum(outputs[name] for name in launches)
+        nodes["Full"] -= sum(outputs for _, outputs in launches)
         nodes.pop("Depends", None)
-        for name in launches:
+        for name, _ in launches:
             nodes[name] += 1
         nodes = +nodes  # drop zero counts
     return {"total": sum(nodes.values()), "by_primitive": dict(sorted(nodes.items()))}
@@ -165,8 +168,9 @@ def traces(keys, values, chunks: int, path: str) -> list[int]:
             return _f(*a, **k)
 
         setattr(module, name, counting)
-    for fn in (kvquant._compiled_normalize, kvquant._compiled_codes, kvquant._ranking_function,
-               nonuniform_codebook._compiled_lloyd):
+    compiled = [getattr(kvquant, n, None) for n in ("_compiled_normalize", "_compiled_codes", "_ranking_function")]
+    compiled = [f for f in compiled + [nonuniform_codebook._compiled_lloyd] if f is not None]
+    for fn in compiled:
         fn.cache_clear()
     per_chunk = []
     try:
@@ -184,8 +188,7 @@ def traces(keys, values, chunks: int, path: str) -> list[int]:
     finally:
         for (module, name), original in wrapped.items():
             setattr(module, name, original)
-        for fn in (kvquant._compiled_normalize, kvquant._compiled_codes, kvquant._ranking_function,
-                   nonuniform_codebook._compiled_lloyd):
+        for fn in compiled:
             fn.cache_clear()
     return per_chunk
 
