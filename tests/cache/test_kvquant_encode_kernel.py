@@ -58,7 +58,15 @@ CASES = [
     (3, 64, mx.float16, 2, 0.01, True),  # SmolLM2's shape
     (2, 64, mx.float16, 4, 0.0, True),  # no outliers: the encode kernel alone
     (2, 64, mx.float16, 3, 0.02, "degenerate"),  # zero vectors, -0.0, ties among outlier scores
+    (2, 80, mx.bfloat16, 3, 0.01, True),  # values of 80 channels: the outlier ranking runs eagerly
 ]
+
+
+def _batched(keys, values, batch):
+    """K/V of `batch` sequences: the given ones, then the same scaled and shifted."""
+    ks = [keys * (1 + 0.5 * b) + b for b in range(batch)]
+    vs = [values * (1 - 0.25 * b) for b in range(batch)]
+    return mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
 
 
 @needs_compiler
@@ -68,6 +76,8 @@ def test_kernel_encode_is_the_ops_encode_bit_for_bit(heads, dim, dtype, bits, fr
     first = 32 * 9 if data == "degenerate" else 32 * 6
     later = 32 * 12 if data == "degenerate" else 32 * 4
     keys, values = _kv(first + later, heads, dim, dtype, seed=bits, real_shaped=data)
+    if dim == 64 and data is True:  # two sequences: per-sequence codebooks and blocks
+        keys, values = _batched(keys, values, 2)
     reference, ours, made = _later_chunk_both_ways(bits, fraction, keys, values, first, cuda_emulation.emulated_kernels)
     names = sorted(k.name for k in made)
     assert names == (["vq_kvquant_block_encode", "vq_kvquant_encode_masked"] if fraction else ["vq_kvquant_block_encode"])
