@@ -20,7 +20,10 @@ chunk (sink and codebook fit), `later` any other. Per dtype and chunk kind:
     .tolist() or numpy conversion: read it);
   - traces: how many times the encoder's compiled functions were traced over `--chunks`
     chunks of the same size and a last one a token short of whole blocks, as mlx-lm's
-    prefill makes them (first chunk, later chunks, last chunk).
+    prefill makes them (first chunk, later chunks, last chunk);
+  - whole later prefill chunk: the primitives and host syncs of the layer's whole chunk
+    (update_and_fetch and the attention with 32 query heads, which decodes the history and
+    encodes the chunk), for the encode's share of it.
 """
 
 from __future__ import annotations
@@ -193,6 +196,35 @@ def traces(keys, values, chunks: int, path: str) -> list[int]:
     return per_chunk
 
 
+def whole_chunk(keys, values, path: str, query_heads: int = 32) -> dict:
+    """A layer's whole prefill chunk after the first (update_and_fetch, then the attention,
+    which decodes the history and flushes the chunk through `_encode`): its graph's primitives
+    and the host syncs (mx.eval / mx.async_eval) made while building it, to put the encode's
+    share in context. `cuda`: our kernels on (each launch one node), as on MLX's CUDA backend."""
+    cache = _cache_after(keys, values, first=False)
+    B, H, n, D = keys.shape
+    queries = mx.random.normal((B, query_heads, n, D)).astype(keys.dtype)
+    mx.eval(queries)
+    calls = []
+    saved = mx.eval, mx.async_eval
+    with _stand_in_kernels() if path == "cuda" else _nothing() as launches:
+        mx.eval = lambda *a, **k: calls.append("eval") or saved[0](*a, **k)
+        mx.async_eval = lambda *a, **k: calls.append("async_eval") or saved[1](*a, **k)
+        try:
+            cache.update_and_fetch(keys, values)
+            out = cache.attention(queries, scale=D**-0.5, mask="causal")
+        finally:
+            mx.eval, mx.async_eval = saved
+        nodes = _graph([out, *cache.store.values()])
+    if launches:
+        nodes["Full"] -= sum(outputs for _, outputs in launches)
+        nodes.pop("Depends", None)
+        for name, _ in launches:
+            nodes[name] += 1
+        nodes = +nodes
+    return {"primitives": sum(nodes.values()), "host_syncs": len(calls), "by_primitive": dict(sorted(nodes.items()))}
+
+
 @contextmanager
 def _nothing():
     yield
@@ -223,6 +255,7 @@ def main(argv=None) -> None:
             print(case, json.dumps(row), flush=True)
         for path in ("ops", "cuda"):
             rows[f"{dtype_name} traces per chunk ({path})"] = traces(keys, values, args.chunks, path)
+            rows[f"{dtype_name} whole later prefill chunk ({path})"] = whole_chunk(keys, values, path)
     result = {
         "command": "python -m tests.cache.bench_kvquant_encode " + " ".join(sys.argv[1:] if argv is None else argv),
         "ld_preload": os.environ.get("LD_PRELOAD"),
