@@ -213,6 +213,10 @@ class KVQuantCache(CompressedKVCache):
 
     # ---- encoding -----------------------------------------------------------------------------
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        """Whole blocks of the window -> the store's arrays for them (module docstring). The
+        first chunk (sink, codebook fit) runs the MLX ops, compiled where exact; a later one on
+        MLX's CUDA backend with our kernels on `_kernel_encode` (~18 launches per layer and
+        chunk instead of ~60; tests/cache/bench_kvquant_encode.py), elsewhere the same ops."""
         B, H, n, _ = keys.shape
         G, nb = self.group_size, keys.shape[2] // self.group_size
         first = self.n_compressed == 0
