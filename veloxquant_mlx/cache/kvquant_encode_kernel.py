@@ -25,8 +25,16 @@ CUDA thread block:
     values. Every float op is the ops' op in the same order, written with CUDA's
     round-to-nearest intrinsics (__fadd_rn, __fsub_rn, __fmul_rn, __fdiv_rn), which nvrtc never
     contracts into an FMA, so the result does not depend on --fmad.
-Per part and later chunk on CUDA: the outlier selection's ~7 launches (compiled as before), then
-2 here plus MLX's one sum, ~10 instead of ~29; without outliers, 1 launch instead of ~12.
+The outlier selection is sparse_outliers.outlier_ranking, compiled as before: a cast to float32
+(bf16 / fp16 caches), the mean's and the variance's sums, two fused kernels, the argpartition; the
+kernels read the argpartition's output in place (its first `count` entries per block are the
+positions) and write the uint16 positions themselves (the ops' slice and cast: a launch).
+Counted for one layer of 8 KV heads x 128, a 2048-token chunk, 1% outliers (`python -m
+tests.cache.bench_kvquant_encode`, results/kvquant_encode_s6.json against main 4954451 in
+kvquant_encode_s6_main.json; a primitive of the lazy graph ~ a launch on a GPU): a later
+chunk's encode 60 -> 18 primitives in bf16 (58 -> 16 in float32), the layer's whole later
+prefill chunk (append, history decode, attention, encode) 104 -> 62; host syncs 0 before and
+after. Not timed on a GPU.
 
 Where the ops' answer depends on an order the kernel cannot know, it takes a fixed rule: min and
 max treat -0.0 as below +0.0 (only the sign of a stored zero of an all-zero vector can depend on
