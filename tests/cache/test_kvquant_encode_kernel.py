@@ -13,7 +13,7 @@ from tests.cache import cuda_emulation
 from tests.cache.cuda_marks import cuda_test
 from tests.cache.test_encoder_identity import _bits, _kv
 from tests.cache.test_kernels_nvcc import NVCC, compiled_without_spills
-from veloxquant_mlx.cache import kvquant_encode_kernel
+from veloxquant_mlx.cache import kvquant_encode_kernel, kvquant_fit_kernel, nonuniform_codebook
 from veloxquant_mlx.cache.kvquant import KVQuantCache
 from veloxquant_mlx.config import KVCacheConfig
 
@@ -94,6 +94,23 @@ def test_a_first_chunk_keeps_the_ops():
         cache._flush()
         mx.eval(cache.store)
     assert made == []
+
+
+@needs_compiler
+def test_the_enabled_switches_turn_the_kernels_off(monkeypatch):
+    """kvquant_encode_kernel.ENABLED / kvquant_fit_kernel.ENABLED = False (the measurement
+    modules' --set, for an A/B on the GPU): the MLX ops, with our other kernels still on."""
+    monkeypatch.setattr(kvquant_encode_kernel, "ENABLED", False)
+    monkeypatch.setattr(kvquant_fit_kernel, "ENABLED", False)
+    monkeypatch.setattr(nonuniform_codebook, "_fit_compiled", lambda: False)
+    keys, values = _kv(128, 2, 64, mx.float16, seed=1, real_shaped=True)
+    cache = KVQuantCache(KVCacheConfig(method="kvquant"))
+    with cuda_emulation.emulated_kernels() as made:
+        for part in (slice(0, 64), slice(64, 128)):  # a first chunk (the fit), then a later one
+            cache.update_and_fetch(keys[:, :, part], values[:, :, part])
+            cache._flush()
+            mx.eval(cache.store)
+    assert cache.n_compressed == 128 and made == []
 
 
 def test_blocks_too_large_for_the_shared_flags_keep_the_ops(monkeypatch):

@@ -55,6 +55,9 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
 
+# False: the MLX ops instead, whatever the backend (for an A/B on the GPU: the measurement
+# modules' `--set kvquant_encode_kernel.ENABLED=0`).
+ENABLED = True
 THREADS = 128
 # The block's hole flags are one byte per entry of static shared memory (48 KB per block):
 # larger blocks (G * D over this) keep the MLX ops.
@@ -186,8 +189,8 @@ def _encode_kernel(min_scale: float):
 
 def enabled() -> bool:
     """Whether a later chunk's encode runs through these kernels (MLX's CUDA backend, kernels
-    on: fused_decode.kernels_enabled, VELOXQUANT_CUDA_KERNELS)."""
-    return fused_decode.kernels_enabled()
+    on: fused_decode.kernels_enabled, VELOXQUANT_CUDA_KERNELS) and ENABLED."""
+    return ENABLED and fused_decode.kernels_enabled()
 
 
 def fits(group: int, dim: int) -> bool:

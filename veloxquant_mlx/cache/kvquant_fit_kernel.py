@@ -37,6 +37,9 @@ import mlx.core as mx
 from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.kvquant_encode_kernel import _ROUNDING
 
+# False: the MLX ops instead, whatever the backend (for an A/B on the GPU: the measurement
+# modules' `--set kvquant_fit_kernel.ENABLED=0`).
+ENABLED = True
 PRODUCT_THREADS = 256
 UPDATE_THREADS = 256
 
@@ -125,8 +128,8 @@ def _update_kernel():
 
 def enabled() -> bool:
     """Whether fit_codebook's iterations run through these kernels off the CPU (MLX's CUDA
-    backend, kernels on: fused_decode.kernels_enabled, VELOXQUANT_CUDA_KERNELS)."""
-    return fused_decode.kernels_enabled()
+    backend, kernels on: fused_decode.kernels_enabled, VELOXQUANT_CUDA_KERNELS) and ENABLED."""
+    return ENABLED and fused_decode.kernels_enabled()
 
 
 def lloyd_iterations(x: mx.array, levels: mx.array, iterations: int) -> mx.array:
