@@ -15,6 +15,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import kvquant_fit_kernel
+
 # Enough samples for 16 levels to settle; more only costs time at the first flush.
 MAX_FIT_SAMPLES = 16384
 
@@ -28,7 +30,10 @@ def fit_codebook(samples: mx.array, n_levels: int, iterations: int = 20) -> mx.a
 
     On the CPU it runs through mx.compile (one trace per setting and shape): the 20 unrolled
     iterations' compares, one-hot and products fuse into a few kernels each instead of ~10 ops
-    per iteration. Elsewhere it runs as eager ops: a fit runs once per layer (the first
+    per iteration. On MLX's CUDA backend with our kernels on (VELOXQUANT_CUDA_KERNELS) the
+    iterations run through kvquant_fit_kernel.py: 3 launches each (two kernels and MLX's sum
+    of hits * x) instead of the eager ops' ~13, the same levels; 2 JIT compiles on first use.
+    Elsewhere it runs as eager ops: a fit runs once per layer (the first
     encoded block), so fusion saves a few hundred launches once (~ms on a GPU), while each of
     the fit's distinct fused kernels is a JIT compile on a GPU's first use (MLX's CUDA backend
     compiles every fused kernel with nvrtc, ~seconds each cold; kvquant's untimed 2K warm-up
@@ -44,9 +49,18 @@ def fit_codebook(samples: mx.array, n_levels: int, iterations: int = 20) -> mx.a
     n = x.shape[-1]
     if n > MAX_FIT_SAMPLES:  # a strided subsample keeps every part of the block represented
         x = x[..., :: (n + MAX_FIT_SAMPLES - 1) // MAX_FIT_SAMPLES]
-    if not _fit_compiled():
-        return _lloyd(x, n_levels, iterations)
-    return _compiled_lloyd(n_levels, iterations)(x)
+    if _fit_compiled():
+        return _compiled_lloyd(n_levels, iterations)(x)
+    if _fit_kernels_apply(n_levels):
+        return kvquant_fit_kernel.lloyd_iterations(x, _initial_levels(x, n_levels), iterations)
+    return _lloyd(x, n_levels, iterations)
+
+
+def _fit_kernels_apply(n_levels: int) -> bool:
+    """Whether the Lloyd iterations run through kvquant_fit_kernel.py: on MLX's CUDA backend
+    with our kernels on, for 4, 8 or 16 levels (the kernels' templates); there ~3 launches an
+    iteration instead of the eager ops' ~13, the same levels."""
+    return n_levels in (4, 8, 16) and kvquant_fit_kernel.enabled()
 
 
 def _fit_compiled() -> bool:
@@ -60,11 +74,16 @@ def _compiled_lloyd(n_levels: int, iterations: int):
     return mx.compile(lambda x: _lloyd(x, n_levels, iterations))
 
 
-def _lloyd(x: mx.array, n_levels: int, iterations: int) -> mx.array:
+def _initial_levels(x: mx.array, n_levels: int) -> mx.array:
+    """The samples' quantiles: level k starts at the sample of rank (k + 0.5) * N / K."""
     n = x.shape[-1]
     ordered = mx.sort(x, axis=-1)
     picks = ((mx.arange(n_levels) + 0.5) * n / n_levels).astype(mx.int32)
-    levels = mx.take(ordered, mx.minimum(picks, n - 1), axis=-1)
+    return mx.take(ordered, mx.minimum(picks, n - 1), axis=-1)
+
+
+def _lloyd(x: mx.array, n_levels: int, iterations: int) -> mx.array:
+    levels = _initial_levels(x, n_levels)
     one = mx.arange(n_levels)
     for _ in range(iterations):
         codes = nearest_level(x, levels)
