@@ -29,7 +29,10 @@ can share one model as long as it stays installed. A cache remembers the dispatc
 last called it, and its update_and_fetch skips building the decoded K/V only while that object
 is installed: a patch switched per round (measured on the CPU, 8 layers: 0.2 ms to open and close
 a spec's patch) would install a NEW dispatcher each time, so each cache's first step after a
-switch would build its decode graph again. `held_dispatcher` therefore keeps one reference to
+switch would build its decode graph again (measured on the CPU, kivi after a 1024-token prompt,
+machine loaded: update_and_fetch 116 us with a stale dispatcher against 2.5 us with the installed
+one, per layer: ~1 ms of host time in the first timed step of 8 layers after every switch).
+`held_dispatcher` therefore keeps one reference to
 the dispatcher for the whole context (dispatch.install counts references): every spec's patch
 during the prefills and every round reuse that same object. fp16 and mlx-lm's caches then pass
 through it: one isinstance check and one Python call per layer (0.8 us per call measured on the
