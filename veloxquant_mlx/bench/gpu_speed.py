@@ -34,7 +34,8 @@ tokens per spec at that context (recorded under `context_warmup`), so even the f
 repeat is warm and one repeat gives a warm prefill. It costs one cold prefill per spec and
 context: at 128K on the H200 the single (cold) repeats of session 5 sum to ~68 s over 8 specs
 (fp16 5.9, kivi 4.0, xquant 4.2, minicache 4.1, gear 8.0, turboquant_rvq 9.1, kvquant 30.1,
-pyramidkv 2.8 s; results/gpu_speed_h200_s5_128k.json), at 32K ~40 s (session 6's cold repeats).
+pyramidkv 2.8 s; results/gpu_speed_h200_s5_128k.json); at 32K session 6's cold first repeats
+were fp16 1.05, kivi 2.18, minicache 8.64, gear 20.3 s.
 With `--repeats 2` or more it buys nothing for prefill (the fastest repeat is warm) and costs
 more than a third repeat would.
 
