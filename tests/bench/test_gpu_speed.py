@@ -49,16 +49,21 @@ def test_failures_and_budget_are_recorded(tmp_path):
     assert case["skipped"].startswith("budget") and case["runs"] == []
 
 
-def test_targets_compare_ours_with_fp16():
-    def case(spec, kind, context, tps, prefill_s):
-        return {"spec": spec, "kind": kind, "context": context,
-                "prefill_s": {"median": prefill_s}, "decode_tps": {"median": tps},
-                "ratio_vs": {"fp16": {"decode_tps": tps / 100}} if kind == "ours" else {}}
-    rows = gpu_speed.check_targets([case("fp16", "fp16", 32768, 100, 1.0),
-                                    case("kivi", "ours", 32768, 95, 1.3),
-                                    case("kivi", "ours", 131072, 99, 5.0)])
-    met = {(r["context"], r["target"].split()[0]): r["met"] for r in rows}
-    assert met == {(32768, "decode"): True, (32768, "prefill"): False, (131072, "decode"): False}
+def test_targets_compare_ours_with_fp16_and_prefer_the_paired_decode_ratio():
+    def case(spec, kind, context, decode_ratio, prefill_time, paired=None):
+        vs = {"decode_tps": decode_ratio, "prefill_time": prefill_time}
+        if paired is not None:
+            vs["decode_tps_paired"] = paired
+        return {"spec": spec, "kind": kind, "context": context, "ratio_vs": {"fp16": vs} if kind == "ours" else {}}
+    rows = gpu_speed.check_targets([case("fp16", "fp16", 32768, None, None),
+                                    case("kivi", "ours", 32768, 0.95, 1.3),
+                                    case("kivi", "ours", 131072, 0.99, 5.0),
+                                    case("gear", "ours", 131072, 0.8, None, paired=1.02)])
+    met = {(r["spec"], r["context"], r["target"].split()[0]): (r["met"], r["basis"]) for r in rows}
+    assert met == {("kivi", 32768, "decode"): (True, "decode figures (median over repeats)"),
+                   ("kivi", 32768, "prefill"): (False, "fastest repeat of each"),
+                   ("kivi", 131072, "decode"): (False, "decode figures (median over repeats)"),
+                   ("gear", 131072, "decode"): (True, "median of per-round ratios (interleaved)")}
 
 
 def test_each_finished_run_is_saved_and_a_cut_file_can_be_recomputed(tmp_path, monkeypatch):
@@ -74,7 +79,7 @@ def test_each_finished_run_is_saved_and_a_cut_file_can_be_recomputed(tmp_path, m
     assert gpu_speed.main(["--quick", *TINY, "--contexts", "64", "--methods", "fp16,kivi",
                            "--prefill-step-size", "32", "--out", str(out)]) == 0
     # fp16's finished run was in the file before kivi's run started (not only at the context's end)
-    assert [("fp16", 64, 1)] in seen
+    assert [("fp16", 64, 1), ("kivi", 64, 0)] in seen
     monkeypatch.undo()
     result = json.loads(out.read_text())
     # A file cut short keeps only runs: the summaries, ratios and targets are re-derived.

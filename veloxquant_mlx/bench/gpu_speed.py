@@ -22,6 +22,28 @@ recorded as skipped with the warm-up's error; `--run-after-failed-warmup` times 
 starting new cases once spent (they are recorded as skipped); the default context order puts
 the targets (32K, 128K) first for that reason. Needs only mlx and mlx-lm (no matplotlib: plot
 the JSON elsewhere with `python -m veloxquant_mlx.bench.report FILE.json`).
+
+Figures (gpu_speed_figures.py says why): prefill = the FASTEST repeat, because the warm-up runs
+at a short context and every spec's first timed repeat at a long one pays that context's JIT
+compiles (session 6, 32K: gear 20.3 s cold, 1.87 s warm; a median of 2 repeats mixed the two);
+all repeats and their spread stay in the JSON. Decode = the median over repeats of each repeat's
+median per-token interval, with the fastest and slowest repeat. The table and `targets` use these.
+
+`--context-warmup`: before the timed repeats at each context, one untimed prefill + 2 decode
+tokens per spec at that context (recorded under `context_warmup`), so even the first timed
+repeat is warm and one repeat gives a warm prefill. It costs one cold prefill per spec and
+context: at 128K on the H200 the single (cold) repeats of session 5 sum to ~68 s over 8 specs
+(fp16 5.9, kivi 4.0, xquant 4.2, minicache 4.1, gear 8.0, turboquant_rvq 9.1, kvquant 30.1,
+pyramidkv 2.8 s; results/gpu_speed_h200_s5_128k.json); at 32K session 6's cold first repeats
+were fp16 1.05, kivi 2.18, minicache 8.64, gear 20.3 s.
+With `--repeats 2` or more it buys nothing for prefill (the fastest repeat is warm) and costs
+more than a third repeat would.
+
+`--interleave` (gpu_speed_interleave.py): at each context every spec is prefilled (timed, as
+above) and its cache kept; then decode runs in rounds of `--round-tokens` tokens per spec back
+to back, so drift hits every spec alike; per spec the median per-token interval and, per round,
+the ratio to fp16's interval in the same round (median, quartiles, range), which the decode
+target then uses. Memory: every spec's cache is alive at once.
 """
 
 from __future__ import annotations
@@ -33,13 +55,12 @@ import sys
 import time
 
 from veloxquant_mlx.bench import constants
+from veloxquant_mlx.bench.gpu_speed_figures import TARGETS, check_targets, summarize_cases, table_lines
+
+__all__ = ["TARGETS", "check_targets", "main", "recompute", "run", "summarize_cases"]
 
 LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256)
 DEFAULT_CONTEXTS = "32768,131072,4096,16384,65536"  # targets first: the budget may cut the tail
-TARGETS = {  # issue 5: decode >= 0.9x fp16 at 32K, >= 1.0x at 128K; prefill at 32K <= 1.2x time
-    "decode_ratio_min": {32768: 0.9, 131072: 1.0},
-    "prefill_time_ratio_max": {32768: 1.2},
-}
 
 
 def _int_list(text: str) -> list[int]:
@@ -72,6 +93,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-after-failed-warmup", action="store_true",
                    help="time a spec whose warm-up failed anyway (default: its cases are recorded "
                         "as skipped, naming the warm-up's error)")
+    p.add_argument("--context-warmup", action="store_true",
+                   help="one untimed prefill + 2 decode tokens per spec at each context before its timed "
+                        "repeats (its JIT compiles; ~68 s over 8 specs at 128K on the H200)")
+    p.add_argument("--interleave", action="store_true",
+                   help="keep every spec's prefilled cache at a context and decode them in rounds, "
+                        "each round every spec for --round-tokens tokens: per-round ratios to fp16")
+    p.add_argument("--round-tokens", type=int, default=4,
+                   help="timed tokens per spec and round with --interleave (default 4); the rounds "
+                        "are --decode-tokens / --round-tokens (at least 1)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: first context only (4096 unless --contexts), 8 decode tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -85,6 +115,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.decode_tokens, args.warmup_tokens = min(args.decode_tokens, 8), min(args.warmup_tokens, 2)
         args.repeats = 1
+    for name in ("decode_tokens", "repeats", "round_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: allowed is an integer >= 1")
+    args.rounds = max(1, args.decode_tokens // args.round_tokens)
     args.warmup_context = min(args.warmup_context, min(args.contexts))
     return args
 
@@ -99,10 +133,15 @@ def _log(message: str) -> None:
     print(f"[gpu_speed {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def _new_case(spec, context: int, fp16_bytes: int) -> dict:
+    return {"spec": spec.name, "label": spec.label, "kind": spec.kind, "context": context,
+            "fp16_bytes": fp16_bytes, "runs": []}
+
+
 def run(args) -> dict:
     import mlx.core as mx
 
-    from veloxquant_mlx.bench import report
+    from veloxquant_mlx.bench import gpu_speed_interleave, report
     from veloxquant_mlx.bench.memory import fp16_bytes_for
     from veloxquant_mlx.bench.methods import parse_specs, with_reference
     from veloxquant_mlx.bench.speed import _error_text, measure_case, random_prompt
@@ -126,22 +165,57 @@ def run(args) -> dict:
             "warmup_context": args.warmup_context, "budget_s": args.budget_s, "quick": args.quick,
             "repeats": args.repeats, "cuda_kernels": os.environ.get("VELOXQUANT_CUDA_KERNELS", "1"),
             "seed": args.seed, "constants_set": constants_set,
+            "context_warmup": args.context_warmup, "interleave": args.interleave,
+            "round_tokens": args.round_tokens if args.interleave else None,
+            "rounds": args.rounds if args.interleave else None,
             "mlx_quantized_note": "mlx-q4 is mlx-lm's QuantizedKVCache(group_size=64, bits=4) from "
                                   "the first token (what kv_bits=4 converts to)",
+            "figures_note": "prefill: fastest repeat (figure.prefill_s; all in figure.prefill_repeats_s); "
+                            "decode: median over repeats of each repeat's median interval, or with "
+                            "--interleave over all timed tokens of the rounds, and per-round paired "
+                            "ratios to fp16 (interleaved.ratio_vs_fp16)",
         },
         "specs": [{"name": s.name, "label": s.label, "kind": s.kind, "params": s.params} for s in specs],
         "warmup": {},
+        "context_warmup": {},
         "cases": [],
     }
+    if args.interleave:
+        result["settings"]["interleave_memory_note"] = (
+            "every spec's cache is alive during the rounds: a prefill's peak_bytes includes the "
+            "caches prefilled before it; peak_over_start_bytes is its own")
 
     def save():
         # Every finished run is saved with its summaries, ratios and targets: a time-out keeps
         # what was measured (a context's cases used to be written only once all its repeats
         # had run, and a device time-out at 128K lost that context's finished runs).
         result["elapsed_s"] = time.perf_counter() - t0
-        summarize_cases(result["cases"], specs)
+        summarize_cases(result["cases"], specs, args.context_warmup)
         result["targets"] = check_targets(result["cases"])
         report.write_json(result, args.out)
+
+    def over_budget() -> str | None:
+        elapsed = time.perf_counter() - t0
+        if elapsed > args.budget_s:
+            return f"budget: {elapsed:.0f} s spent of --budget-s {args.budget_s:.0f}"
+        return None
+
+    def may_start(spec, case, what: str) -> bool:
+        """Whether `what` (a timed repeat, a warm-up) of this case may start; records why not."""
+        if case.get("error"):
+            return False  # a failing spec fails again: do not spend the budget on it
+        warmup_error = result["warmup"][spec.name].get("error")
+        if warmup_error and not args.run_after_failed_warmup:
+            # mlx-lm's 4-bit cache failed its 2K warm-up on the H200 and then ran its 128K
+            # case for over five minutes without an answer (session 5), ending the call.
+            case.setdefault("skipped", f"not run: its warm-up at {args.warmup_context} tokens failed "
+                                       f"({warmup_error[:120]}); --run-after-failed-warmup runs it")
+            return False
+        reason = over_budget()
+        if reason:
+            case.setdefault("skipped", f"{reason} ({what} not started)")
+            return False
+        return True
 
     _log(f"building model {shape} {args.dtype}")
     model = random_llama(dtype=getattr(mx, args.dtype), seed=args.seed, **shape)
@@ -165,30 +239,42 @@ def run(args) -> dict:
 
     for context in args.contexts:
         prompt = random_prompt(args.vocab, context, args.seed)
-        cases = {}
+        fp16_bytes = fp16_bytes_for(model, context)
+        cases = {spec.name: _new_case(spec, context, fp16_bytes) for spec in specs}
+        result["cases"].extend(cases.values())
+        if args.context_warmup:
+            # One untimed prefill + decode at this context per spec: its shapes' JIT compiles.
+            warmed = result["context_warmup"].setdefault(str(context), {})
+            for spec in specs:
+                if not may_start(spec, cases[spec.name], "context warm-up"):
+                    continue
+                _log(f"context warm-up {spec.name} at {context}")
+                start = time.perf_counter()
+                try:
+                    with spec.open(model) as make_cache:
+                        measure_case(model, make_cache, prompt, decode_tokens=2, warmup_tokens=1,
+                                     prefill_step_size=args.prefill_step_size)
+                    warmed[spec.name] = {"seconds": time.perf_counter() - start}
+                except Exception as exc:  # noqa: BLE001 - its timed runs would fail alike
+                    warmed[spec.name] = {"seconds": time.perf_counter() - start, "error": _error_text(exc)}
+                    cases[spec.name]["error"] = f"context warm-up: {warmed[spec.name]['error']}"
+                gc.collect()
+                mx.clear_cache()
+                save()
+        if args.interleave:
+            gpu_speed_interleave.run_context(
+                model, specs, prompt, cases, repeats=args.repeats, rounds=args.rounds,
+                round_tokens=args.round_tokens, warmup_tokens=args.warmup_tokens,
+                prefill_step_size=args.prefill_step_size, may_start=may_start, over_budget=over_budget,
+                save=save, log=_log)
+            del prompt
+            continue
         # Repeats interleave the specs (spec A, B, ..., then A, B, ... again) so a slow drift of
         # the machine (clocks, other tenants) spreads over every spec instead of biasing one.
         for repeat in range(args.repeats):
             for spec in specs:
-                if spec.name not in cases:
-                    cases[spec.name] = {
-                        "spec": spec.name, "label": spec.label, "kind": spec.kind, "context": context,
-                        "fp16_bytes": fp16_bytes_for(model, context), "runs": []}
-                    result["cases"].append(cases[spec.name])
                 case = cases[spec.name]
-                if case.get("error"):
-                    continue  # a failing spec fails again: do not spend the budget on it
-                warmup_error = result["warmup"][spec.name].get("error")
-                if warmup_error and not args.run_after_failed_warmup:
-                    # mlx-lm's 4-bit cache failed its 2K warm-up on the H200 and then ran its 128K
-                    # case for over five minutes without an answer (session 5), ending the call.
-                    case.setdefault("skipped", f"not run: its warm-up at {args.warmup_context} tokens failed "
-                                               f"({warmup_error[:120]}); --run-after-failed-warmup runs it")
-                    continue
-                elapsed = time.perf_counter() - t0
-                if elapsed > args.budget_s:
-                    case.setdefault("skipped", f"budget: {elapsed:.0f} s spent of --budget-s {args.budget_s:.0f} "
-                                               f"(repeat {repeat + 1} of {args.repeats} not started)")
+                if not may_start(spec, case, f"repeat {repeat + 1} of {args.repeats}"):
                     continue
                 _log(f"{spec.name} at {context} (repeat {repeat + 1}/{args.repeats})")
                 try:
@@ -213,26 +299,10 @@ def run(args) -> dict:
     return result
 
 
-def summarize_cases(cases: list[dict], specs) -> None:
-    """Per case: the summaries of its runs so far, the bytes ratio, and ratios against the
-    references at the same context; cases sorted by context, then spec order."""
-    from veloxquant_mlx.bench.speed import _add_ratios, _summary
-
-    for case in cases:
-        runs = case["runs"]
-        for metric in ("prefill_tps", "decode_tps", "prefill_s", "peak_bytes",
-                       "peak_over_start_bytes", "cache_bytes_after_prompt"):
-            case[metric] = _summary([r[metric] for r in runs])
-        if runs:
-            case["bytes_ratio_vs_fp16"] = runs[0]["cache_bytes_after_prompt"] / case["fp16_bytes"]
-    order = [s.name for s in specs]
-    cases.sort(key=lambda c: (c["context"], order.index(c["spec"]) if c["spec"] in order else len(order)))
-    _add_ratios(cases, specs)
-
-
 def recompute(path: str) -> dict:
-    """Re-derive the summaries, ratios and targets of a saved run from its runs (for files
-    written before every run was summarized as it finished), in place."""
+    """Re-derive the summaries, figures, ratios and targets of a saved run from its runs (and
+    interleaved rounds), in place: brings files written before a figure changed (the median
+    prefill of sessions 1-6 mixed cold and warm repeats) to the current figures."""
     import json
 
     from veloxquant_mlx.bench import report
@@ -241,34 +311,11 @@ def recompute(path: str) -> dict:
     with open(path) as f:
         result = json.load(f)
     specs = with_reference(parse_specs([s["name"] for s in result["specs"]]))
-    summarize_cases(result["cases"], specs)
+    summarize_cases(result["cases"], specs, bool(result.get("settings", {}).get("context_warmup")))
     result["targets"] = check_targets(result["cases"])
     result["recomputed_by"] = f"python -m veloxquant_mlx.bench.gpu_speed --recompute {path}"
     report.write_json(result, path)
     return result
-
-
-def check_targets(cases: list[dict]) -> list[dict]:
-    """Each of our methods against the issue's GPU targets, where both sides were measured."""
-    rows = []
-    by_key = {(c["spec"], c["context"]): c for c in cases}
-    for case in cases:
-        if case["kind"] != "ours":
-            continue
-        ref = by_key.get(("fp16", case["context"]))
-        ratio = (case.get("ratio_vs", {}).get("fp16") or {}).get("decode_tps")
-        minimum = TARGETS["decode_ratio_min"].get(case["context"])
-        if minimum is not None:
-            rows.append({"spec": case["spec"], "context": case["context"], "target": f"decode >= {minimum}x fp16",
-                         "value": ratio, "met": None if ratio is None else ratio >= minimum})
-        maximum = TARGETS["prefill_time_ratio_max"].get(case["context"])
-        if maximum is not None:
-            mine, theirs = case["prefill_s"]["median"], (ref or {}).get("prefill_s", {}).get("median")
-            value = mine / theirs if mine and theirs else None
-            rows.append({"spec": case["spec"], "context": case["context"],
-                         "target": f"prefill time <= {maximum}x fp16", "value": value,
-                         "met": None if value is None else value <= maximum})
-    return rows
 
 
 def main(argv=None) -> int:
@@ -278,17 +325,13 @@ def main(argv=None) -> int:
         if len(argv) != 2:
             raise SystemExit("usage: python -m veloxquant_mlx.bench.gpu_speed --recompute FILE.json")
         result = recompute(argv[1])
+        print("\n".join(table_lines(result["cases"])))
         print(f"{len(result['cases'])} cases; rewrote {argv[1]}")
         return 0
     args = parse_args(argv)
     result = run(args)
     failed = [c for c in result["cases"] if c.get("error")]
-    for c in result["cases"]:
-        d = c["decode_tps"]["median"]
-        r = (c.get("ratio_vs", {}).get("fp16") or {}).get("decode_tps")
-        status = c.get("error", c.get("skipped", ""))[:100]
-        print(f"{c['spec']:28} {c['context']:>7} prefill_s={c['prefill_s']['median'] or float('nan'):8.3f} "
-              f"decode={d or float('nan'):8.1f} tok/s  x_fp16={r or float('nan'):5.2f} {status}")
+    print("\n".join(table_lines(result["cases"])))
     print(f"{len(result['cases'])} cases, {len(failed)} failed; wrote {args.out}")
     return 0
 

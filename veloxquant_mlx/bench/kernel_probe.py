@@ -28,6 +28,13 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   the step paid until the sink became the partials kernel's own inputs sk / sv: a reference
   for the saving, no longer part of the step). Tells
   the fixed per-step cost apart from the kernel's per-token cost (short contexts show it).
+The probe runs as cases (`read`; `decode` per context; `prefill` per spec, fp16 first; `step`
+per context and spec), each printed with its time on stderr as it finishes and recorded in the
+JSON's `cases` (done / error / skipped, seconds); `--out` is rewritten after every case, so a
+device call's `timeout` keeps what was measured (session 6: four calls under timeouts of 60-110 s
+each ran out and left nothing, the file being written only at the end). `--budget-s` starts no
+new case after that many seconds (recorded as skipped); a failing case records its error and the
+next one runs.
 `--set MODULE.NAME=VALUE` sets an integer or boolean constant of a cache module first
 (bench/constants.py: a kernel's register budget, say), so two runs time two settings.
 The kernel variants are derived from the shipped source by cutting marked spans: a change to
@@ -38,6 +45,8 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 MODULE = "veloxquant_mlx.bench.kernel_probe"
 PARTS = ("read", "decode", "prefill", "step")
@@ -87,15 +96,21 @@ def parse_args(argv=None):
                    help="the `prefill` part's prompt length (default 32768)")
     p.add_argument("--fills", type=int, default=2,
                    help="fills per cache in the `prefill` part (default 2: cold, then warm)")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="the `prefill` part's chunk (default 2048, mlx-lm's prefill step)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new case after this many seconds (recorded as skipped); set it "
+                        "below the device call's timeout so the JSON is complete up to there")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
     args = p.parse_args(argv)
     try:
         args.set = [constants.parse_setting(x) for x in args.set]
     except ValueError as exc:
         p.error(f"--set: {exc}")
-    if args.fills < 1 or args.prefill_context < 2048:
-        p.error(f"--fills {args.fills} / --prefill-context {args.prefill_context}: allowed are "
-                "fills >= 1 and a context of at least one 2048-token chunk")
+    if args.fills < 1 or args.prefill_chunk < 1 or args.prefill_context < args.prefill_chunk:
+        p.error(f"--fills {args.fills} / --prefill-chunk {args.prefill_chunk} / --prefill-context "
+                f"{args.prefill_context}: allowed are fills >= 1, a chunk >= 1 and a context of at "
+                "least one chunk")
     args.parts = [x for x in args.parts.split(",") if x]
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
@@ -242,67 +257,89 @@ def probe_decode(n: int) -> dict:
     return out
 
 
-def probe_prefill(specs, n: int = 32768, chunk: int = 2048, fills: int = 2) -> dict:
-    """One layer's n-token prompt in `chunk`-token chunks for fp16 and each of `specs` (`fills`
-    fills each, the first paying the JIT compiles of every history length), and at the end
-    the pieces of one more chunk's attention for ours: building the history's K/V for the
-    fused attention, that attention, and encoding one chunk (ms, device time)."""
+def prefill_inputs(n: int):
+    """One layer's bf16 K, V and queries of n tokens (seeded: every spec sees the same)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from veloxquant_mlx.bench.drive import cache_arrays
-    from veloxquant_mlx.bench.layer_specs import parse_layer_spec
-    from veloxquant_mlx.cache.base import CompressedKVCache
 
     mx.random.seed(1)
     k = mx.random.normal((1, HK, n, D)).astype(mx.bfloat16)
     v = mx.random.normal((1, HK, n, D)).astype(mx.bfloat16)
     q = mx.random.normal((1, HQ, n, D)).astype(mx.bfloat16)
     mx.eval(k, v, q)
-    out = {"tokens": n, "chunk": chunk, "fills": {}, "last_chunk_ms": {}}
-    fp16 = parse_layer_spec("fp16")
-    for spec in [fp16] + [s for s in specs if s.name != "fp16"]:
-        for _ in range(fills):
-            cache = spec.make()
-            ours = isinstance(cache, CompressedKVCache)
-            start = time.perf_counter()
-            for s0 in range(0, n, chunk):
-                part = slice(s0, s0 + chunk)
-                keys, values = cache.update_and_fetch(k[:, :, part], v[:, :, part])
-                if ours:
-                    att = cache.attention(q[:, :, part], scale=D**-0.5, mask="causal")
-                else:
-                    att = mx.fast.scaled_dot_product_attention(q[:, :, part], keys, values, scale=D**-0.5, mask="causal")
-                mx.eval(att, cache_arrays([cache]))
-            out["fills"].setdefault(spec.name, []).append(time.perf_counter() - start)
-        if not ours:
-            continue
-        rows = q[:, :, -chunk:]
-        keys, values = cache._prefill_keys_values(rows)
-        mx.eval(keys, values)
-        pieces = {
-            "history_keys_values": per_call_ms(lambda: cache._prefill_keys_values(rows), calls=5, batches=3),
-            "fused_attention": per_call_ms(lambda: mx.fast.scaled_dot_product_attention(
-                rows, keys, values, scale=D**-0.5, mask="causal"), calls=5, batches=3),
-        }
-        try:
-            pieces["encode_one_chunk"] = per_call_ms(
-                lambda: tree_flatten(cache._encode(k[:, :, -chunk:], v[:, :, -chunk:])), calls=5, batches=3)
-        except NotImplementedError:
-            # minicache's layers are encoded by their pair, in the upper layer's flush.
-            pieces["encode_one_chunk"] = None
-        out["last_chunk_ms"][spec.name] = pieces
+    return k, v, q
+
+
+def probe_prefill_spec(spec, k, v, q, chunk: int = 2048, fills: int = 2) -> dict:
+    """One spec's prefill of k/v/q in `chunk`-token chunks, `fills` times (the first paying the
+    JIT compiles of every history length) -> {"fills": [s, ...]}, and for ours the pieces of one
+    more chunk's attention in "last_chunk_ms": building the history's K/V for the fused
+    attention, that attention, and encoding one chunk (ms, device time)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from veloxquant_mlx.bench.drive import cache_arrays
+    from veloxquant_mlx.cache.base import CompressedKVCache
+
+    n = k.shape[2]
+    out = {"fills": []}
+    for _ in range(fills):
+        cache = spec.make()
+        ours = isinstance(cache, CompressedKVCache)
+        start = time.perf_counter()
+        for s0 in range(0, n, chunk):
+            part = slice(s0, s0 + chunk)
+            keys, values = cache.update_and_fetch(k[:, :, part], v[:, :, part])
+            if ours:
+                att = cache.attention(q[:, :, part], scale=D**-0.5, mask="causal")
+            else:
+                att = mx.fast.scaled_dot_product_attention(q[:, :, part], keys, values, scale=D**-0.5, mask="causal")
+            mx.eval(att, cache_arrays([cache]))
+        out["fills"].append(time.perf_counter() - start)
+    if not ours:
+        return out
+    rows = q[:, :, -chunk:]
+    keys, values = cache._prefill_keys_values(rows)
+    mx.eval(keys, values)
+    pieces = {
+        "history_keys_values": per_call_ms(lambda: cache._prefill_keys_values(rows), calls=5, batches=3),
+        "fused_attention": per_call_ms(lambda: mx.fast.scaled_dot_product_attention(
+            rows, keys, values, scale=D**-0.5, mask="causal"), calls=5, batches=3),
+    }
+    try:
+        pieces["encode_one_chunk"] = per_call_ms(
+            lambda: tree_flatten(cache._encode(k[:, :, -chunk:], v[:, :, -chunk:])), calls=5, batches=3)
+    except NotImplementedError:
+        # minicache's layers are encoded by their pair, in the upper layer's flush.
+        pieces["encode_one_chunk"] = None
+    out["last_chunk_ms"] = pieces
     return out
 
 
-def probe_step(n: int, specs) -> dict:
-    """ms per decode step of one layer (update + attention) per spec, and kivi's side pieces."""
-    import mlx.core as mx
-    from mlx_lm.models.base import scaled_dot_product_attention
+def _prefill_order(specs) -> list:
+    from veloxquant_mlx.bench.layer_specs import parse_layer_spec
 
-    from veloxquant_mlx.bench.drive import cache_arrays
-    from veloxquant_mlx.cache import fused_decode as fd
-    from veloxquant_mlx.cache.base import CompressedKVCache
+    return [parse_layer_spec("fp16")] + [s for s in specs if s.name != "fp16"]
+
+
+def probe_prefill(specs, n: int = 32768, chunk: int = 2048, fills: int = 2) -> dict:
+    """fp16 and each of `specs` (probe_prefill_spec), in one dict: {"tokens", "chunk", "fills":
+    {spec: [s, ...]}, "last_chunk_ms": {spec: pieces}} (the shape `run` writes case by case)."""
+    k, v, q = prefill_inputs(n)
+    out = {"tokens": n, "chunk": chunk, "fills": {}, "last_chunk_ms": {}}
+    for spec in _prefill_order(specs):
+        _put_prefill(out, spec.name, probe_prefill_spec(spec, k, v, q, chunk, fills))
+    return out
+
+
+def _put_prefill(row: dict, name: str, got: dict) -> None:
+    row["fills"][name] = got["fills"]
+    if "last_chunk_ms" in got:
+        row["last_chunk_ms"][name] = got["last_chunk_ms"]
+
+
+def step_inputs(n: int):
+    """A layer's bf16 K/V history of n tokens, a query row per head and the new token's K/V."""
+    import mlx.core as mx
 
     mx.random.seed(2)
     k = mx.random.normal((1, HK, n, D)).astype(mx.bfloat16)
@@ -310,64 +347,203 @@ def probe_step(n: int, specs) -> dict:
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
     new = mx.random.normal((1, HK, 1, D)).astype(mx.bfloat16)
     mx.eval(k, v, q, new)
+    return k, v, q, new
+
+
+def probe_step_spec(spec, k, v, q, new) -> dict:
+    """ms per decode step of one layer (update + attention) for `spec` over the history k/v
+    ("{name}_step_ms"), and for kivi the pieces outside its partials kernel."""
+    import mlx.core as mx
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    from veloxquant_mlx.bench.drive import cache_arrays
+    from veloxquant_mlx.cache import fused_decode as fd
+    from veloxquant_mlx.cache.base import CompressedKVCache
+
     out = {}
-    for spec in specs:
-        cache = spec.make()
-        ours = isinstance(cache, CompressedKVCache)
+    cache = spec.make()
+    ours = isinstance(cache, CompressedKVCache)
+    cache.update_and_fetch(k, v)
+    if ours:
+        cache.attention(q, scale=D**-0.5)  # flushes as a prefill leaves it
+    mx.eval(cache_arrays([cache]))
+
+    def step():
+        keys, values = cache.update_and_fetch(new, new)
         if ours:
-            cache.update_and_fetch(k, v)
-            cache.attention(q, scale=D**-0.5)  # flushes as a prefill leaves it
-        else:
-            cache.update_and_fetch(k, v)
-        mx.eval(cache_arrays([cache]))
+            return cache.attention(q, scale=D**-0.5)
+        return scaled_dot_product_attention(q, keys, values, cache=cache, scale=D**-0.5, mask=None)
 
-        def step(cache=cache, ours=ours):
-            keys, values = cache.update_and_fetch(new, new)
-            if ours:
-                return cache.attention(q, scale=D**-0.5)
-            return scaled_dot_product_attention(q, keys, values, cache=cache, scale=D**-0.5, mask=None)
-
-        # Few batches: every step grows the cache by one token. Graphs built untimed: the device's
-        # time per step (results/kernel_probe_step_h200_s4.json predates this and includes the
-        # host's graph building, serial there).
-        out[f"{spec.name}_step_ms"] = per_call_ms(step, calls=30, batches=3, build_untimed=True)
-        if spec.name == "kivi" and cache.sink_keys is not None:
-            wk, wv = cache.window_keys, cache.window_values
-            out["kivi_sink_concat_ms"] = per_call_ms(lambda: [
-                mx.concatenate([cache.sink_keys, wk], axis=2), mx.concatenate([cache.sink_values, wv], axis=2)])
-            parts = _partials_call(None, cache, q, fd.TARGET_WARPS)()
-            mx.eval(parts)
-            out["kivi_partials_ms"] = per_call_ms(_partials_call(None, cache, q, fd.TARGET_WARPS))
-            out["kivi_merge_ms"] = per_call_ms(lambda: fd.merge_partials(*parts, q))
+    # Few batches: every step grows the cache by one token. Graphs built untimed: the device's
+    # time per step (results/kernel_probe_step_h200_s4.json predates this and includes the
+    # host's graph building, serial there).
+    out[f"{spec.name}_step_ms"] = per_call_ms(step, calls=30, batches=3, build_untimed=True)
+    if spec.name == "kivi" and cache.sink_keys is not None:
+        wk, wv = cache.window_keys, cache.window_values
+        out["kivi_sink_concat_ms"] = per_call_ms(lambda: [
+            mx.concatenate([cache.sink_keys, wk], axis=2), mx.concatenate([cache.sink_values, wv], axis=2)])
+        parts = _partials_call(None, cache, q, fd.TARGET_WARPS)()
+        mx.eval(parts)
+        out["kivi_partials_ms"] = per_call_ms(_partials_call(None, cache, q, fd.TARGET_WARPS))
+        out["kivi_merge_ms"] = per_call_ms(lambda: fd.merge_partials(*parts, q))
     return out
 
 
-def run(args) -> dict:
-    from veloxquant_mlx.bench import constants
+def probe_step(n: int, specs) -> dict:
+    """probe_step_spec for each of `specs` at context n, in one dict."""
+    k, v, q, new = step_inputs(n)
+    out = {}
+    for spec in specs:
+        out.update(probe_step_spec(spec, k, v, q, new))
+    return out
+
+
+@dataclass
+class Case:
+    """One timed unit of the probe: `measure()` -> a value that `put(rows, value)` files into
+    the result's rows (the part's layout, as older files hold it)."""
+    name: str
+    measure: Callable[[], object]
+    put: Callable[[dict, object], None]
+
+
+def _one_input(make):
+    """make(n) memoised for the latest n only (inputs of 128K tokens are a GiB: keep one)."""
+    held: dict = {}
+
+    def get(n):
+        if n not in held:
+            held.clear()
+            held[n] = make(n)
+        return held[n]
+
+    return get
+
+
+def build_cases(args) -> list[Case]:
+    """The probe's cases in run order: read; decode per context; prefill per spec (fp16
+    first); step per context and spec."""
+    cases = []
+
+    def setter(*path):
+        def put(rows, value):
+            node = rows
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            if isinstance(value, dict) and isinstance(node.get(path[-1]), dict):
+                node[path[-1]].update(value)
+            else:
+                node[path[-1]] = value
+        return put
+
+    if "read" in args.parts:
+        cases.append(Case("read", probe_read, setter("read")))
+    for n in args.contexts if "decode" in args.parts else []:
+        cases.append(Case(f"decode {n}", lambda n=n: probe_decode(n), setter("decode", str(n))))
+    if "prefill" in args.parts:
+        # Names of their own (tokens, not n): the lambdas read them when they run, after the
+        # step loop below has rebound n.
+        prefill_input = _one_input(prefill_inputs)
+        tokens, chunk = args.prefill_context, args.prefill_chunk
+
+        def put_prefill(name):
+            def put(rows, got):
+                row = rows.setdefault("prefill", {"tokens": tokens, "chunk": chunk, "fills": {}, "last_chunk_ms": {}})
+                _put_prefill(row, name, got)
+            return put
+
+        for spec in _prefill_order(args.specs):
+            cases.append(Case(f"prefill {tokens} {spec.name}",
+                              lambda spec=spec: probe_prefill_spec(spec, *prefill_input(tokens), chunk, args.fills),
+                              put_prefill(spec.name)))
+    if "step" in args.parts:
+        step_input = _one_input(step_inputs)
+        for n in args.contexts:
+            for spec in args.specs:
+                cases.append(Case(f"step {n} {spec.name}", lambda n=n, spec=spec: probe_step_spec(spec, *step_input(n)),
+                                  setter("step", str(n))))
+    return cases
+
+
+def run_cases(cases: list[Case], result: dict, *, budget_s: float | None, save, log) -> dict:
+    """Run `cases` in order into result["results"], recording each in result["cases"] (done /
+    error / skipped, seconds) and calling save() after each, so a device time-out keeps every
+    finished case. No case starts once `budget_s` seconds are spent (it is recorded as
+    skipped); a failing case records its error and the next one runs."""
+    from veloxquant_mlx.bench.speed import _error_text
+
+    rows = result.setdefault("results", {})
+    done = result.setdefault("cases", [])
+    t0 = time.perf_counter()
+    for case in cases:
+        elapsed = time.perf_counter() - t0
+        if budget_s is not None and elapsed > budget_s:
+            done.append({"case": case.name, "status": "skipped",
+                         "reason": f"budget: {elapsed:.0f} s spent of --budget-s {budget_s:g}"})
+            log(f"{case.name}: skipped (budget)")
+            continue
+        start = time.perf_counter()
+        try:
+            value = case.measure()
+        except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
+            entry = {"case": case.name, "status": "error", "error": _error_text(exc)}
+        else:
+            case.put(rows, value)
+            entry = {"case": case.name, "status": "done"}
+        entry["seconds"] = time.perf_counter() - start
+        done.append(entry)
+        log(f"{case.name}: {entry['status']} in {entry['seconds']:.1f} s" +
+            (f" ({entry['error'][:200]})" if "error" in entry else ""))
+        result["elapsed_s"] = time.perf_counter() - t0
+        save()
+    result["elapsed_s"] = time.perf_counter() - t0
+    save()
+    return result
+
+
+def on_cuda() -> bool:
     from veloxquant_mlx.cache.fused_decode import _on_cuda
+
+    return _on_cuda()
+
+
+def _log(message: str) -> None:
+    print(f"[kernel_probe {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run(args, header: dict | None = None) -> dict:
+    """Every case of args (build_cases), the result written to args.out after each."""
+    from veloxquant_mlx.bench import constants, report
     from veloxquant_mlx.errors import QuantizerConfigError
 
-    if not _on_cuda():
+    if not on_cuda():
         raise QuantizerConfigError(f"{MODULE} needs MLX's CUDA backend as the default device (it times CUDA kernels)")
     settings = constants.apply_settings(args.set)
-    rows = {}
-    if "read" in args.parts:
-        rows["read"] = probe_read()
-    if "decode" in args.parts:
-        rows["decode"] = {str(n): probe_decode(n) for n in args.contexts}
-    if "prefill" in args.parts:
-        rows["prefill"] = probe_prefill(args.specs, n=args.prefill_context, fills=args.fills)
-    if "step" in args.parts:
-        rows["step"] = {str(n): probe_step(n, args.specs) for n in args.contexts}
-    return {"settings": {"parts": args.parts, "contexts": args.contexts,
-                         "methods": [s.name for s in args.specs], "constants_set": settings},
-            "results": rows}
+    result = {**(header or {}),
+              "settings": {"parts": args.parts, "contexts": args.contexts,
+                           "methods": [s.name for s in args.specs], "constants_set": settings,
+                           "prefill_context": args.prefill_context, "prefill_chunk": args.prefill_chunk,
+                           "fills": args.fills, "budget_s": args.budget_s},
+              "results": {}, "cases": []}
+
+    def save():
+        if args.out:
+            report.write_json(result, args.out)
+
+    return run_cases(build_cases(args), result, budget_s=args.budget_s, save=save, log=_log)
 
 
 def main(argv=None) -> int:
-    from veloxquant_mlx.bench.command import run_module
+    from veloxquant_mlx.bench import command
+    from veloxquant_mlx.errors import QuantizerConfigError
 
-    return run_module(MODULE, parse_args, run, argv)
+    args = parse_args(argv)
+    header = command.start(args)
+    try:
+        result = run(args, header)
+    except QuantizerConfigError as exc:
+        return command.usage_error(MODULE, str(exc))
+    return command.finish(result, args.out)
 
 
 if __name__ == "__main__":

@@ -137,10 +137,25 @@ def _subtitle(result: dict) -> str:
     return f"{where} ({backend}), mlx {machine.get('backend', {}).get('mlx')}, {result.get('date', '')[:10]}"
 
 
+def _plotted(case: dict, metric: str) -> dict:
+    """{median, min, max} of `metric` for the plot: gpu_speed's figure where the case has one
+    (prefill: the fastest repeat with the repeats' range; decode: its figure with the range of
+    repeats or interleaved rounds), else the summary over repeats."""
+    fig = case.get("figure")
+    if not fig:
+        return case.get(metric) or {}
+    if metric == "prefill_tps":
+        repeats = fig.get("prefill_repeats_s") or []
+        return {"median": fig.get("prefill_tps"), "min": case["context"] / max(repeats) if repeats else None,
+                "max": fig.get("prefill_tps")}
+    return {"median": fig.get("decode_tps"), "min": fig.get("decode_tps_min"), "max": fig.get("decode_tps_max")}
+
+
 def plot_speed(result: dict, path: str | os.PathLike) -> Path | None:
-    """Decode tokens/s (and prefill) against context, one line per spec, min-max bars."""
+    """Decode tokens/s (and prefill) against context, one line per spec, min-max bars (for
+    gpu_speed results: its figures, gpu_speed_figures.py)."""
     cases = result.get("speed", {}).get("cases") or result.get("cases") or []
-    cases = [c for c in cases if (c.get("decode_tps") or {}).get("median")]
+    cases = [c for c in cases if _plotted(c, "decode_tps").get("median")]
     if not cases:
         return None
     plt = _pyplot()
@@ -150,16 +165,20 @@ def plot_speed(result: dict, path: str | os.PathLike) -> Path | None:
         for spec in dict.fromkeys(c["spec"] for c in cases):
             rows = sorted((c for c in cases if c["spec"] == spec), key=lambda c: c["context"])
             xs = [c["context"] for c in rows]
-            med = [c[metric]["median"] for c in rows]
-            lo = [m - (c[metric]["min"] if c[metric]["min"] is not None else m) for m, c in zip(med, rows)]
-            hi = [(c[metric]["max"] if c[metric]["max"] is not None else m) - m for m, c in zip(med, rows)]
+            stats = [_plotted(c, metric) for c in rows]
+            med = [st.get("median") for st in stats]
+            lo = [m - (st["min"] if st.get("min") is not None else m) if m is not None else 0
+                  for m, st in zip(med, stats)]
+            hi = [(st["max"] if st.get("max") is not None else m) - m if m is not None else 0
+                  for m, st in zip(med, stats)]
+            med = [m if m is not None else float("nan") for m in med]
             style = "--" if rows[0].get("kind") in ("fp16", "mlx-quantized") else "-"
             ax.errorbar(xs, med, yerr=[lo, hi], marker="o", linestyle=style, capsize=3,
                         label=rows[0].get("label", spec))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(title)
-        ax.set_title(title + " (median, min-max)")
+        ax.set_title(title + (" (figure, range)" if rows and rows[0].get("figure") else " (median, min-max)"))
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(_subtitle(result), fontsize=9)
