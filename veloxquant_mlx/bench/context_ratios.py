@@ -4,7 +4,7 @@
     python -m veloxquant_mlx.bench.context_ratios results/gpu_speed_h200_s4_short.json \\
         results/gpu_speed_h200_s6_32k_a.json results/gpu_speed_h200_s6_32k_b.json \\
         results/gpu_speed_h200_s6_64k.json results/gpu_speed_h200_s5_128k.json \\
-        --out results/gpu_speed_h200_ratios.json          # and gpu_speed_h200_ratios.png beside it
+        --out results/h200_context_ratios.json          # and h200_context_ratios.png beside it
 
 Why its own module: the H200's figures at different contexts come from different sessions and
 machines, on which fp16 itself decoded anywhere from 381 to 655 tok/s at 32K; tokens/s across
