@@ -8,7 +8,7 @@ from veloxquant_mlx.bench import context_ratios
 
 
 def _run(decode_tps, prefill_s):
-    return {"decode_tps": decode_tps, "prefill_s": prefill_s}
+    return {"decode_tps": decode_tps, "decode_interval_ms_median": 1000 / decode_tps, "prefill_s": prefill_s}
 
 
 def _file(tmp_path, name, cases):
@@ -66,3 +66,18 @@ def test_main_writes_the_table_and_the_plot(tmp_path, capsys):
     assert [(r["spec"], r["context"]) for r in table["rows"]] == [("kivi", 2048), ("kivi", 4096)]
     assert out.with_suffix(".png").stat().st_size > 0
     assert "kivi" in capsys.readouterr().out
+
+
+def test_an_interleaved_file_gives_the_median_of_the_paired_round_ratios(tmp_path):
+    def rounds(*medians):
+        return {"rounds": [{"round": i, "intervals_ms": [m, m]} for i, m in enumerate(medians)]}
+
+    path = _file(tmp_path, "i.json", [
+        {"spec": "fp16", "context": 32768, "runs": [{"prefill_s": 0.4}], "interleaved": rounds(2.0, 4.0, 3.0)},
+        {"spec": "kivi", "context": 32768, "runs": [{"prefill_s": 0.5}], "interleaved": rounds(2.5, 4.0, 3.0)},
+    ])
+    (row,) = context_ratios.collect([path])
+    # Per round fp16 / kivi: 0.8, 1.0, 1.0 (drift between rounds divides out).
+    assert row["decode_vs_fp16"] == pytest.approx(1.0)
+    assert row["decode_ratio_basis"] == "paired interleaved rounds"
+    assert row["prefill_time_vs_fp16"] == pytest.approx(0.5 / 0.4)

@@ -9,9 +9,11 @@
 Why its own module: the H200's figures at different contexts come from different sessions and
 machines, on which fp16 itself decoded anywhere from 381 to 655 tok/s at 32K; tokens/s across
 runs mislead, a ratio to fp16 of the same run does not (as much). Every ratio here is taken
-inside one file, from its raw runs, not from the file's summaries (older files summarise prefill
-by the median, which mixes the first repeat's JIT compiles with warm repeats):
-  - decode: the median over repeats of each repeat's decode tokens/s, against fp16's;
+inside one file, from its raw runs through gpu_speed_figures (the figures `gpu_speed` itself now
+reports; older files summarised prefill by the median, which mixes the first repeat's JIT compiles
+with warm repeats):
+  - decode: the median over repeats of each repeat's median interval, against fp16's (an
+    `--interleave` file: the median of the per-round ratios to fp16);
   - prefill: the fastest repeat's seconds, against fp16's fastest (the first repeat of each spec
     at a new context pays the compiles of its shapes).
 Where two files hold the same (spec, context), the later file on the command line wins; the
@@ -26,33 +28,34 @@ import statistics
 import sys
 from pathlib import Path
 
+from veloxquant_mlx.bench.gpu_speed_figures import case_figure, paired_ratios
+
 TARGET_LINES = {"decode": ((32768, 0.9), (131072, 1.0)), "prefill": ((32768, 1.2),)}
 
 
 def ratios_of_file(result: dict, source: str) -> dict[tuple[str, int], dict]:
-    """(spec, context) -> its decode and prefill ratios to fp16 in this one file (specs whose
-    fp16 case at that context has no finished run are left out)."""
+    """(spec, context) -> its decode and prefill ratios to fp16 in this one file, from
+    gpu_speed_figures' figures of the raw runs (specs whose fp16 case at that context has no
+    finished run are left out). Interleaved files give the paired per-round decode ratio."""
     cases = {}
     for case in result.get("cases", []):
-        runs = [r for r in case.get("runs", []) if r.get("decode_tps") and r.get("prefill_s")]
-        if runs:
-            cases[(case["spec"], case["context"])] = runs
+        figure = case_figure(case)
+        if figure["decode_tps"] and figure["prefill_s"]:
+            cases[(case["spec"], case["context"])] = (case, figure)
     out = {}
-    for (spec, context), runs in cases.items():
-        fp16 = cases.get(("fp16", context))
-        if spec == "fp16" or fp16 is None:
+    for (spec, context), (case, figure) in cases.items():
+        if spec == "fp16" or ("fp16", context) not in cases:
             continue
-        decode = statistics.median(r["decode_tps"] for r in runs)
-        fp16_decode = statistics.median(r["decode_tps"] for r in fp16)
-        prefill = min(r["prefill_s"] for r in runs)
-        fp16_prefill = min(r["prefill_s"] for r in fp16)
+        fp16_case, fp16 = cases[("fp16", context)]
+        paired = paired_ratios(case, fp16_case)
         out[(spec, context)] = {
-            "spec": spec, "context": context, "source": source, "repeats": len(runs),
-            "fp16_repeats": len(fp16),
-            "decode_tps": decode, "fp16_decode_tps": fp16_decode,
-            "decode_vs_fp16": decode / fp16_decode,
-            "prefill_s": prefill, "fp16_prefill_s": fp16_prefill,
-            "prefill_time_vs_fp16": prefill / fp16_prefill,
+            "spec": spec, "context": context, "source": source,
+            "repeats": len(figure["prefill_repeats_s"]), "fp16_repeats": len(fp16["prefill_repeats_s"]),
+            "decode_tps": figure["decode_tps"], "fp16_decode_tps": fp16["decode_tps"],
+            "decode_vs_fp16": statistics.median(paired) if paired else figure["decode_tps"] / fp16["decode_tps"],
+            "decode_ratio_basis": "paired interleaved rounds" if paired else "decode figures (median of repeats)",
+            "prefill_s": figure["prefill_s"], "fp16_prefill_s": fp16["prefill_s"],
+            "prefill_time_vs_fp16": figure["prefill_s"] / fp16["prefill_s"],
         }
     return out
 
