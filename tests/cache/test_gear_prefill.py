@@ -78,10 +78,14 @@ CASES = [
 @pytest.mark.parametrize("heads,dim,dtype,rank,fraction", CASES)
 @pytest.mark.parametrize("piece_blocks,synced", [(1, False), (2, True), (2, False), (8, False)])
 def test_prefill_keys_values_are_bit_identical_to_the_whole_history_decode(
-    heads, dim, dtype, rank, fraction, piece_blocks, synced
+    monkeypatch, heads, dim, dtype, rank, fraction, piece_blocks, synced
 ):
     # 5 blocks of history + a window of 100 tokens; pieces of 1, 2 (a remainder of 1) or 8
-    # blocks (one piece longer than the history); with or without an evaluation per piece.
+    # blocks (one piece longer than the history); ordered in the graph (the default) or with
+    # session 5's evaluation per piece (gear.PREFILL_HOST_SYNCS).
+    from veloxquant_mlx.cache import gear
+
+    monkeypatch.setattr(gear, "PREFILL_HOST_SYNCS", synced)
     cache = filled_cache(heads, dim, dtype, rank, fraction, [1024, 256, 100])
     assert cache.n_compressed == 1280 and cache._window_length() == 100
     cache.prefill_decode_bytes = heads * dim * 4 * cache.block_tokens * piece_blocks
@@ -173,9 +177,11 @@ def test_smaller_blocks_decode_the_same_in_pieces():
 
 def test_a_patched_model_generates_the_same_tokens_with_synced_pieces(monkeypatch):
     # mlx-lm's own prefill (chunks of 128 over a 900-token prompt) through the patched
-    # attention: pieces of one block, evaluated one by one, against one piece per history.
+    # attention: pieces of one block, ordered in the graph (the default) and evaluated one by
+    # one (session 5's host syncs), against one piece per history.
     from tests.integration.tiny_llama import greedy_tokens, tiny_llama
     from veloxquant_mlx import patch_model_kv_cache, unpatch_model_kv_cache
+    from veloxquant_mlx.cache import gear
 
     model = tiny_llama()
     prompt = mx.array([(i * 7) % 64 for i in range(900)])
@@ -184,7 +190,9 @@ def test_a_patched_model_generates_the_same_tokens_with_synced_pieces(monkeypatc
         patch_model_kv_cache(model, config)
         whole = greedy_tokens(model, prompt=prompt, n=6)
         monkeypatch.setattr(GEARCache, "prefill_decode_bytes", 1)  # one block per piece
+        assert greedy_tokens(model, prompt=prompt, n=6) == whole
         monkeypatch.setattr(GEARCache, "prefill_unsynced_bytes", 0)
+        monkeypatch.setattr(gear, "PREFILL_HOST_SYNCS", True)
         assert greedy_tokens(model, prompt=prompt, n=6) == whole
     finally:
         unpatch_model_kv_cache(model)

@@ -36,7 +36,7 @@ import mlx.core as mx
 import pytest
 
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.cache import gear, gear_attention, gear_encoder, gear_lowrank, prefill_pieces
+from veloxquant_mlx.cache import gear, gear_attention, gear_encoder, gear_lowrank
 from veloxquant_mlx.cache.gear import GEARCache
 
 HEADS, DIM = 8, 128
@@ -311,21 +311,23 @@ def main(argv=None) -> None:
 
 # ---- the fast test: what the probe measured stays so --------------------------------------------
 @pytest.mark.parametrize("synced", [False, True])
-@pytest.mark.parametrize("pieces_sync", [0, 1])
-def test_a_prefill_chunk_syncs_only_as_set_and_never_traces_again(monkeypatch, synced, pieces_sync):
+@pytest.mark.parametrize("host_syncs", [False, True])
+def test_a_prefill_chunk_syncs_only_as_set_and_never_traces_again(monkeypatch, synced, host_syncs):
     # 6 chunks of 512 tokens (history 512..2560), pieces of 1024: from the fourth chunk on
     # every piece shape has been seen, so no compiled function traces again. Encoding never
-    # syncs; the prefill decode syncs for the base's evaluation of the queries, and, where
-    # pieces are synced (prefill_pieces.SYNC; by default they are chained instead) and the
-    # history passes `unsynced_tokens`, once per piece but the last.
-    monkeypatch.setattr(prefill_pieces, "SYNC", pieces_sync)
-    synced = synced and pieces_sync
+    # syncs; the prefill decode makes no sync of its own (session 6: its order is made by
+    # mx.depends, gear._prefill_order) unless gear.PREFILL_HOST_SYNCS restores session 5's:
+    # the queries' evaluation, and once the history passes `unsynced_tokens`, one per piece
+    # but the last.
+    monkeypatch.setattr(gear, "PREFILL_HOST_SYNCS", host_syncs)
+    synced = synced and host_syncs
     rows = fill_and_probe(mx.bfloat16, 6 * 512, chunk=512, piece_tokens=1024, unsynced_tokens=1024 if synced else 4096)
     for row in rows[-2:]:
         assert row["encode"]["syncs"] == 0 and row["encode"]["traces"] == 0, row
         assert row["prefill_kv"]["traces"] == 0, row
         pieces = -(-row["history"] // 1024)
-        assert row["prefill_kv"]["syncs"] == 1 + (2 * pieces - 1 if synced else 0), row
+        expected = (1 + (2 * pieces - 1 if synced else 0)) if host_syncs else 0
+        assert row["prefill_kv"]["syncs"] == expected, row
 
 
 if __name__ == "__main__":

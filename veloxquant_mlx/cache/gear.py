@@ -94,7 +94,7 @@ from typing import ClassVar, NamedTuple
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode_gear, prefill_pieces
+from veloxquant_mlx.cache import fused_decode_gear, gear_prefill_kernel, prefill_pieces
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.gear_attention import scores_function, values_function
 from veloxquant_mlx.cache.gear_encoder import EncoderSetting, dequantize, encode_side, group_means
@@ -270,34 +270,36 @@ class GEARCache(CompressedKVCache):
         """The history decoded + the exact window in the queries' dtype, for a prefill chunk's
         fused attention: bit for bit what the base class's path (the whole `_decode`, then the
         window concatenated) gives, built in fixed-size pieces through one compiled function
-        (see "Prefill" in the module docstring). Host syncs: the base's evaluation of the
-        queries, and one per piece only where one side's history exceeds
-        `prefill_unsynced_bytes` of float32."""
+        (see "Prefill" in the module docstring). No host sync (PREFILL_HOST_SYNCS: session 5's
+        syncs, for an A/B): the order the syncs gave is made inside the graph instead (see
+        _prefill_order)."""
         if not self.n_compressed or type(self)._dequantize is not GEARCache._dequantize:
             # A subclass's own dequantization (tests' reference encoders) goes the generic way.
             return super()._prefill_keys_values(queries)
-        self._order_after_queries(queries)  # the base class's prefill_eval_queries
+        fused = gear_prefill_kernel.prefill_step(self, queries)
+        if fused is not None:  # one CUDA kernel (gear_prefill_kernel.py)
+            return fused
+        if PREFILL_HOST_SYNCS:
+            self._order_after_queries(queries)  # session 5: evaluate the queries first
         dtype, n, w = queries.dtype, self.n_compressed, self._window_length()
         piece = self._prefill_piece_tokens()
-        # Pieces are ordered (prefill_pieces: chained, or synced where one side's history
-        # exceeds prefill_unsynced_bytes of float32 and pieces are synced).
-        synced = n * self._float32_bytes_per_token() > self.prefill_unsynced_bytes
-        previous = None
+        synced = PREFILL_HOST_SYNCS and n * self._float32_bytes_per_token() > self.prefill_unsynced_bytes
+        # What the next array built must wait for: the queries first (the base class's
+        # prefill_eval_queries), then the result as filled so far.
+        after = [queries] if self.prefill_eval_queries and not PREFILL_HOST_SYNCS else []
         out = []
         sides = (("k", self.head_dim, self.window_keys), ("v", self.value_dim, self.window_values))
         for s, dim, window in sides:
             decode = compiled_decoder(self._decode_setting(s, dtype))
             # Allocated once and filled piece by piece: the full-history array is the result
             # itself and no concatenation with the window copies it again.
-            full = mx.zeros((self.batch_size, self.n_kv_heads, n + w, dim), dtype)
+            full = mx.full((self.batch_size, self.n_kv_heads, n + w, dim), _prefill_order(mx.array(0, dtype), after))
             for start in range(0, n, piece):
                 stop = min(n, start + piece)
-                previous = decode(*prefill_pieces.chained(self._side_range(s, start, stop), previous))
-                full[:, :, start:stop] = previous
+                full[:, :, start:stop] = decode(*_prefill_order(self._side_range(s, start, stop), after))
                 if synced and not (s == "v" and stop == n):
-                    # MLX would otherwise schedule all pieces' ops side by side and hold
-                    # their float32 temporaries at once (see "Prefill" in the docstring).
-                    prefill_pieces.settle(full)
+                    mx.eval(full)  # session 5's per-piece evaluation (PREFILL_HOST_SYNCS)
+                after = [full]
             if w:
                 full[:, :, n:] = window.astype(dtype)
             out.append(full)
@@ -335,6 +337,34 @@ class GEARCache(CompressedKVCache):
 def _on_cpu() -> bool:
     """Whether attention runs on the CPU (gear_attention computes in float32 there)."""
     return mx.default_device() == mx.cpu
+
+
+# Session 5's host syncs in the portable prefill decode: the queries evaluated before the
+# history is built (the base class's _order_after_queries) and, once one side's history exceeds
+# `prefill_unsynced_bytes` of float32, the result evaluated after every piece. Off: the same
+# order is made inside the graph (_prefill_order) and a prefill chunk makes no host sync of its
+# own. True only to measure what the syncs cost (`--set gear.PREFILL_HOST_SYNCS=1`).
+PREFILL_HOST_SYNCS = False
+
+
+def _prefill_order(arrays, after: list):
+    """`arrays` (one array or a list) made to wait for `after` (mx.depends; unchanged if empty).
+
+    Why: the pieces of a prefill decode read only the evaluated store, so nothing in the graph
+    orders them after the model up to this layer, nor after each other: MLX's scheduler (breadth
+    first from the leaves) may then decode every layer's pieces, and allocate every layer's
+    result, before any layer's attention runs, and hold all their float32 temporaries at once.
+    Session 5 bounded that with host syncs (the queries' evaluation; one per piece beyond 8192
+    tokens); here the first piece's inputs and the result's zeros wait for the queries, and each
+    further piece's inputs for the result as filled by the pieces before it, so a piece's
+    temporaries are made only once the previous piece is written (and freed), as the syncs
+    ordered them, with no sync. The result's zeros must wait too: mx.full's only input is the
+    fill value, so without it every layer's result would be allocated at the start."""
+    single = isinstance(arrays, mx.array)
+    arrays = [arrays] if single else list(arrays)
+    if after:
+        arrays = list(mx.depends(arrays, after))
+    return arrays[0] if single else arrays
 
 
 class DecodeSetting(NamedTuple):
