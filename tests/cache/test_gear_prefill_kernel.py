@@ -195,7 +195,7 @@ def test_supports_refuses_what_the_kernel_does_not_handle():
     ok = dict(head_dim=128, value_dim=128, group=32, bits=2, block_tokens=256, sparse=True)
     assert gear_prefill_kernel.supports(**ok)
     for change in (dict(bits=5), dict(group=16), dict(block_tokens=48), dict(block_tokens=16),
-                   dict(head_dim=127), dict(value_dim=96), dict(head_dim=512, value_dim=512, bits=8)):
+                   dict(head_dim=127), dict(value_dim=80), dict(head_dim=512, value_dim=512, bits=8)):
         assert not gear_prefill_kernel.supports(**{**ok, **change}), change
     # The shared memory supports() bounds: the largest head dim the policy meets (256) fits.
     assert gear_prefill_kernel.shared_bytes(256, 256, 8, True) <= gear_prefill_kernel.SHARED_LIMIT

@@ -292,8 +292,9 @@ def _kernel_for(factory, sparse_blocks_from: str):
 
 def shared_bytes(head_dim: int, value_dim: int, bits: int, sparse: bool) -> int:
     """The kernel's static shared memory: the tile's key code words, the group's scales and
-    zeros (floats) over head_dim + 2 channels, and the float32 correction tile if kept."""
-    return 4 * ((bits + 2) * (head_dim + 2) + (TILE * max(head_dim, value_dim) if sparse else 2))
+    zeros (floats) over head_dim + 2 channels, and the float32 correction tile if kept (its
+    2-float placeholder otherwise is never read, and ptxas drops it)."""
+    return 4 * ((bits + 2) * (head_dim + 2) + (TILE * max(head_dim, value_dim) if sparse else 0))
 
 
 def supports(head_dim: int, value_dim: int, group: int, bits: int, block_tokens: int, sparse: bool) -> bool:
