@@ -280,6 +280,44 @@ def compare_paths(dtype, tokens: int, rounds: int = 5, chunk: int = 2048) -> dic
     return out
 
 
+def per_chunk_ab(dtype, tokens: int, chunk: int = 2048) -> dict:
+    """Per chunk of one layer's fill, session 5's prefill K/V build (host syncs, 32 MiB pieces:
+    "s5_host_syncs_32MiB") and session 6's (no host sync, gear.PREFILL_PIECE_BYTES pieces:
+    "s6_ordered"), measured one right after the other on the same history (which goes first
+    alternates by chunk), then the chunk's encode; the probe's figures for each."""
+    cache = GEARCache(KVCacheConfig(method="gear", gear_bits=2, gear_rank=4, gear_outlier_fraction=0.01))
+    cache._dispatcher = SimpleNamespace(installed=True)
+    variants = {"s5_host_syncs_32MiB": (True, 32 << 20), "s6_ordered": (False, None)}
+    counters = Counters()
+    rows = []
+    key = mx.random.key(3)
+    with counting_traces(counters):
+        for i, start in enumerate(range(0, tokens, chunk)):
+            key, k1, k2, k3 = mx.random.split(key, 4)
+            keys = mx.random.normal((1, HEADS, chunk, DIM), key=k1).astype(dtype)
+            values = mx.random.normal((1, HEADS, chunk, DIM), key=k2).astype(dtype)
+            queries = mx.random.normal((1, 4 * HEADS, chunk, DIM), key=k3).astype(dtype)
+            mx.eval(keys, values, queries)
+            cache.update_and_fetch(keys, values)
+            row = {"history": cache.n_compressed}
+            for name in (list(variants) if i % 2 else list(variants)[::-1]) if cache.n_compressed else []:
+                saved = gear.PREFILL_HOST_SYNCS
+                gear.PREFILL_HOST_SYNCS, cache.prefill_decode_bytes = variants[name]
+                try:
+                    row[name], _ = _measure(counters, lambda: cache._prefill_keys_values(queries))
+                finally:
+                    gear.PREFILL_HOST_SYNCS, cache.prefill_decode_bytes = saved, None
+            n = cache._window_length()
+            window = (cache.window_keys[:, :, :n], cache.window_values[:, :, :n])
+            row["encode"], encoded = _measure(counters, lambda: cache._encode(*window))
+            cache._append_compressed(encoded, n)
+            mx.eval(list(cache.store.values()))
+            rows.append(row)
+    summary = {name: _summary(rows[1:], name) for name in (*variants, "encode")}
+    return {"per_chunk": [{"history": r["history"], **{k: _rounded(r[k]) for k in r if k != "history"}} for r in rows],
+            **summary}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=16384)
@@ -290,6 +328,9 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--with-reference", action="store_true",
                    help="per chunk, also time main 68a76e1's prefill K/V build (prefill_kv_before)")
+    p.add_argument("--ab-syncs", action="store_true",
+                   help="per chunk, session 5's prefill K/V build (host syncs, 32 MiB pieces) against session "
+                        "6's (no sync), alternately on the same history, instead of the plain probe")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     result = {"load_average_before": os.getloadavg(), "cases": {}, "compare": {}}
@@ -299,6 +340,12 @@ def main(argv=None) -> None:
             result["compare"][f"{name} {tokens}"] = row
             print(name, tokens, json.dumps(row), flush=True)
     if args.tokens <= 0:
+        args.dtypes = ""
+    if args.ab_syncs:
+        for name in [d for d in args.dtypes.split(",") if d]:
+            case = per_chunk_ab(getattr(mx, name), args.tokens, args.chunk)
+            result["ab_syncs"] = {**result.get("ab_syncs", {}), name: case}
+            print(name, json.dumps({k: v for k, v in case.items() if k != "per_chunk"}), flush=True)
         args.dtypes = ""
     for name in [d for d in args.dtypes.split(",") if d]:
         rows = fill_and_probe(getattr(mx, name), args.tokens, args.chunk, with_reference=args.with_reference)
