@@ -216,8 +216,8 @@ def _summary(rows, piece: str) -> dict:
 def compare_paths(dtype, tokens: int, rounds: int = 5, chunk: int = 2048) -> dict:
     """One more chunk's `_prefill_keys_values` over a `tokens` history, main 68a76e1's path (the
     base class's: the whole history decoded in one graph, frozen in test_gear_prefill.py;
-    "before"), session 5's (GEARCache's pieces ordered by host syncs, gear.PREFILL_HOST_SYNCS;
-    "host_syncs") and GEARCache's own ("after"), interleaved round by round: CPU ms and the peak memory each adds over its
+    "before"), session 5's (GEARCache's 32 MiB pieces ordered by host syncs,
+    gear.PREFILL_HOST_SYNCS; "host_syncs") and GEARCache's own ("after"), interleaved round by round: CPU ms and the peak memory each adds over its
     start (ratio to the fp16 K/V of the history + window), and whether they agree bit for bit."""
     from tests.cache.test_gear_prefill import reference_prefill_keys_values
 
@@ -231,12 +231,13 @@ def compare_paths(dtype, tokens: int, rounds: int = 5, chunk: int = 2048) -> dic
         mx.eval(list(cache.store.values()), cache.window_keys)
     queries = mx.random.normal((1, 4 * HEADS, chunk, DIM)).astype(dtype)
     mx.eval(queries)
-    def with_host_syncs():  # session 5's path: the same decode, ordered by host syncs
-        saved, gear.PREFILL_HOST_SYNCS = gear.PREFILL_HOST_SYNCS, True
+    def with_host_syncs():  # session 5's path: 32 MiB pieces ordered by host syncs
+        saved = gear.PREFILL_HOST_SYNCS, cache.prefill_decode_bytes
+        gear.PREFILL_HOST_SYNCS, cache.prefill_decode_bytes = True, 32 << 20
         try:
             return cache._prefill_keys_values(queries)
         finally:
-            gear.PREFILL_HOST_SYNCS = saved
+            gear.PREFILL_HOST_SYNCS, cache.prefill_decode_bytes = saved
 
     paths = {"before": lambda: reference_prefill_keys_values(cache, queries),
              "host_syncs": with_host_syncs,
