@@ -214,3 +214,69 @@ def test_the_uncompiled_pieces_are_the_same_bits(monkeypatch):
         assert mx.array_equal(bits(values), bits(expected[1])).item()
     finally:
         gear.compiled_decoder.cache_clear()
+
+
+def _ancestry_graph(*arrays):
+    """(labels {node: primitive}, parents {node: set of nodes}) of the lazy graph reaching
+    `arrays`, from mx.export_to_dot: primitives and arrays are both nodes, edges point from an
+    input to its consumer."""
+    import io
+    import re
+
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *arrays)
+    text = dot.getvalue()
+    labels = dict(re.findall(r'(\w+) \[label ?= ?"([^"]+)"', text))
+    parents: dict = {}
+    for src, dst in re.findall(r'"?(\w+)"? -> "?(\w+)"?', text):
+        parents.setdefault(dst, set()).add(src)
+    return labels, parents
+
+
+def _ancestors(node, parents) -> set:
+    seen, stack = set(), [node]
+    while stack:
+        for p in parents.get(stack.pop(), ()):
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return seen
+
+
+@pytest.mark.parametrize("rank,fraction", [(4, 0.01), (0, 0.0)])
+def test_without_host_syncs_every_op_of_the_decode_waits_for_the_queries(rank, fraction):
+    # What the host syncs ordered (session 5), the graph orders now (gear._prefill_order): every
+    # primitive that computes or allocates (views aside), the result's zeros included, has the
+    # queries among its ancestors, so MLX cannot run (or allocate) any of this layer's history
+    # before the model up to this layer. The queries here end in an Exp to find them.
+    cache = filled_cache(2, 64, mx.bfloat16, rank, fraction, [768, 30])
+    cache.prefill_decode_bytes = 2 * 64 * 4 * 256  # three pieces
+    raw = mx.random.normal((1, 4, 16, 64))
+    mx.eval(raw)
+    queries = mx.exp(raw).astype(mx.bfloat16)
+    keys, values = cache._prefill_keys_values(queries)
+    labels, parents = _ancestry_graph(keys, values)
+    (exp,) = [n for n, label in labels.items() if label == "Exp"]
+    own = _ancestors(exp, parents) | {exp}
+    views = {"Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose", "AsStrided", "Depends"}
+
+    def index_constant(node):
+        # The sparse part's block offsets (mx.arange over the blocks times the block's entries:
+        # B * H * n_blocks int32, made from nothing) cannot wait without an input to wait on;
+        # they are exempt.
+        family = _ancestors(node, parents) | {node}
+        return any(labels.get(a) == "Arange" for a in family) and not any(labels.get(a) == "Depends" for a in family)
+
+    checked = [n for n, label in labels.items() if label not in views and n not in own and not index_constant(n)]
+    late = [labels[n] for n in checked if exp not in _ancestors(n, parents)]
+    assert {"Full", "SliceUpdate"} <= {labels[n] for n in checked} and late == [], late
+    # And the pieces one after the other: every mx.depends (a side's zeros and each piece) but the
+    # first two (the keys' zeros and first piece, which wait for the queries only) waits for the
+    # result as filled so far.
+    depends = [n for n, label in labels.items() if label == "Depends"]
+    first = [n for n in depends if not any(labels.get(a) == "SliceUpdate" for a in _ancestors(n, parents))]
+    assert len(depends) == 2 * (1 + 3) and len(first) == 2, (len(depends), len(first))  # 3 pieces a side
+    # The same graph gives the same bits as the frozen decode.
+    expected = reference_prefill_keys_values(cache, queries)
+    assert mx.array_equal(bits(keys), bits(expected[0])).item()
+    assert mx.array_equal(bits(values), bits(expected[1])).item()
