@@ -311,9 +311,11 @@ class GEARCache(CompressedKVCache):
             for start in range(0, n, piece):
                 stop = min(n, start + piece)
                 full[:, :, start:stop] = decode(*_prefill_order(self._side_range(s, start, stop), after))
-                if synced and not (s == "v" and stop == n):
-                    mx.eval(full)  # session 5's per-piece evaluation (PREFILL_HOST_SYNCS)
-                after = [full]
+                if PREFILL_HOST_SYNCS:
+                    if synced and not (s == "v" and stop == n):
+                        mx.eval(full)  # session 5's per-piece evaluation
+                else:
+                    after = [full]
             if w:
                 full[:, :, n:] = window.astype(dtype)
             out.append(full)
