@@ -76,8 +76,13 @@ stopping the host from building ahead. Now:
      one launch per layer and chunk instead of ~16 per piece and side, no float32
      intermediates; its inputs wait for the queries by mx.depends), bit for bit the portable
      path under the CPU emulation.
-The chunk's encode (~290 primitives on the CPU, ~390 on CUDA; no sync, no retrace after the
-first chunk) is unchanged. Nothing of this is measured on a GPU yet; the next GPU session:
+Measured on the CPU (results/gear_prefill_cpu_s6.json; bf16, one 8 x 128 layer, bits unchanged):
+per chunk of a 32K fill the K/V build took 0.74-0.81x session 5's time at every history (30K:
+710 ms against 873; alternated on the same history), with 0 host syncs against 1-8 and 0 retraces
+after the first chunk (one piece shape), but 70-966 CPU primitives against 66-252 (4x the pieces);
+a 4-layer model's 16K prefill peaked 0.233 GiB over its start against 0.593 in session 5 (fp16's
+KVCache 0.41; 0.302 without the queries' ordering). The chunk's encode (~290 primitives on the
+CPU, ~390 on CUDA; no sync, no retrace after the first chunk; ~165 ms per chunk here) is unchanged. Nothing of this is measured on a GPU yet; the next GPU session:
     pytest -m cuda tests/cache/test_gear_prefill_kernel.py
     python -m veloxquant_mlx.bench.kernel_probe --parts prefill --methods gear --out X.json
     python -m veloxquant_mlx.bench.gpu_speed --methods fp16,gear --contexts 32768 --repeats 3
