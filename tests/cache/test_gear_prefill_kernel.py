@@ -31,7 +31,7 @@ def emulated():
 
 
 def filled(heads=2, dim=64, dtype=mx.bfloat16, rank=4, fraction=0.01, bits=2, group=32, chunks=(512, 256, 37),
-           seed=0, cls=GEARCache, value_dim=None):
+           seed=0, cls=GEARCache, value_dim=None, batch=1):
     """A GEAR cache after `chunks` tokens, each chunk flushed (history of whole blocks, a window
     of the rest); heavy-tailed keys with a channel offset (outliers and low-rank structure)."""
     cache = cls(KVCacheConfig(method="gear", gear_bits=bits, gear_group_size=group, gear_rank=rank,
@@ -40,8 +40,8 @@ def filled(heads=2, dim=64, dtype=mx.bfloat16, rank=4, fraction=0.01, bits=2, gr
     key = mx.random.key(seed)
     for n in chunks:
         key, k1, k2 = mx.random.split(key, 3)
-        keys = (mx.random.normal((1, heads, n, dim), key=k1) ** 3 + mx.arange(dim) / dim).astype(dtype)
-        values = mx.random.laplace((1, heads, n, value_dim), key=k2).astype(dtype)
+        keys = (mx.random.normal((batch, heads, n, dim), key=k1) ** 3 + mx.arange(dim) / dim).astype(dtype)
+        values = mx.random.laplace((batch, heads, n, value_dim), key=k2).astype(dtype)
         cache.update_and_fetch(keys, values)
         cache._flush()
         mx.eval(cache.store, cache.window_keys, cache.window_values)
@@ -52,7 +52,7 @@ def check(cache, query_dtype=None, source=None):
     """The emulated kernel's K/V against the portable path's, bit for bit (or, with a mutated
     `source`, returns whether they are equal)."""
     dtype = query_dtype or cache.dtype
-    queries = mx.random.normal((1, 2 * cache.n_kv_heads, 16, cache.head_dim)).astype(dtype)
+    queries = mx.random.normal((cache.batch_size, 2 * cache.n_kv_heads, 16, cache.head_dim)).astype(dtype)
     expected = cache._prefill_keys_values(queries)  # kernels off: the CPU default
     mx.eval(*expected)
     with pytest.MonkeyPatch.context() as patch:
@@ -90,6 +90,7 @@ CASES = [
     ("rank 0, no outliers", dict(rank=0, fraction=0.0, dtype=mx.float16)),
     ("rank 8", dict(rank=8)),
     ("no window", dict(chunks=(512, 256))),
+    ("batch 2", dict(batch=2, dtype=mx.float16)),
 ]
 
 
@@ -103,7 +104,7 @@ def _programs_built_in_parallel():
         for _, args in CASES + [("fp32 queries", dict()), ("64-token blocks", dict(cls=_small_blocks()))]:
             cache = filled(**{**args, "chunks": (256, 3)})
             with emulated():
-                cache._prefill_keys_values(mx.zeros((1, 4, 16, cache.head_dim), cache.dtype))
+                cache._prefill_keys_values(mx.zeros((cache.batch_size, 4, 16, cache.head_dim), cache.dtype))
         cache = filled(chunks=(256, 3))
         with emulated():
             cache._prefill_keys_values(mx.zeros((1, 4, 16, 64), mx.float32))
