@@ -77,7 +77,7 @@ stopping the host from building ahead. Now:
      intermediates; its inputs wait for the queries by mx.depends), bit for bit the portable
      path under the CPU emulation.
 Measured on the CPU (results/gear_prefill_cpu_s6.json; bf16, one 8 x 128 layer, bits unchanged):
-per chunk of a 32K fill the K/V build took 0.74-0.81x session 5's time at every history (30K:
+per chunk of a 32K fill the K/V build took 0.67-0.83x session 5's time (median 0.76; 30K:
 710 ms against 873; alternated on the same history), with 0 host syncs against 1-8 and 0 retraces
 after the first chunk (one piece shape), but 70-966 CPU primitives against 66-252 (4x the pieces);
 a 4-layer model's 16K prefill peaked 0.233 GiB over its start against 0.593 in session 5 (fp16's
