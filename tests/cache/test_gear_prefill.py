@@ -78,10 +78,14 @@ CASES = [
 @pytest.mark.parametrize("heads,dim,dtype,rank,fraction", CASES)
 @pytest.mark.parametrize("piece_blocks,synced", [(1, False), (2, True), (2, False), (8, False)])
 def test_prefill_keys_values_are_bit_identical_to_the_whole_history_decode(
-    heads, dim, dtype, rank, fraction, piece_blocks, synced
+    monkeypatch, heads, dim, dtype, rank, fraction, piece_blocks, synced
 ):
     # 5 blocks of history + a window of 100 tokens; pieces of 1, 2 (a remainder of 1) or 8
-    # blocks (one piece longer than the history); with or without an evaluation per piece.
+    # blocks (one piece longer than the history); ordered in the graph (the default) or with
+    # session 5's evaluation per piece (gear.PREFILL_HOST_SYNCS).
+    from veloxquant_mlx.cache import gear
+
+    monkeypatch.setattr(gear, "PREFILL_HOST_SYNCS", synced)
     cache = filled_cache(heads, dim, dtype, rank, fraction, [1024, 256, 100])
     assert cache.n_compressed == 1280 and cache._window_length() == 100
     cache.prefill_decode_bytes = heads * dim * 4 * cache.block_tokens * piece_blocks
@@ -173,9 +177,11 @@ def test_smaller_blocks_decode_the_same_in_pieces():
 
 def test_a_patched_model_generates_the_same_tokens_with_synced_pieces(monkeypatch):
     # mlx-lm's own prefill (chunks of 128 over a 900-token prompt) through the patched
-    # attention: pieces of one block, evaluated one by one, against one piece per history.
+    # attention: pieces of one block, ordered in the graph (the default) and evaluated one by
+    # one (session 5's host syncs), against one piece per history.
     from tests.integration.tiny_llama import greedy_tokens, tiny_llama
     from veloxquant_mlx import patch_model_kv_cache, unpatch_model_kv_cache
+    from veloxquant_mlx.cache import gear
 
     model = tiny_llama()
     prompt = mx.array([(i * 7) % 64 for i in range(900)])
@@ -184,7 +190,9 @@ def test_a_patched_model_generates_the_same_tokens_with_synced_pieces(monkeypatc
         patch_model_kv_cache(model, config)
         whole = greedy_tokens(model, prompt=prompt, n=6)
         monkeypatch.setattr(GEARCache, "prefill_decode_bytes", 1)  # one block per piece
+        assert greedy_tokens(model, prompt=prompt, n=6) == whole
         monkeypatch.setattr(GEARCache, "prefill_unsynced_bytes", 0)
+        monkeypatch.setattr(gear, "PREFILL_HOST_SYNCS", True)
         assert greedy_tokens(model, prompt=prompt, n=6) == whole
     finally:
         unpatch_model_kv_cache(model)
@@ -206,3 +214,69 @@ def test_the_uncompiled_pieces_are_the_same_bits(monkeypatch):
         assert mx.array_equal(bits(values), bits(expected[1])).item()
     finally:
         gear.compiled_decoder.cache_clear()
+
+
+def _ancestry_graph(*arrays):
+    """(labels {node: primitive}, parents {node: set of nodes}) of the lazy graph reaching
+    `arrays`, from mx.export_to_dot: primitives and arrays are both nodes, edges point from an
+    input to its consumer."""
+    import io
+    import re
+
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *arrays)
+    text = dot.getvalue()
+    labels = dict(re.findall(r'(\w+) \[label ?= ?"([^"]+)"', text))
+    parents: dict = {}
+    for src, dst in re.findall(r'"?(\w+)"? -> "?(\w+)"?', text):
+        parents.setdefault(dst, set()).add(src)
+    return labels, parents
+
+
+def _ancestors(node, parents) -> set:
+    seen, stack = set(), [node]
+    while stack:
+        for p in parents.get(stack.pop(), ()):
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return seen
+
+
+@pytest.mark.parametrize("rank,fraction", [(4, 0.01), (0, 0.0)])
+def test_without_host_syncs_every_op_of_the_decode_waits_for_the_queries(rank, fraction):
+    # What the host syncs ordered (session 5), the graph orders now (gear._prefill_order): every
+    # primitive that computes or allocates (views aside), the result's zeros included, has the
+    # queries among its ancestors, so MLX cannot run (or allocate) any of this layer's history
+    # before the model up to this layer. The queries here end in an Exp to find them.
+    cache = filled_cache(2, 64, mx.bfloat16, rank, fraction, [768, 30])
+    cache.prefill_decode_bytes = 2 * 64 * 4 * 256  # three pieces
+    raw = mx.random.normal((1, 4, 16, 64))
+    mx.eval(raw)
+    queries = mx.exp(raw).astype(mx.bfloat16)
+    keys, values = cache._prefill_keys_values(queries)
+    labels, parents = _ancestry_graph(keys, values)
+    (exp,) = [n for n, label in labels.items() if label == "Exp"]
+    own = _ancestors(exp, parents) | {exp}
+    views = {"Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose", "AsStrided", "Depends"}
+
+    def index_constant(node):
+        # The sparse part's block offsets (mx.arange over the blocks times the block's entries:
+        # B * H * n_blocks int32, made from nothing) cannot wait without an input to wait on;
+        # they are exempt.
+        family = _ancestors(node, parents) | {node}
+        return any(labels.get(a) == "Arange" for a in family) and not any(labels.get(a) == "Depends" for a in family)
+
+    checked = [n for n, label in labels.items() if label not in views and n not in own and not index_constant(n)]
+    late = [labels[n] for n in checked if exp not in _ancestors(n, parents)]
+    assert {"Full", "SliceUpdate"} <= {labels[n] for n in checked} and late == [], late
+    # And the pieces one after the other: every mx.depends (a side's zeros and each piece) but the
+    # first two (the keys' zeros and first piece, which wait for the queries only) waits for the
+    # result as filled so far.
+    depends = [n for n, label in labels.items() if label == "Depends"]
+    first = [n for n in depends if not any(labels.get(a) == "SliceUpdate" for a in _ancestors(n, parents))]
+    assert len(depends) == 2 * (1 + 3) and len(first) == 2, (len(depends), len(first))  # 3 pieces a side
+    # The same graph gives the same bits as the frozen decode.
+    expected = reference_prefill_keys_values(cache, queries)
+    assert mx.array_equal(bits(keys), bits(expected[0])).item()
+    assert mx.array_equal(bits(values), bits(expected[1])).item()

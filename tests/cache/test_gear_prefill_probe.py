@@ -36,7 +36,7 @@ import mlx.core as mx
 import pytest
 
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.cache import gear, gear_attention, gear_encoder, gear_lowrank, prefill_pieces
+from veloxquant_mlx.cache import gear, gear_attention, gear_encoder, gear_lowrank
 from veloxquant_mlx.cache.gear import GEARCache
 
 HEADS, DIM = 8, 128
@@ -215,8 +215,9 @@ def _summary(rows, piece: str) -> dict:
 
 def compare_paths(dtype, tokens: int, rounds: int = 5, chunk: int = 2048) -> dict:
     """One more chunk's `_prefill_keys_values` over a `tokens` history, main 68a76e1's path (the
-    base class's: the whole history decoded in one graph, frozen in test_gear_prefill.py) against
-    GEARCache's own, interleaved round by round: CPU ms and the peak memory each adds over its
+    base class's: the whole history decoded in one graph, frozen in test_gear_prefill.py;
+    "before"), session 5's (GEARCache's 32 MiB pieces ordered by host syncs,
+    gear.PREFILL_HOST_SYNCS; "host_syncs") and GEARCache's own ("after"), interleaved round by round: CPU ms and the peak memory each adds over its
     start (ratio to the fp16 K/V of the history + window), and whether they agree bit for bit."""
     from tests.cache.test_gear_prefill import reference_prefill_keys_values
 
@@ -230,7 +231,16 @@ def compare_paths(dtype, tokens: int, rounds: int = 5, chunk: int = 2048) -> dic
         mx.eval(list(cache.store.values()), cache.window_keys)
     queries = mx.random.normal((1, 4 * HEADS, chunk, DIM)).astype(dtype)
     mx.eval(queries)
+    def with_host_syncs():  # session 5's path: 32 MiB pieces ordered by host syncs
+        saved = gear.PREFILL_HOST_SYNCS, cache.prefill_decode_bytes
+        gear.PREFILL_HOST_SYNCS, cache.prefill_decode_bytes = True, 32 << 20
+        try:
+            return cache._prefill_keys_values(queries)
+        finally:
+            gear.PREFILL_HOST_SYNCS, cache.prefill_decode_bytes = saved
+
     paths = {"before": lambda: reference_prefill_keys_values(cache, queries),
+             "host_syncs": with_host_syncs,
              "after": lambda: cache._prefill_keys_values(queries)}
     held = cache.n_compressed + cache._window_length()
     fp16 = 2 * held * HEADS * DIM * 2
@@ -258,7 +268,7 @@ def compare_paths(dtype, tokens: int, rounds: int = 5, chunk: int = 2048) -> dic
     out["bit_identical"] = all(
         mx.array_equal(a.view(mx.uint16 if a.dtype.size == 2 else mx.uint32),
                        b.view(mx.uint16 if b.dtype.size == 2 else mx.uint32)).item()
-        for a, b in zip(results["before"], results["after"]))
+        for other in ("host_syncs", "after") for a, b in zip(results["before"], results[other]))
     results = None
     for _ in range(rounds):
         for name, build in paths.items():
@@ -271,6 +281,44 @@ def compare_paths(dtype, tokens: int, rounds: int = 5, chunk: int = 2048) -> dic
     return out
 
 
+def per_chunk_ab(dtype, tokens: int, chunk: int = 2048) -> dict:
+    """Per chunk of one layer's fill, session 5's prefill K/V build (host syncs, 32 MiB pieces:
+    "s5_host_syncs_32MiB") and session 6's (no host sync, gear.PREFILL_PIECE_BYTES pieces:
+    "s6_ordered"), measured one right after the other on the same history (which goes first
+    alternates by chunk), then the chunk's encode; the probe's figures for each."""
+    cache = GEARCache(KVCacheConfig(method="gear", gear_bits=2, gear_rank=4, gear_outlier_fraction=0.01))
+    cache._dispatcher = SimpleNamespace(installed=True)
+    variants = {"s5_host_syncs_32MiB": (True, 32 << 20), "s6_ordered": (False, None)}
+    counters = Counters()
+    rows = []
+    key = mx.random.key(3)
+    with counting_traces(counters):
+        for i, start in enumerate(range(0, tokens, chunk)):
+            key, k1, k2, k3 = mx.random.split(key, 4)
+            keys = mx.random.normal((1, HEADS, chunk, DIM), key=k1).astype(dtype)
+            values = mx.random.normal((1, HEADS, chunk, DIM), key=k2).astype(dtype)
+            queries = mx.random.normal((1, 4 * HEADS, chunk, DIM), key=k3).astype(dtype)
+            mx.eval(keys, values, queries)
+            cache.update_and_fetch(keys, values)
+            row = {"history": cache.n_compressed}
+            for name in (list(variants) if i % 2 else list(variants)[::-1]) if cache.n_compressed else []:
+                saved = gear.PREFILL_HOST_SYNCS
+                gear.PREFILL_HOST_SYNCS, cache.prefill_decode_bytes = variants[name]
+                try:
+                    row[name], _ = _measure(counters, lambda: cache._prefill_keys_values(queries))
+                finally:
+                    gear.PREFILL_HOST_SYNCS, cache.prefill_decode_bytes = saved, None
+            n = cache._window_length()
+            window = (cache.window_keys[:, :, :n], cache.window_values[:, :, :n])
+            row["encode"], encoded = _measure(counters, lambda: cache._encode(*window))
+            cache._append_compressed(encoded, n)
+            mx.eval(list(cache.store.values()))
+            rows.append(row)
+    summary = {name: _summary(rows[1:], name) for name in (*variants, "encode")}
+    return {"per_chunk": [{"history": r["history"], **{k: _rounded(r[k]) for k in r if k != "history"}} for r in rows],
+            **summary}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=16384)
@@ -281,6 +329,9 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--with-reference", action="store_true",
                    help="per chunk, also time main 68a76e1's prefill K/V build (prefill_kv_before)")
+    p.add_argument("--ab-syncs", action="store_true",
+                   help="per chunk, session 5's prefill K/V build (host syncs, 32 MiB pieces) against session "
+                        "6's (no sync), alternately on the same history, instead of the plain probe")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     result = {"load_average_before": os.getloadavg(), "cases": {}, "compare": {}}
@@ -290,6 +341,12 @@ def main(argv=None) -> None:
             result["compare"][f"{name} {tokens}"] = row
             print(name, tokens, json.dumps(row), flush=True)
     if args.tokens <= 0:
+        args.dtypes = ""
+    if args.ab_syncs:
+        for name in [d for d in args.dtypes.split(",") if d]:
+            case = per_chunk_ab(getattr(mx, name), args.tokens, args.chunk)
+            result["ab_syncs"] = {**result.get("ab_syncs", {}), name: case}
+            print(name, json.dumps({k: v for k, v in case.items() if k != "per_chunk"}), flush=True)
         args.dtypes = ""
     for name in [d for d in args.dtypes.split(",") if d]:
         rows = fill_and_probe(getattr(mx, name), args.tokens, args.chunk, with_reference=args.with_reference)
@@ -311,21 +368,23 @@ def main(argv=None) -> None:
 
 # ---- the fast test: what the probe measured stays so --------------------------------------------
 @pytest.mark.parametrize("synced", [False, True])
-@pytest.mark.parametrize("pieces_sync", [0, 1])
-def test_a_prefill_chunk_syncs_only_as_set_and_never_traces_again(monkeypatch, synced, pieces_sync):
+@pytest.mark.parametrize("host_syncs", [False, True])
+def test_a_prefill_chunk_syncs_only_as_set_and_never_traces_again(monkeypatch, synced, host_syncs):
     # 6 chunks of 512 tokens (history 512..2560), pieces of 1024: from the fourth chunk on
     # every piece shape has been seen, so no compiled function traces again. Encoding never
-    # syncs; the prefill decode syncs for the base's evaluation of the queries, and, where
-    # pieces are synced (prefill_pieces.SYNC; by default they are chained instead) and the
-    # history passes `unsynced_tokens`, once per piece but the last.
-    monkeypatch.setattr(prefill_pieces, "SYNC", pieces_sync)
-    synced = synced and pieces_sync
+    # syncs; the prefill decode makes no sync of its own (session 6: its order is made by
+    # mx.depends, gear._prefill_order) unless gear.PREFILL_HOST_SYNCS restores session 5's:
+    # the queries' evaluation, and once the history passes `unsynced_tokens`, one per piece
+    # but the last.
+    monkeypatch.setattr(gear, "PREFILL_HOST_SYNCS", host_syncs)
+    synced = synced and host_syncs
     rows = fill_and_probe(mx.bfloat16, 6 * 512, chunk=512, piece_tokens=1024, unsynced_tokens=1024 if synced else 4096)
     for row in rows[-2:]:
         assert row["encode"]["syncs"] == 0 and row["encode"]["traces"] == 0, row
         assert row["prefill_kv"]["traces"] == 0, row
         pieces = -(-row["history"] // 1024)
-        assert row["prefill_kv"]["syncs"] == 1 + (2 * pieces - 1 if synced else 0), row
+        expected = (1 + (2 * pieces - 1 if synced else 0)) if host_syncs else 0
+        assert row["prefill_kv"]["syncs"] == expected, row
 
 
 if __name__ == "__main__":

@@ -52,23 +52,42 @@ gear_lowrank.COMPILE_ON_GPU), the same at every history. `_prefill_keys_values` 
   2. adds the sparse part in place (gear_outliers.add_block_entries) instead of a dense
      float32 zero array of the history plus an add;
   3. fills one result in the queries' dtype piece by piece (no concatenation with the window,
-     no cast of the whole history), and, once a side has more than one piece
-     (`prefill_unsynced_bytes`), evaluates each piece before building the next: left to one
-     evaluation, MLX schedules the pieces side by side and holds all their temporaries.
+     no cast of the whole history).
 Measured (CPU, bf16, one more chunk over the history, python -m
 tests.cache.test_gear_prefill_probe --compare 16384,32768; results/gear_prefill_cpu_s5.json):
-the peak it adds is 2.62x / 1.86x the fp16 K/V at 16K / 32K history (was 7.5-7.9x at both;
-float32 cache 3.4x, was 7.6x at 16K), and the CPU is no slower (medians of 3 interleaved rounds
-on a loaded 2-core machine: 16K 727 ms against 1352, 32K 4.5 s against 5.3; per chunk of a 16K
-fill 673 ms against 911 in bf16, 985 against 1362 in float32, ranges wide). The cost: 2 x
-pieces - 1 syncs per layer and chunk once the history exceeds one piece (3 at 16K, 7 at 32K;
-none up to 8192 tokens); each should wait only for the piece just queued, the queries'
-evaluation having drained the queue (unmeasured on a GPU). Bits: identical to the one-graph decode
-(tests/cache/test_gear_prefill.py, against a frozen copy of it).
-Not measured: the GPU time. To measure on the H200: python -m veloxquant_mlx.bench.kernel_probe
---parts prefill --methods gear and python -m veloxquant_mlx.bench.gpu_speed --methods fp16,gear
---contexts 32768 --repeats 2, and the same with GEARCache.prefill_unsynced_bytes = 1 << 40 (no
-per-piece syncs) to price the syncs against the memory they save.
+with session 5's host syncs the peak it added was 2.62x / 1.86x the fp16 K/V at 16K / 32K history
+(7.5-7.9x before), bits identical to the one-graph decode (tests/cache/test_gear_prefill.py,
+against a frozen copy of it).
+
+Prefill (session 6). On the H200 gear's 32K prefill still took 4.03x fp16's. Session 5's path
+made host syncs per layer and chunk: the base class's evaluation of the queries, and once the
+history passed 8192 tokens one per piece but the last (1, 4, 6, 8 at 2K-8K, 10K-16K, 18K-24K,
+26K-30K: 68 per layer over a 32K prompt, 544 over 8 layers), each draining the GPU queue and
+stopping the host from building ahead. Now:
+  1. no host sync: the order the syncs gave is made inside the graph (_prefill_order: the first
+     piece's inputs and the result's zeros wait for the queries, each further piece's inputs
+     for the result as filled so far; gear.PREFILL_HOST_SYNCS = True restores session 5's
+     syncs for an A/B);
+  2. pieces of 8 MiB of float32 (2048 tokens of 8 x 128) instead of 32: without syncs the host
+     queues the next piece's first ops while the previous one runs, which added ~2 pieces'
+     temporaries at 32 MiB (3.54x / 2.34x the fp16 K/V at 16K / 32K); at 8 MiB one layer's
+     decode adds 1.63x / 1.84x (session 5: 2.62x / 1.86x), bits unchanged;
+  3. on MLX's CUDA backend one kernel writes the whole prefill K/V (gear_prefill_kernel.py:
+     one launch per layer and chunk instead of ~16 per piece and side, no float32
+     intermediates; its inputs wait for the queries by mx.depends), bit for bit the portable
+     path under the CPU emulation.
+Measured on the CPU (results/gear_prefill_cpu_s6.json; bf16, one 8 x 128 layer, bits unchanged):
+per chunk of a 32K fill the K/V build took 0.67-0.83x session 5's time (median 0.76; 30K:
+710 ms against 873; alternated on the same history), with 0 host syncs against 1-8 and 0 retraces
+after the first chunk (one piece shape), but 70-966 CPU primitives against 66-252 (4x the pieces);
+a 4-layer model's 16K prefill peaked 0.233 GiB over its start against 0.593 in session 5 (fp16's
+KVCache 0.41; 0.302 without the queries' ordering). The chunk's encode (~290 primitives on the
+CPU, ~390 on CUDA; no sync, no retrace after the first chunk; ~165 ms per chunk here) is unchanged. Nothing of this is measured on a GPU yet; the next GPU session:
+    pytest -m cuda tests/cache/test_gear_prefill_kernel.py
+    python -m veloxquant_mlx.bench.kernel_probe --parts prefill --methods gear --out X.json
+    python -m veloxquant_mlx.bench.gpu_speed --methods fp16,gear --contexts 32768 --repeats 3
+and the same two benches with VELOXQUANT_CUDA_KERNELS=0 (the portable path, no syncs) and with
+`--set gear.PREFILL_HOST_SYNCS=1` added to kernel_probe (session 5's syncs).
 
 Deviations from the paper, all deliberate:
   1. Blocks: the paper approximates the whole prefill at once and then each buffer of n_b new
@@ -94,7 +113,7 @@ from typing import ClassVar, NamedTuple
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode_gear, prefill_pieces
+from veloxquant_mlx.cache import fused_decode_gear, gear_prefill_kernel, prefill_pieces
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.gear_attention import scores_function, values_function
 from veloxquant_mlx.cache.gear_encoder import EncoderSetting, dequantize, encode_side, group_means
@@ -252,52 +271,56 @@ class GEARCache(CompressedKVCache):
             arrays += [st[f"{s}_out_index"][:, :, blocks], st[f"{s}_out_values"][:, :, blocks]]
         return arrays
 
-    # Bytes of one float32 (B, H, tokens, d) piece of history a prefill chunk decodes at a time
-    # (8192 tokens of 8 kv heads x 128), and float32 bytes of one side's history up to which the
-    # pieces are evaluated with the attention, without a host sync of their own; above it (more
-    # than one piece) each piece is evaluated before the next is built, which bounds the
-    # transient. See "Prefill" in the module docstring for the figures behind both.
-    prefill_decode_bytes: ClassVar[int] = 32 << 20
+    # Bytes of one float32 (B, H, tokens, d) piece of history a prefill chunk decodes at a time;
+    # None: the module's PREFILL_PIECE_BYTES (which `--set gear.PREFILL_PIECE_BYTES=...` can
+    # change for a measurement). With PREFILL_HOST_SYNCS, float32 bytes of one side's history up
+    # to which the pieces are not evaluated one by one (session 5's setting).
+    prefill_decode_bytes: ClassVar[int | None] = None
     prefill_unsynced_bytes: ClassVar[int] = 32 << 20
 
     def _float32_bytes_per_token(self) -> int:
         return self.batch_size * self.n_kv_heads * max(self.head_dim, self.value_dim) * 4
 
     def _prefill_piece_tokens(self) -> int:
-        return prefill_pieces.piece_tokens(self.prefill_decode_bytes, self._float32_bytes_per_token(), self.block_tokens)
+        budget = PREFILL_PIECE_BYTES if self.prefill_decode_bytes is None else self.prefill_decode_bytes
+        return prefill_pieces.piece_tokens(budget, self._float32_bytes_per_token(), self.block_tokens)
 
     def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
         """The history decoded + the exact window in the queries' dtype, for a prefill chunk's
         fused attention: bit for bit what the base class's path (the whole `_decode`, then the
         window concatenated) gives, built in fixed-size pieces through one compiled function
-        (see "Prefill" in the module docstring). Host syncs: the base's evaluation of the
-        queries, and one per piece only where one side's history exceeds
-        `prefill_unsynced_bytes` of float32."""
+        (see "Prefill" in the module docstring). No host sync (PREFILL_HOST_SYNCS: session 5's
+        syncs, for an A/B): the order the syncs gave is made inside the graph instead (see
+        _prefill_order)."""
         if not self.n_compressed or type(self)._dequantize is not GEARCache._dequantize:
             # A subclass's own dequantization (tests' reference encoders) goes the generic way.
             return super()._prefill_keys_values(queries)
-        self._order_after_queries(queries)  # the base class's prefill_eval_queries
+        fused = gear_prefill_kernel.prefill_step(self, queries)
+        if fused is not None:  # one CUDA kernel (gear_prefill_kernel.py)
+            return fused
+        if PREFILL_HOST_SYNCS:
+            self._order_after_queries(queries)  # session 5: evaluate the queries first
         dtype, n, w = queries.dtype, self.n_compressed, self._window_length()
         piece = self._prefill_piece_tokens()
-        # Pieces are ordered (prefill_pieces: chained, or synced where one side's history
-        # exceeds prefill_unsynced_bytes of float32 and pieces are synced).
-        synced = n * self._float32_bytes_per_token() > self.prefill_unsynced_bytes
-        previous = None
+        synced = PREFILL_HOST_SYNCS and n * self._float32_bytes_per_token() > self.prefill_unsynced_bytes
+        # What the next array built must wait for: the queries first (the base class's
+        # prefill_eval_queries), then the result as filled so far.
+        after = [queries] if self.prefill_eval_queries and not PREFILL_HOST_SYNCS else []
         out = []
         sides = (("k", self.head_dim, self.window_keys), ("v", self.value_dim, self.window_values))
         for s, dim, window in sides:
             decode = compiled_decoder(self._decode_setting(s, dtype))
             # Allocated once and filled piece by piece: the full-history array is the result
             # itself and no concatenation with the window copies it again.
-            full = mx.zeros((self.batch_size, self.n_kv_heads, n + w, dim), dtype)
+            full = mx.full((self.batch_size, self.n_kv_heads, n + w, dim), _prefill_order(mx.array(0, dtype), after))
             for start in range(0, n, piece):
                 stop = min(n, start + piece)
-                previous = decode(*prefill_pieces.chained(self._side_range(s, start, stop), previous))
-                full[:, :, start:stop] = previous
-                if synced and not (s == "v" and stop == n):
-                    # MLX would otherwise schedule all pieces' ops side by side and hold
-                    # their float32 temporaries at once (see "Prefill" in the docstring).
-                    prefill_pieces.settle(full)
+                full[:, :, start:stop] = decode(*_prefill_order(self._side_range(s, start, stop), after))
+                if PREFILL_HOST_SYNCS:
+                    if synced and not (s == "v" and stop == n):
+                        mx.eval(full)  # session 5's per-piece evaluation
+                else:
+                    after = [full]
             if w:
                 full[:, :, n:] = window.astype(dtype)
             out.append(full)
@@ -335,6 +358,44 @@ class GEARCache(CompressedKVCache):
 def _on_cpu() -> bool:
     """Whether attention runs on the CPU (gear_attention computes in float32 there)."""
     return mx.default_device() == mx.cpu
+
+
+# Session 5's host syncs in the portable prefill decode: the queries evaluated before the
+# history is built (the base class's _order_after_queries) and, once one side's history exceeds
+# `prefill_unsynced_bytes` of float32, the result evaluated after every piece. Off: the same
+# order is made inside the graph (_prefill_order) and a prefill chunk makes no host sync of its
+# own. True only to measure what the syncs cost (`--set gear.PREFILL_HOST_SYNCS=1`).
+PREFILL_HOST_SYNCS = False
+
+# Bytes of one float32 piece of history the portable prefill decode builds at a time (2048
+# tokens of 8 kv heads x 128; 32 MiB, 8192 tokens, until session 5). Without host syncs the host
+# queues the next piece's first ops (allocating their outputs) while the previous piece still
+# runs, so about two pieces' float32 temporaries join the one piece's the syncs held: measured
+# on the CPU (one layer, bf16, tests/cache/test_gear_prefill_probe.compare_paths), the decode
+# adds 1.63x / 1.84x the fp16 K/V at a 16K / 32K history at 8 MiB, 3.54x / 2.34x at 32 MiB
+# without syncs, 2.62x / 1.86x with session 5's syncs at 32 MiB. Smaller pieces cost more
+# primitives per chunk (~32 per piece pair): on CUDA the prefill kernel replaces them.
+PREFILL_PIECE_BYTES = 8 << 20
+
+
+def _prefill_order(arrays, after: list):
+    """`arrays` (one array or a list) made to wait for `after` (mx.depends; unchanged if empty).
+
+    Why: the pieces of a prefill decode read only the evaluated store, so nothing in the graph
+    orders them after the model up to this layer, nor after each other: MLX's scheduler (breadth
+    first from the leaves) may then decode every layer's pieces, and allocate every layer's
+    result, before any layer's attention runs, and hold all their float32 temporaries at once.
+    Session 5 bounded that with host syncs (the queries' evaluation; one per piece beyond 8192
+    tokens); here the first piece's inputs and the result's zeros wait for the queries, and each
+    further piece's inputs for the result as filled by the pieces before it, so a piece's
+    temporaries are made only once the previous piece is written (and freed), as the syncs
+    ordered them, with no sync. The result's zeros must wait too: mx.full's only input is the
+    fill value, so without it every layer's result would be allocated at the start."""
+    single = isinstance(arrays, mx.array)
+    arrays = [arrays] if single else list(arrays)
+    if after:
+        arrays = list(mx.depends(arrays, after))
+    return arrays[0] if single else arrays
 
 
 class DecodeSetting(NamedTuple):

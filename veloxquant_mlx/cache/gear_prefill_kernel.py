@@ -1,0 +1,369 @@
+"""One CUDA kernel that builds GEARCache's whole K/V for a prefill chunk's attention.
+
+Why: a prefill chunk's attention (base CompressedKVCache._attend_prefill) reads everything cached
+as plain K/V, so per layer and chunk GEAR's portable path (GEARCache._prefill_keys_values)
+decodes the whole history: per piece of 8192 tokens and side a compiled decode (mx.dequantize,
+the low-rank product per 256-token block, the in-place scatter of the sparse part, casts: ~16
+primitives on a GPU), a slice update into the result, and the window's copy. On the H200
+(8B-shaped llama, 8 layers, bf16, 32K prompt in 2048-token chunks; session 6) gear's prefill took
+4.03x the fp16 KVCache's time, ~10 ms per layer and chunk above fp16, and session 5's portable
+path also made 2 x pieces - 1 host syncs per layer and chunk beyond 8192 tokens (gone since
+session 6: gear.PREFILL_HOST_SYNCS). This kernel reads each stored array once and writes the
+(B, H, n + W, D) keys and (B, H, n + W, DV) values in the queries' dtype: one launch per layer
+and chunk, no float32 intermediates of the history (the portable path holds one piece's), the
+window appended in place.
+
+Layout read (gear.py's store, MLX's mx.quantize stream: KIVI's layout, the one
+fused_prefill_affine reads, plus GEAR's two terms):
+  keys    codes kc (B, H, D, row_words) uint32 (the store's (B, H, D, cap / 32, bits) viewed as
+          rows), token t's code at bit KB * t of channel d's stream; scales / zeros ks, kz
+          (B, H, D, cap / G);
+  values  codes vc (B, H, cap, DV * KB / 32), channel c's code at bit KB * c of token t's
+          stream; scales / zeros vs, vz (B, H, cap, DV / G);
+  low rank (RANK > 0) A: kat / vat (B, H, cap, RANK) per token; B: kbc / vbc
+          (B, H, cap / NB, D or DV, RANK) per block of NB tokens;
+  sparse (KCNT / VCNT > 0 pairs per block) koi / voi (B, H, cap / NB, count) indices
+          token_in_block * d + channel (KIT / VIT: uint16 or uint32), kov / vov their additive
+          values (gear.py, deviation 3); one block's pairs are distinct entries.
+  Only tokens [0, n) are read (the arrays carry growth slack; n is whole blocks); the window
+  wk / wv (B, H, W, D / DV) in the cache's dtype follows.
+
+Arithmetic: each history element as gear.decode_side computes it in float32, then rounded to
+the cache's dtype CT (the portable `_decode`'s astype) and to the queries' dtype OT:
+  x = scale * code + zero        (the product is exact in float32: <= 11 + 8 bits, so an fma
+                                  and MLX's dequantize, fused or not, give the same sum);
+  x = x + sum_r A[t][r] B[d][r]  (each product exact, <= 2 x 11 bits; summed r = 0, 1, ...
+                                  from 0 as BLAS's sgemm accumulates a K = RANK product: checked
+                                  bit for bit against the CPU's matmul by the emulated test);
+  x = (x + 0) + s                (s the entry's sparse value, 0 off the outliers: what
+                                  gear_outliers.add_block_entries computes, signed zeros too).
+So on MLX's CPU backend (the emulation) the kernel is the portable path bit for bit; on CUDA the
+only possible difference is the low-rank sum's order, should cuBLAS split a K = RANK reduction
+(the @cuda_test in tests/cache/test_gear_prefill_kernel.py measures it there).
+
+Work split: a block of 256 threads per (tile of TT = 32 positions, batch x kv head); a tile lies
+inside one key group (G >= 32) and one NB-token block (NB a multiple of 32), and is all history
+or all window (n is whole blocks). Keys: the block loads the tile's code words of every channel
+(KB words per channel) and the group's scale and zero into shared memory, and the block's sparse
+pairs that fall into the tile into a (TT x D) float32 correction tile (zeroed first); then
+consecutive threads write consecutive channel pairs of a position (one 8-byte store in 16-bit).
+Values: the same correction tile refilled from the value pairs, then consecutive threads on
+consecutive channel pairs of a token read the pair's code word(s) and group scale. A and B are
+read from global memory (a token's A row is a warp-wide broadcast; a pair's two B rows are
+2 x RANK contiguous values, a warp's 32 pairs one contiguous sweep). Shared memory: 4 x (KB x
+(D + 2) + 2 x (D + 2) + TT x max(D, DV)) bytes when the sparse part is kept (20.5 KB at D = 128,
+2 bits; supports() bounds it by CUDA's static 48 KB).
+
+The portable path stays the fallback and the reference: on the CPU and Metal, with the kernels
+switched off (VELOXQUANT_CUDA_KERNELS=0), for shapes `supports` refuses, and for subclasses with
+their own dequantization. Not yet run on a GPU (nvrtc's acceptance, registers and speed are
+unchecked there; nvcc 13 compiles it for sm_90 without spills: tests/cache/
+test_gear_prefill_kernel_nvcc.py). What the next GPU session must run:
+  pytest -m cuda tests/cache/test_gear_prefill_kernel.py
+  python -m veloxquant_mlx.bench.kernel_probe --parts prefill --methods gear --out X.json
+      (history_keys_values: one layer's _prefill_keys_values at a 32K history; also with
+      VELOXQUANT_CUDA_KERNELS=0 for the portable path)
+  python -m veloxquant_mlx.bench.gpu_speed --methods fp16,gear --contexts 32768 --repeats 3
+      (gear's prefill was 4.03x fp16's in session 6; the target is <= 1.2x. The chunk's encode,
+      ~300-400 primitives per layer and chunk, is untouched by this kernel.)
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from veloxquant_mlx.cache import fused_decode
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+TILE = 32  # positions per block: a whole number of 32-token key words at every width
+THREADS = 256
+SHARED_LIMIT = 48 * 1024
+
+INPUTS = ("kc", "ks", "kz", "kat", "kbc", "koi", "kov", "vc", "vs", "vz", "vat", "vbc", "voi", "vov",
+          "wk", "wv", "meta")
+
+# Template constants: D, DV (key / value head dims), G (group), KB (bits), RANK (0: no low
+# rank), NB (tokens per low-rank / outlier block), KCNT, VCNT (sparse pairs per block; 0: none),
+# ST (side dtype: scales, zeros, factors, sparse values), KIT, VIT (index dtypes), CT (the
+# cache's dtype), WT (the window's), OT (the output's: the queries' dtype).
+# meta = [n (history tokens), W (window tokens)].
+_SOURCE = r"""
+  constexpr int TT = 32;                      // positions per block (TILE)
+  constexpr int KW = KB;                      // key code words per channel and tile (TT * KB / 32)
+  constexpr int DP = D + 2;                   // shared row stride: even, != 0 mod 32
+  constexpr int WV = DV * KB / 32;            // value code words per token
+  constexpr int GV = DV / G;                  // value groups per token
+  constexpr int CD = D > DV ? D : DV;         // correction tile row
+  constexpr bool SPARSE = KCNT > 0 || VCNT > 0;
+  constexpr int RK = RANK > 0 ? RANK : 1;
+  constexpr unsigned MASK = KB == 32 ? 0xffffffffu : (1u << KB) - 1u;
+  struct __align__(8) vq_u2 { uint32_t x, y; };
+  struct __align__(8) vq_f2 { float x, y; };
+  struct __align__(2 * sizeof(OT)) vq_o2 { OT x, y; };
+  __shared__ __align__(8) uint32_t kw_s[KW * DP];
+  __shared__ __align__(8) float ks_s[DP];
+  __shared__ __align__(8) float kz_s[DP];
+  __shared__ __align__(8) float corr[SPARSE ? TT * CD : 2];
+
+  const int n = meta[0];
+  const int n_window = meta[1];
+  const int total = n + n_window;
+  const int bh = blockIdx.y;
+  const int t_start = blockIdx.x * TT;
+  const int rows = min(t_start + TT, total) - t_start;
+  const bool hist = t_start < n;              // the whole tile: n is whole blocks of NB
+  const int blk = t_start / NB;               // the tile's low-rank / outlier block
+  const int t_off = t_start - blk * NB;       // the tile's first position inside it
+  const int tid = threadIdx.x;
+  const int nthreads = blockDim.x;
+
+  const int row_words = kc_shape[3];
+  const int row_groups = ks_shape[3];
+  const int cap_v = vc_shape[2];
+  const int cap_s = vs_shape[2];
+  const uint32_t* kc_bh = kc + (size_t)bh * D * row_words;
+  const ST* ks_bh = ks + (size_t)bh * D * row_groups;
+  const ST* kz_bh = kz + (size_t)bh * D * row_groups;
+  const uint32_t* vc_bh = vc + (size_t)bh * cap_v * WV;
+  const ST* vs_bh = vs + (size_t)bh * cap_s * GV;
+  const ST* vz_bh = vz + (size_t)bh * cap_s * GV;
+  const WT* wk_bh = wk + (size_t)bh * n_window * D;
+  const WT* wv_bh = wv + (size_t)bh * n_window * DV;
+  OT* keys_bh = keys + (size_t)bh * total * D;
+  OT* values_bh = values + (size_t)bh * total * DV;
+
+  // The portable path's casts of a float32 history element: to the cache's dtype, then the
+  // queries'.
+  const auto out_of = [](float x) { return vq_cast<OT>(vq_f32(vq_cast<CT>(x))); };
+  const auto exact = [](const WT* p) { return vq_o2{vq_cast<OT>(vq_f32(p[0])), vq_cast<OT>(vq_f32(p[1]))}; };
+  // sum_r A[t][r] B[c][r], r ascending from 0 (the order of sgemm's K loop), for two channels.
+  const auto low_rank = [](const ST* a_row, const ST* b_rows, float& x0, float& x1) {
+    float l0 = 0.f, l1 = 0.f;
+    #pragma unroll
+    for (int r = 0; r < RK; ++r) {
+      const float a = vq_f32(a_row[r]);
+      l0 = l0 + a * vq_f32(b_rows[r]);
+      l1 = l1 + a * vq_f32(b_rows[RK + r]);
+    }
+    x0 = x0 + l0;
+    x1 = x1 + l1;
+  };
+  // The block's sparse pairs that fall inside this tile into `corr` ([position][channel],
+  // zero elsewhere): (x + 0) + corr is add_block_entries' sum, signed zeros included.
+  const auto load_sparse = [&](const auto* index, const ST* value, int count, int dim) {
+    for (int i = tid; i < TT * CD; i += nthreads) corr[i] = 0.f;
+    __syncthreads();
+    const size_t base = ((size_t)bh * (size_t)(n_blocks_cap) + blk) * count;
+    for (int j = tid; j < count; j += nthreads) {
+      const int idx = (int)index[base + j];
+      const int tl = idx / dim - t_off;
+      if (tl >= 0 && tl < TT) corr[tl * CD + idx % dim] = vq_f32(value[base + j]);
+    }
+  };
+"""
+
+# The body after the declarations: the number of blocks the factor / outlier arrays hold is read
+# from the first array that has it (kbc's or koi's shape), so the source names only arrays the
+# launch passes for real.
+_BODY = r"""
+  // ---- keys: the tile's code words, the group's scale and zero, the sparse pairs ----
+  if (hist) {
+    const int w0 = t_start * KB / 32;         // t_start is a multiple of 32: a word boundary
+    for (int i = tid; i < D * KW; i += nthreads) {
+      const int d = i / KW, w = i % KW;
+      kw_s[w * DP + d] = __ldg(kc_bh + (size_t)d * row_words + w0 + w);
+    }
+    const int g = t_start / G;                // TT <= G: one group per channel and tile
+    for (int d = tid; d < D; d += nthreads) {
+      ks_s[d] = vq_f32(ks_bh[(size_t)d * row_groups + g]);
+      kz_s[d] = vq_f32(kz_bh[(size_t)d * row_groups + g]);
+    }
+  }
+  if (KCNT > 0 && hist) load_sparse(koi, kov, KCNT, D);
+  __syncthreads();
+
+  for (int i = tid; i < rows * (D / 2); i += nthreads) {
+    const int tl = i / (D / 2), d = 2 * (i % (D / 2));
+    const int t = t_start + tl;
+    vq_o2 out;
+    if (hist) {
+      const int bit = tl * KB;
+      const int w = bit >> 5, sh = bit & 31;
+      const vq_u2 word = *reinterpret_cast<const vq_u2*>(kw_s + w * DP + d);
+      unsigned c0 = word.x >> sh, c1 = word.y >> sh;
+      if (32 % KB != 0 && sh + KB > 32) {     // a 3-bit code continues in the next word
+        const vq_u2 next = *reinterpret_cast<const vq_u2*>(kw_s + (w + 1) * DP + d);
+        c0 |= next.x << (32 - sh);
+        c1 |= next.y << (32 - sh);
+      }
+      const vq_f2 sc = *reinterpret_cast<const vq_f2*>(ks_s + d);
+      const vq_f2 zp = *reinterpret_cast<const vq_f2*>(kz_s + d);
+      float x0 = sc.x * (float)(c0 & MASK) + zp.x;
+      float x1 = sc.y * (float)(c1 & MASK) + zp.y;
+      if (RANK > 0) {
+        low_rank(kat + ((size_t)bh * kat_shape[2] + t) * RK,
+                 kbc + (((size_t)bh * kbc_shape[2] + blk) * D + d) * RK, x0, x1);
+      }
+      if (KCNT > 0) {
+        const vq_f2 s = *reinterpret_cast<const vq_f2*>(corr + tl * CD + d);
+        x0 = (x0 + 0.f) + s.x;
+        x1 = (x1 + 0.f) + s.y;
+      }
+      out = vq_o2{out_of(x0), out_of(x1)};
+    } else {
+      out = exact(wk_bh + (size_t)(t - n) * D + d);
+    }
+    *reinterpret_cast<vq_o2*>(keys_bh + (size_t)t * D + d) = out;
+  }
+  __syncthreads();                            // corr is refilled for the values
+
+  // ---- values ----
+  if (VCNT > 0 && hist) load_sparse(voi, vov, VCNT, DV);
+  __syncthreads();
+
+  for (int i = tid; i < rows * (DV / 2); i += nthreads) {
+    const int tl = i / (DV / 2), c = 2 * (i % (DV / 2));
+    const int t = t_start + tl;
+    vq_o2 out;
+    if (hist) {
+      const uint32_t* row = vc_bh + (size_t)t * WV;
+      unsigned c0, c1;
+      if (32 % KB == 0) {
+        // c even: both codes in one word (2 * KB divides 32 and the pair's first bit).
+        const int bit = c * KB;
+        const unsigned word = __ldg(row + (bit >> 5));
+        c0 = word >> (bit & 31);
+        c1 = word >> ((bit & 31) + KB);
+      } else {
+        // 3 bits: either code may straddle two words.
+        const int b0 = c * KB, b1 = b0 + KB;
+        c0 = __ldg(row + (b0 >> 5)) >> (b0 & 31);
+        if ((b0 & 31) + KB > 32) c0 |= __ldg(row + (b0 >> 5) + 1) << (32 - (b0 & 31));
+        c1 = __ldg(row + (b1 >> 5)) >> (b1 & 31);
+        if ((b1 & 31) + KB > 32) c1 |= __ldg(row + (b1 >> 5) + 1) << (32 - (b1 & 31));
+      }
+      const size_t g = (size_t)t * GV + c / G;  // c and c + 1 share a group (G is even)
+      const float sc = vq_f32(vs_bh[g]), zp = vq_f32(vz_bh[g]);
+      float x0 = sc * (float)(c0 & MASK) + zp;
+      float x1 = sc * (float)(c1 & MASK) + zp;
+      if (RANK > 0) {
+        low_rank(vat + ((size_t)bh * vat_shape[2] + t) * RK,
+                 vbc + (((size_t)bh * vbc_shape[2] + blk) * DV + c) * RK, x0, x1);
+      }
+      if (VCNT > 0) {
+        const vq_f2 s = *reinterpret_cast<const vq_f2*>(corr + tl * CD + c);
+        x0 = (x0 + 0.f) + s.x;
+        x1 = (x1 + 0.f) + s.y;
+      }
+      out = vq_o2{out_of(x0), out_of(x1)};
+    } else {
+      out = exact(wv_bh + (size_t)(t - n) * DV + c);
+    }
+    *reinterpret_cast<vq_o2*>(values_bh + (size_t)t * DV + c) = out;
+  }
+"""
+
+
+def kernel_source(sparse_blocks_from: str) -> str:
+    """The kernel's source; `sparse_blocks_from`: the input whose dim 2 counts the blocks of
+    the outlier arrays (koi, or voi when only values keep outliers; unused without any)."""
+    declare = _SOURCE.replace("(n_blocks_cap)", f"{sparse_blocks_from}_shape[2]")
+    return declare + _BODY
+
+
+def _kernel(sparse_blocks_from: str):
+    """The kernel, built once per kernel factory (keyed by mx.fast.cuda_kernel itself, as
+    fused_prefill_affine._kernel: an emulated kernel is never served to the real factory)."""
+    return _kernel_for(mx.fast.cuda_kernel, sparse_blocks_from)
+
+
+@lru_cache(maxsize=None)
+def _kernel_for(factory, sparse_blocks_from: str):
+    return factory(
+        name="vq_gear_prefill_kv",
+        input_names=list(INPUTS),
+        output_names=["keys", "values"],
+        source=kernel_source(sparse_blocks_from),
+        header=fused_decode._HEADER,
+    )
+
+
+def shared_bytes(head_dim: int, value_dim: int, bits: int, sparse: bool) -> int:
+    """The kernel's static shared memory: the tile's key code words, the group's scales and
+    zeros (floats) over head_dim + 2 channels, and the float32 correction tile if kept (its
+    2-float placeholder otherwise is never read, and ptxas drops it)."""
+    return 4 * ((bits + 2) * (head_dim + 2) + (TILE * max(head_dim, value_dim) if sparse else 0))
+
+
+def supports(head_dim: int, value_dim: int, group: int, bits: int, block_tokens: int, sparse: bool) -> bool:
+    """The shapes the kernel handles; others take the portable path: the widths gear stores
+    (2, 3, 4, 8), groups of whole 32-token tiles (a tile inside one key group), blocks of whole
+    tiles, even head dims (a thread writes channel pairs), value tokens of whole words, and the
+    shared memory within CUDA's static 48 KB."""
+    if bits not in SUPPORTED_BITS or group % TILE or block_tokens % TILE or block_tokens < TILE:
+        return False
+    if head_dim < 2 or head_dim % 2 or value_dim < 2 or value_dim % group or (value_dim * bits) % 32:
+        return False
+    return shared_bytes(head_dim, value_dim, bits, sparse) <= SHARED_LIMIT
+
+
+def prefill_step(cache, queries):
+    """GEARCache's prefill K/V (everything cached, in the queries' dtype) from the kernel, or None
+    where it is not active (off CUDA, switched off, a shape `supports` refuses, no history, a
+    window in another dtype than the cache's): the cache then takes the portable path. Its
+    inputs wait for the queries (the base's ordering step, as mx.depends: no host sync)."""
+    if not fused_decode.kernels_enabled() or cache.n_compressed == 0:
+        return None
+    st = cache.store
+    k_count = st["k_out_values"].shape[-1] if "k_out_values" in st else 0
+    v_count = st["v_out_values"].shape[-1] if "v_out_values" in st else 0
+    if not supports(cache.head_dim, cache.value_dim, cache.code_group, cache.code_bits, cache.block_tokens,
+                    bool(k_count or v_count)):
+        return None
+    if any(a is not None and a.dtype != cache.dtype for a in (cache.window_keys, cache.window_values)):
+        return None  # the portable path's promotions: not worth a kernel variant
+    B, H, D = cache.batch_size, cache.n_kv_heads, cache.head_dim
+    side = cache.side_dtype
+    absent_side, absent_index = fused_decode.absent_input(side), fused_decode.absent_input(mx.uint16)
+    arrays = [st["k_codes"].reshape(B, H, D, -1), st["k_scales"], st["k_zeros"]]
+    arrays += [st["k_lr_tokens"], st["k_lr_channels"]] if cache.rank else [absent_side, absent_side]
+    arrays += [st["k_out_index"], st["k_out_values"]] if k_count else [absent_index, absent_side]
+    arrays += [st["v_codes"], st["v_scales"], st["v_zeros"]]
+    arrays += [st["v_lr_tokens"], st["v_lr_channels"]] if cache.rank else [absent_side, absent_side]
+    arrays += [st["v_out_index"], st["v_out_values"]] if v_count else [absent_index, absent_side]
+    arrays = cache._inputs_after_queries(arrays, queries)
+    return gear_prefill_keys_values(
+        arrays, cache.window_keys, cache.window_values, n=cache.n_compressed, group=cache.code_group,
+        bits=cache.code_bits, rank=cache.rank, block_tokens=cache.block_tokens, k_count=k_count,
+        v_count=v_count, cache_dtype=cache.dtype, out_dtype=queries.dtype,
+    )
+
+
+def gear_prefill_keys_values(arrays, window_keys, window_values, *, n: int, group: int, bits: int, rank: int,
+                             block_tokens: int, k_count: int, v_count: int, cache_dtype, out_dtype):
+    """The kernel's launch -> (keys (B, H, n + W, D), values (B, H, n + W, DV)) in out_dtype.
+    `arrays`: prefill_step's 14 inputs (kc ... vov, absent ones as fused_decode.absent_input).
+    Only call where supports(...) holds: prefill_step checks."""
+    kc, ks = arrays[0], arrays[1]
+    B, H, D, _ = kc.shape
+    DV = arrays[7].shape[-1] * 32 // bits
+    W = 0 if window_keys is None else window_keys.shape[2]
+    if window_keys is None:
+        window_keys = window_values = fused_decode.absent_input(cache_dtype)
+    total = n + W
+    tiles = -(-total // TILE)
+    meta = mx.array([n, W], dtype=mx.int32)
+    sparse_from = "koi" if k_count else "voi"
+    keys, values = _kernel(sparse_from)(
+        inputs=[*arrays, window_keys, window_values, meta],
+        template=[("D", D), ("DV", DV), ("G", group), ("KB", bits), ("RANK", rank), ("NB", block_tokens),
+                  ("KCNT", k_count), ("VCNT", v_count), ("ST", ks.dtype), ("KIT", arrays[5].dtype),
+                  ("VIT", arrays[12].dtype), ("CT", cache_dtype), ("WT", window_keys.dtype), ("OT", out_dtype)],
+        grid=(THREADS * tiles, B * H, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(B, H, total, D), (B, H, total, DV)],
+        output_dtypes=[out_dtype, out_dtype],
+    )
+    return keys, values
