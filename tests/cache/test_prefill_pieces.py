@@ -1,5 +1,6 @@
 """prefill_pieces: chained pieces (SYNC = 0, no host sync) give the synced pieces' K/V bit for
-bit, for both caches that decode their prefill history in pieces."""
+bit, for turboquant_rvq's portable prefill decode (gear orders its own pieces since session 6:
+tests/cache/test_gear_prefill.py checks that order and its bits)."""
 
 import mlx.core as mx
 import pytest
@@ -9,14 +10,11 @@ from veloxquant_mlx.cache.factory import KVCacheFactory
 from veloxquant_mlx.config import KVCacheConfig
 
 
-@pytest.mark.parametrize("method, piece_attr", [("turboquant_rvq", "prefill_decode_bytes"),
-                                                ("gear", "prefill_decode_bytes")])
+@pytest.mark.parametrize("method, piece_attr", [("turboquant_rvq", "prefill_decode_bytes")])
 def test_chained_pieces_are_the_synced_pieces_bit_for_bit(monkeypatch, method, piece_attr):
     cache = KVCacheFactory.create(KVCacheConfig(method=method), layer_index=0, n_layers=1)
     # Small pieces (a few blocks) so a 1200-token history takes several.
     monkeypatch.setattr(type(cache), piece_attr, 2 * 64 * 4 * 128)
-    if method == "gear":
-        monkeypatch.setattr(type(cache), "prefill_unsynced_bytes", 1)
     mx.random.seed(5)
     k = mx.random.normal((1, 2, 1200, 64)).astype(mx.bfloat16)
     v = mx.random.normal((1, 2, 1200, 64)).astype(mx.bfloat16)

@@ -1,6 +1,7 @@
-"""The order of a prefill's piecewise history decode (turboquant_rvq, gear).
+"""The order of a prefill's piecewise history decode (turboquant_rvq's portable path; gear orders
+its own pieces through mx.depends since session 6, see cache/gear.py).
 
-Both decode a prefill chunk's history in fixed-size pieces into one preallocated result, so
+Each decodes a prefill chunk's history in fixed-size pieces into one preallocated result, so
 that the float32 temporaries of one piece only exist at a time. The pieces do not depend on
 each other, so MLX may compute every piece's ops side by side and hold all their temporaries
 at once unless something orders them. Two ways to order them:
@@ -17,7 +18,8 @@ MiB, pieces chained 252 MiB, pieces synced 187 MiB (the result itself is 64 MiB)
 evaluation 1.3-1.8 s either way on the loaded 2-core machine. Chained, the transient still
 grows with the history (tests/cache/test_turboquant_rvq_prefill_peak.py's bounds fail: 20 MiB
 at 2K, 39 at 8K), so synced stays the default. What the syncs cost on a GPU is unmeasured:
-`python -m veloxquant_mlx.bench.kernel_probe --parts prefill --methods turboquant_rvq,gear`
+`VELOXQUANT_CUDA_KERNELS=0 python -m veloxquant_mlx.bench.kernel_probe --parts prefill --methods turboquant_rvq`
+(on CUDA turboquant_rvq's history is built by one kernel since session 6: turboquant_prefill_kernel.py)
 with and without `--set prefill_pieces.SYNC=0` compares the two.
 """
 
