@@ -255,8 +255,10 @@ class CompressedKVCache(_BaseCache):
     # start from 0.725 to 0.593 GiB, xquant's 0.504 -> 0.488, kvquant's 0.492 -> 0.482, kivi's
     # 0.480 -> 0.497 (fp16's KVCache 0.410); its effect on the H200's peaks is to be measured.
     # Costs one sync per layer per prefill chunk, except where one CUDA kernel builds the
-    # history: its inputs wait for the queries instead (_inputs_after_queries). False only to
-    # measure what it saves (bench/prefill_peak.py).
+    # history (kivi, xquant, kvquant, turboquant_rvq, gear, minicache's pairs) or a method
+    # orders its own decode through mx.depends (gear's portable pieces): their inputs wait for
+    # the queries instead (_inputs_after_queries). False only to measure what it saves
+    # (bench/prefill_peak.py).
     prefill_eval_queries: ClassVar[bool] = True
 
     def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
