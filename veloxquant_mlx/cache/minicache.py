@@ -63,7 +63,7 @@ import math
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode_merged
+from veloxquant_mlx.cache import fused_decode_merged, fused_prefill_merged
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
 from veloxquant_mlx.cache.growing_window import GrowingWindowMixin
@@ -313,7 +313,10 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
         Slots of the growth slack (blocks not merged yet) are unused too: the store fills them
         with zeros, i.e. position 0, which put zero vectors over token 0 (the attention sink)
         whenever capacity > n_compressed; after a trim they may hold stale positions."""
-        positions = self.store[f"retpos_{part}"]
+        return self._slot_columns(self.store[f"retpos_{part}"])
+
+    def _slot_columns(self, positions: mx.array) -> mx.array:
+        """_slot_index of given retained positions (B, H, slots over capacity)."""
         merged = mx.arange(positions.shape[-1]) < self.n_compressed // BLOCK * self.slots
         return mx.where(merged & (positions >= 0), positions, self.capacity)
 
@@ -321,20 +324,56 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
         raise NotImplementedError
 
     def _decode(self) -> tuple[mx.array, mx.array]:
+        return self._decoded_history(self._history_arrays())
+
+    def _history_arrays(self) -> dict[str, mx.array]:
+        """What the decoded history is computed from, by name: the pair's directions over this
+        layer's capacity (and their scales / biases), this layer's magnitudes and retained slots."""
+        arrays = {}
+        for part in ("k", "v"):
+            names = ["dir"] if self.dir_bits is None else ["dir", "dirscale", "dirbias"]
+            arrays.update({f"{name}_{part}": a for name, a in zip(names, self._directions(part))})
+            names = ["mag", "ret", "retpos"] if self.slots else ["mag"]
+            arrays.update({f"{name}_{part}": self.store[f"{name}_{part}"] for name in names})
+        return arrays
+
+    def _decoded_history(self, arrays: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
+        """The history [0, n_compressed) as K, V in the cache's dtype from _history_arrays()
+        (or the same arrays made to wait for a prefill chunk's queries)."""
         out = []
         for part in ("k", "v"):
-            direction = self._directions(part)
+            direction = arrays[f"dir_{part}"]
             if self.dir_bits is not None:
-                direction = (mx.dequantize(*direction, group_size=QUANT_GROUP, bits=self.dir_bits),)
-            x = self.store[f"mag_{part}"][..., None].astype(mx.float32) * direction[0].astype(mx.float32)
+                direction = mx.dequantize(direction, arrays[f"dirscale_{part}"], arrays[f"dirbias_{part}"],
+                                          group_size=QUANT_GROUP, bits=self.dir_bits)
+            x = arrays[f"mag_{part}"][..., None].astype(mx.float32) * direction.astype(mx.float32)
             if self.slots:
                 x = mx.concatenate([x, mx.zeros_like(x[:, :, :1])], axis=2)
-                index = self._slot_index(part)[..., None]
+                index = self._slot_columns(arrays[f"retpos_{part}"])[..., None]
                 index = mx.broadcast_to(index, (*index.shape[:-1], x.shape[-1]))
-                x = mx.put_along_axis(x, index, self.store[f"ret_{part}"].astype(mx.float32), axis=2)
+                x = mx.put_along_axis(x, index, arrays[f"ret_{part}"].astype(mx.float32), axis=2)
                 x = x[:, :, :-1]
             out.append(x[:, :, : self.n_compressed].astype(self.dtype))
         return out[0], out[1]
+
+    def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
+        # On CUDA one kernel writes a paired layer's whole K/V (cache/fused_prefill_merged.py).
+        # Elsewhere the base's decode + concatenation, but ordered after the queries without the
+        # base's host sync: the decode's inputs wait for the queries (mx.depends, as the kernel
+        # paths' do), so no op of this layer's decoded history runs, nor holds memory, before
+        # the model up to this layer has (what the base's prefill_eval_queries step bounds).
+        fused = fused_prefill_merged.prefill_step(self, queries)
+        if fused is not None:
+            return fused
+        if self.role == "plain" or self.n_compressed == 0:
+            return super()._prefill_keys_values(queries)
+        arrays = self._history_arrays()
+        arrays = dict(zip(arrays, self._inputs_after_queries(list(arrays.values()), queries)))
+        keys, values = self._decoded_history(arrays)
+        if self.window_keys is not None:
+            keys = mx.concatenate([keys, self.window_keys], axis=2)
+            values = mx.concatenate([values, self.window_values], axis=2)
+        return keys.astype(queries.dtype), values.astype(queries.dtype)
 
     def _scores(self, q: mx.array) -> mx.array:
         direction = self._directions("k")
