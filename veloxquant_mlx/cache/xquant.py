@@ -50,7 +50,7 @@ import math
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode, fused_prefill_affine
+from veloxquant_mlx.cache import fused_decode, fused_encode_xquant, fused_prefill_affine
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
 from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
@@ -258,6 +258,16 @@ class XQuantCache(CrossLayerMixin, CompressedKVCache):
         return layout
 
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        # On CUDA one kernel encodes the block (cache/fused_encode_xquant.py: the leader's codes
+        # and calibrated side data, or the follower's fit to its leader's codes), bit for bit the
+        # compiled path's under the CPU emulation; elsewhere the compiled encoders below.
+        leader_codes = None
+        if self.shared:
+            leader = self._leader()
+            leader_codes = (leader.store["k_codes"], leader.store["v_codes"])
+        fused = fused_encode_xquant.encode_step(self, keys, values, leader_codes)
+        if fused is not None:
+            return fused
         B, H, n, D = keys.shape
         G, Dv = self.group, self.value_dim
         # Keys per channel: (B, H, D, n / G, G), groups along tokens.
