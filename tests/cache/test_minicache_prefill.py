@@ -38,14 +38,18 @@ def emulated():
         fused_prefill_merged._kernel_for.cache_clear()
 
 
-def _pair(B=1, D=64, dtype=mx.float16, n=300, extra=5, bits=None, slots=4, threshold=0.9, residual=0, seed=0):
+def _pair(B=1, D=64, dtype=mx.float16, n=300, extra=5, bits=None, slots=4, threshold=0.9, residual=0, seed=0,
+          merge=None):
     """A lower / upper MiniCache pair after a chunk of n tokens, merged (the upper layer's
     attention flushes the pair) and `extra` more tokens in each window; layer-alike K/V so that some
-    tokens merge and some are retained."""
+    tokens merge and some are retained. `merge`: a stand-in for MiniCacheCache._merge."""
     config = KVCacheConfig(method="minicache", minicache_start_fraction=0.0, minicache_bits=bits,
                            minicache_retain_slots=slots, minicache_threshold=threshold,
                            minicache_residual_length=residual)
     caches = MiniCacheCache.build_layers(config, 2)
+    if merge is not None:
+        for cache in caches:
+            cache._merge = merge.__get__(cache)
     mx.random.seed(seed)
     shared_k = mx.random.normal((B, H, n + extra, D))
     shared_v = mx.random.normal((B, H, n + extra, D))
@@ -60,6 +64,9 @@ def _pair(B=1, D=64, dtype=mx.float16, n=300, extra=5, bits=None, slots=4, thres
     for cache, (k, v) in zip(caches, data):
         if extra:
             cache.update_and_fetch(k[:, :, n:], v[:, :, n:])
+    if extra >= 32:  # a second merge, at offset n_compressed > 0
+        for cache in caches:
+            mx.eval(cache.attention(mx.random.normal((B, H * REP, 16, D)).astype(dtype), scale=D**-0.5, mask="causal"))
     assert all(c.n_compressed > 0 for c in caches)
     return caches
 
@@ -224,3 +231,57 @@ def test_the_kernel_on_cuda_is_the_previous_path(name, kwargs, q_dtype, monkeypa
         for g, e in zip(got, expected):
             assert g.shape == e.shape and g.dtype == e.dtype
             assert mx.array_equal(g, e).item(), float(mx.abs(g.astype(mx.float32) - e.astype(mx.float32)).max())
+
+
+def _previous_merge(self, k_low, v_low, k_up, v_up):
+    """MiniCacheCache._merge as it was before this change (main 4954451, uncompiled), frozen."""
+    from veloxquant_mlx.cache.minicache import BLOCK, SIDE_DTYPE, slerp_merge
+
+    def retained_positions(cos):
+        B_, H_, n = cos.shape
+        blocks = cos.reshape(B_, H_, n // BLOCK, BLOCK)
+        order = mx.argsort(blocks, axis=-1)[..., : self.slots]
+        chosen_cos = mx.take_along_axis(blocks, order, axis=-1)
+        base = self.n_compressed + mx.arange(n // BLOCK)[:, None] * BLOCK
+        positions = (order + base).astype(mx.int32)
+        positions = mx.where(chosen_cos < self.threshold, positions, -1)
+        return positions.reshape(B_, H_, -1)
+
+    def retained(part, x, positions):
+        local = mx.maximum(positions - self.n_compressed, 0)
+        vectors = mx.take_along_axis(x, local[..., None], axis=2)
+        return {f"ret_{part}": vectors.astype(self.dtype), f"retpos_{part}": positions}
+
+    def encode_direction(part, merged):
+        if self.dir_bits is None:
+            return {f"dir_{part}": merged.astype(SIDE_DTYPE)}
+        codes, scales, biases = mx.quantize(merged, group_size=QUANT_GROUP, bits=self.dir_bits)
+        return {f"dir_{part}": codes, f"dirscale_{part}": scales.astype(SIDE_DTYPE),
+                f"dirbias_{part}": biases.astype(SIDE_DTYPE)}
+
+    low, up = {}, {}
+    for part, x_low, x_up in (("k", k_low, k_up), ("v", v_low, v_up)):
+        merged, mag_low, mag_up, cos = slerp_merge(x_low, x_up)
+        low.update(encode_direction(part, merged))
+        low[f"mag_{part}"] = mag_low.astype(SIDE_DTYPE)
+        up[f"mag_{part}"] = mag_up.astype(SIDE_DTYPE)
+        if self.slots:
+            positions = retained_positions(cos)
+            low.update(retained(part, x_low, positions))
+            up.update(retained(part, x_up, positions))
+    return low, up
+
+
+@pytest.mark.parametrize("kwargs", [dict(dtype=mx.bfloat16, D=128), dict(bits=4, dtype=mx.float16),
+                                    dict(slots=16, threshold=1.0, dtype=mx.float32), dict(slots=0)],
+                         ids=["bf16 fp16-directions", "4-bit directions", "16 slots fp32", "no slots"])
+def test_the_compiled_merge_stores_what_the_previous_merge_stored(kwargs, monkeypatch):
+    # Two chunks merged after the first (offsets 0 and 288): every store array bit for bit.
+    compiled = _pair(**kwargs, n=300, extra=70, seed=4)
+    caches_before = _pair(**kwargs, n=300, extra=70, seed=4, merge=_previous_merge)
+    for new, old in zip(compiled, caches_before):
+        assert old.n_compressed == new.n_compressed > 0
+        assert sorted(old.store) == sorted(new.store)
+        for name in old.store:
+            assert old.store[name].dtype == new.store[name].dtype, name
+            assert mx.array_equal(old.store[name], new.store[name]).item(), name
