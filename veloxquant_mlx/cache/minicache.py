@@ -33,6 +33,13 @@ backend a paired layer's decode step runs that as one partials kernel plus a mer
 (cache/fused_decode_merged.py: the directions, magnitudes and slots read once); elsewhere, and
 for shapes it does not take, the portable ops (_scores / _weighted_values) run.
 
+A prefill chunk's attention (>= prefill_rows queries) reads a paired layer's history as plain
+K/V: on CUDA one kernel writes it (cache/fused_prefill_merged.py), elsewhere the portable decode
+builds it; either way its inputs wait for the chunk's queries through mx.depends, without the
+base's host sync (session 6: minicache prefilled 32K at 1.41x the fp16 cache's time on the
+H200, with one sync per paired layer and chunk). The pair's merge of a block runs through
+mx.compile (compiled_merge_part).
+
 State: each layer's state holds what it needs alone (the upper layer carries a copy of the
 merged directions); a loaded pair keeps its history and no longer merges new tokens (they stay
 exact) until `CrossLayerCoordinator.relink(caches)` re-links it.
