@@ -33,6 +33,13 @@ backend a paired layer's decode step runs that as one partials kernel plus a mer
 (cache/fused_decode_merged.py: the directions, magnitudes and slots read once); elsewhere, and
 for shapes it does not take, the portable ops (_scores / _weighted_values) run.
 
+A prefill chunk's attention (>= prefill_rows queries) reads a paired layer's history as plain
+K/V: on CUDA one kernel writes it (cache/fused_prefill_merged.py), elsewhere the portable decode
+builds it; either way its inputs wait for the chunk's queries through mx.depends, without the
+base's host sync (session 6: minicache prefilled 32K at 1.41x the fp16 cache's time on the
+H200, with one sync per paired layer and chunk). The pair's merge of a block runs through
+mx.compile (compiled_merge_part).
+
 State: each layer's state holds what it needs alone (the upper layer carries a copy of the
 merged directions); a loaded pair keeps its history and no longer merges new tokens (they stay
 exact) until `CrossLayerCoordinator.relink(caches)` re-links it.
@@ -60,10 +67,11 @@ Deviations from the paper:
 from __future__ import annotations
 
 import math
+from functools import lru_cache, partial
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode_merged
+from veloxquant_mlx.cache import fused_decode_merged, fused_prefill_merged
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
 from veloxquant_mlx.cache.growing_window import GrowingWindowMixin
@@ -103,6 +111,47 @@ def slerp_merge(x_lower: mx.array, x_upper: mx.array):
     merged = w_lower * u_lower + w_upper * u_upper
     merged = merged / mx.maximum(mx.linalg.norm(merged, axis=-1, keepdims=True), EPS)
     return merged, mag_lower, mag_upper, cos
+
+
+def merge_part(x_low: mx.array, x_up: mx.array, offset: mx.array, *, slots: int, threshold: float,
+               dir_bits, dtype):
+    """One part (K or V) of a block of both layers, (B, H, n, D) each, n whole blocks of 32,
+    starting at position `offset` (an int32 scalar array) -> (the lower layer's arrays: merged
+    direction (fp16, or codes, scales, biases), magnitude, [retained vectors, positions]; the
+    upper layer's: magnitude, [retained vectors, positions]). Retention: per block of 32 tokens
+    the `slots` least similar tokens (cosine below `threshold`) keep each layer's exact vector
+    and their absolute position; an unused slot holds position -1 (and the block's first
+    token's vector, never read)."""
+    merged, mag_low, mag_up, cos = slerp_merge(x_low, x_up)
+    if dir_bits is None:
+        low = [merged.astype(SIDE_DTYPE)]
+    else:
+        codes, scales, biases = mx.quantize(merged, group_size=QUANT_GROUP, bits=dir_bits)
+        low = [codes, scales.astype(SIDE_DTYPE), biases.astype(SIDE_DTYPE)]
+    low.append(mag_low.astype(SIDE_DTYPE))
+    up = [mag_up.astype(SIDE_DTYPE)]
+    if slots:
+        B, H, n = cos.shape
+        blocks = cos.reshape(B, H, n // BLOCK, BLOCK)
+        order = mx.argsort(blocks, axis=-1)[..., :slots]  # least similar first
+        chosen_cos = mx.take_along_axis(blocks, order, axis=-1)
+        local = order + mx.arange(n // BLOCK)[:, None] * BLOCK  # position within the block of n
+        kept = chosen_cos < threshold
+        positions = mx.where(kept, (local + offset).astype(mx.int32), -1).reshape(B, H, -1)
+        index = mx.where(kept, local, 0).reshape(B, H, -1)[..., None]
+        low += [mx.take_along_axis(x_low, index, axis=2).astype(dtype), positions]
+        up += [mx.take_along_axis(x_up, index, axis=2).astype(dtype), positions]
+    return tuple(low), tuple(up)
+
+
+@lru_cache(maxsize=None)
+def compiled_merge_part(slots: int, threshold: float, dir_bits, dtype):
+    """merge_part for one setting through mx.compile (the settings are compile-time constants;
+    one trace per block shape): its elementwise chains (norms, SLERP weights, casts) fuse into a
+    few kernels. A paired layer's prefill chunk built ~150 MLX ops for the pair's merge
+    (tests/cache/bench_pair_prefill.py, the upper layer's count), each a kernel launch on a GPU;
+    bit for bit the uncompiled ops on the CPU (tests/cache/test_minicache_prefill.py checks it)."""
+    return mx.compile(partial(merge_part, slots=slots, threshold=threshold, dir_bits=dir_bits, dtype=dtype))
 
 
 class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
@@ -209,42 +258,20 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
     def _merge(self, k_low, v_low, k_up, v_up):
         """A block of both layers -> (the lower layer's arrays, the upper layer's arrays)."""
         low, up = {}, {}
+        merge = compiled_merge_part(self.slots, self.threshold, self.dir_bits, self.dtype)
+        # The block's first position: an input, not a constant, so that one trace serves every
+        # chunk of the same length.
+        offset = mx.array(self.n_compressed, dtype=mx.int32)
         for part, x_low, x_up in (("k", k_low, k_up), ("v", v_low, v_up)):
-            merged, mag_low, mag_up, cos = slerp_merge(x_low, x_up)
-            low.update(self._encode_direction(part, merged))
-            low[f"mag_{part}"] = mag_low.astype(SIDE_DTYPE)
-            up[f"mag_{part}"] = mag_up.astype(SIDE_DTYPE)
-            if self.slots:
-                positions = self._retained_positions(cos)
-                low.update(self._retained(part, x_low, positions))
-                up.update(self._retained(part, x_up, positions))
+            low_arrays, up_arrays = merge(x_low, x_up, offset)
+            low.update({f"{name}_{part}": a for name, a in zip(self._merged_names("lower"), low_arrays)})
+            up.update({f"{name}_{part}": a for name, a in zip(self._merged_names("upper"), up_arrays)})
         return low, up
 
-    def _retained_positions(self, cos: mx.array) -> mx.array:
-        """(B, H, n) cosines -> (B, H, n / BLOCK * slots) absolute positions, -1 where unused."""
-        B, H, n = cos.shape
-        blocks = cos.reshape(B, H, n // BLOCK, BLOCK)
-        order = mx.argsort(blocks, axis=-1)[..., : self.slots]  # least similar first
-        chosen_cos = mx.take_along_axis(blocks, order, axis=-1)
-        base = self.n_compressed + mx.arange(n // BLOCK)[:, None] * BLOCK
-        positions = (order + base).astype(mx.int32)
-        positions = mx.where(chosen_cos < self.threshold, positions, -1)
-        return positions.reshape(B, H, -1)
-
-    def _retained(self, part: str, x: mx.array, positions: mx.array) -> dict:
-        local = mx.maximum(positions - self.n_compressed, 0)
-        vectors = mx.take_along_axis(x, local[..., None], axis=2)
-        return {f"ret_{part}": vectors.astype(self.dtype), f"retpos_{part}": positions}
-
-    def _encode_direction(self, part: str, merged: mx.array) -> dict:
-        if self.dir_bits is None:
-            return {f"dir_{part}": merged.astype(SIDE_DTYPE)}
-        codes, scales, biases = mx.quantize(merged, group_size=QUANT_GROUP, bits=self.dir_bits)
-        return {
-            f"dir_{part}": codes,
-            f"dirscale_{part}": scales.astype(SIDE_DTYPE),
-            f"dirbias_{part}": biases.astype(SIDE_DTYPE),
-        }
+    def _merged_names(self, role: str) -> list[str]:
+        """The names (without _k / _v) of merge_part's arrays for the lower or upper layer."""
+        names = ([] if role == "upper" else ["dir"] if self.dir_bits is None else ["dir", "dirscale", "dirbias"])
+        return names + ["mag"] + (["ret", "retpos"] if self.slots else [])
 
     def _relinked(self) -> None:
         if self.role != "upper" or not self.owns_directions:
@@ -313,7 +340,10 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
         Slots of the growth slack (blocks not merged yet) are unused too: the store fills them
         with zeros, i.e. position 0, which put zero vectors over token 0 (the attention sink)
         whenever capacity > n_compressed; after a trim they may hold stale positions."""
-        positions = self.store[f"retpos_{part}"]
+        return self._slot_columns(self.store[f"retpos_{part}"])
+
+    def _slot_columns(self, positions: mx.array) -> mx.array:
+        """_slot_index of given retained positions (B, H, slots over capacity)."""
         merged = mx.arange(positions.shape[-1]) < self.n_compressed // BLOCK * self.slots
         return mx.where(merged & (positions >= 0), positions, self.capacity)
 
@@ -321,20 +351,56 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
         raise NotImplementedError
 
     def _decode(self) -> tuple[mx.array, mx.array]:
+        return self._decoded_history(self._history_arrays())
+
+    def _history_arrays(self) -> dict[str, mx.array]:
+        """What the decoded history is computed from, by name: the pair's directions over this
+        layer's capacity (and their scales / biases), this layer's magnitudes and retained slots."""
+        arrays = {}
+        for part in ("k", "v"):
+            names = ["dir"] if self.dir_bits is None else ["dir", "dirscale", "dirbias"]
+            arrays.update({f"{name}_{part}": a for name, a in zip(names, self._directions(part))})
+            names = ["mag", "ret", "retpos"] if self.slots else ["mag"]
+            arrays.update({f"{name}_{part}": self.store[f"{name}_{part}"] for name in names})
+        return arrays
+
+    def _decoded_history(self, arrays: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
+        """The history [0, n_compressed) as K, V in the cache's dtype from _history_arrays()
+        (or the same arrays made to wait for a prefill chunk's queries)."""
         out = []
         for part in ("k", "v"):
-            direction = self._directions(part)
+            direction = arrays[f"dir_{part}"]
             if self.dir_bits is not None:
-                direction = (mx.dequantize(*direction, group_size=QUANT_GROUP, bits=self.dir_bits),)
-            x = self.store[f"mag_{part}"][..., None].astype(mx.float32) * direction[0].astype(mx.float32)
+                direction = mx.dequantize(direction, arrays[f"dirscale_{part}"], arrays[f"dirbias_{part}"],
+                                          group_size=QUANT_GROUP, bits=self.dir_bits)
+            x = arrays[f"mag_{part}"][..., None].astype(mx.float32) * direction.astype(mx.float32)
             if self.slots:
                 x = mx.concatenate([x, mx.zeros_like(x[:, :, :1])], axis=2)
-                index = self._slot_index(part)[..., None]
+                index = self._slot_columns(arrays[f"retpos_{part}"])[..., None]
                 index = mx.broadcast_to(index, (*index.shape[:-1], x.shape[-1]))
-                x = mx.put_along_axis(x, index, self.store[f"ret_{part}"].astype(mx.float32), axis=2)
+                x = mx.put_along_axis(x, index, arrays[f"ret_{part}"].astype(mx.float32), axis=2)
                 x = x[:, :, :-1]
             out.append(x[:, :, : self.n_compressed].astype(self.dtype))
         return out[0], out[1]
+
+    def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
+        # On CUDA one kernel writes a paired layer's whole K/V (cache/fused_prefill_merged.py).
+        # Elsewhere the base's decode + concatenation, but ordered after the queries without the
+        # base's host sync: the decode's inputs wait for the queries (mx.depends, as the kernel
+        # paths' do), so no op of this layer's decoded history runs, nor holds memory, before
+        # the model up to this layer has (what the base's prefill_eval_queries step bounds).
+        fused = fused_prefill_merged.prefill_step(self, queries)
+        if fused is not None:
+            return fused
+        if self.role == "plain" or self.n_compressed == 0:
+            return super()._prefill_keys_values(queries)
+        arrays = self._history_arrays()
+        arrays = dict(zip(arrays, self._inputs_after_queries(list(arrays.values()), queries)))
+        keys, values = self._decoded_history(arrays)
+        if self.window_keys is not None:
+            keys = mx.concatenate([keys, self.window_keys], axis=2)
+            values = mx.concatenate([values, self.window_values], axis=2)
+        return keys.astype(queries.dtype), values.astype(queries.dtype)
 
     def _scores(self, q: mx.array) -> mx.array:
         direction = self._directions("k")

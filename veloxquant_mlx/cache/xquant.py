@@ -41,7 +41,10 @@ Deviations from the paper:
   * pairs must have the same bit width (a per-layer list must agree within each pair);
   * after `from_state` a follower holds a copy of its leader's codes (each layer's state is
     loadable on its own); `CrossLayerCoordinator.relink(caches)` drops the copy again;
-  * attention uses mx.quantized_matmul on the codes (MLX's affine layout), never fp16 history.
+  * attention uses mx.quantized_matmul on the codes (MLX's affine layout), never fp16 history
+    (a prefill chunk's attention reads it decoded, by fused_prefill_affine's kernel on CUDA);
+  * on CUDA a block's encode is one kernel per layer (cache/fused_encode_xquant.py: the leader's
+    codes and side data, the follower's fit), the compiled encoders' numbers.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import math
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode, fused_prefill_affine
+from veloxquant_mlx.cache import fused_decode, fused_encode_xquant, fused_prefill_affine
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
 from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
@@ -256,6 +259,16 @@ class XQuantCache(CrossLayerMixin, CompressedKVCache):
         return layout
 
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        # On CUDA one kernel encodes the block (cache/fused_encode_xquant.py: the leader's codes
+        # and calibrated side data, or the follower's fit to its leader's codes), bit for bit the
+        # compiled path's under the CPU emulation; elsewhere the compiled encoders below.
+        leader_codes = None
+        if self.shared:
+            leader = self._leader()
+            leader_codes = (leader.store["k_codes"], leader.store["v_codes"])
+        fused = fused_encode_xquant.encode_step(self, keys, values, leader_codes)
+        if fused is not None:
+            return fused
         B, H, n, D = keys.shape
         G, Dv = self.group, self.value_dim
         # Keys per channel: (B, H, D, n / G, G), groups along tokens.
