@@ -294,3 +294,17 @@ def test_the_compiled_merge_stores_what_the_previous_merge_stored(kwargs, monkey
         for name in old.store:
             assert old.store[name].dtype == new.store[name].dtype, name
             assert mx.array_equal(old.store[name], new.store[name]).item(), name
+
+
+def test_the_uncompiled_merge_switch_stores_the_same_arrays(monkeypatch):
+    # minicache.COMPILE_MERGE = False (the bench modules' --set, for a GPU A/B) runs merge_part
+    # as plain ops: on the CPU the same bits as the compiled merge.
+    from veloxquant_mlx.cache import minicache
+
+    compiled = _pair(bits=4, dtype=mx.bfloat16, n=300, extra=70, seed=6)
+    monkeypatch.setattr(minicache, "COMPILE_MERGE", False)
+    plain = _pair(bits=4, dtype=mx.bfloat16, n=300, extra=70, seed=6)
+    for a, b in zip(compiled, plain):
+        assert a.n_compressed == b.n_compressed > 0
+        for name in a.store:
+            assert mx.array_equal(a.store[name], b.store[name]).item(), name

@@ -144,6 +144,15 @@ def merge_part(x_low: mx.array, x_up: mx.array, offset: mx.array, *, slots: int,
     return tuple(low), tuple(up)
 
 
+# False: the pair's merge runs as uncompiled ops (`--set minicache.COMPILE_MERGE=0` in the bench
+# modules). Why a switch: on MLX's CUDA backend a compiled graph's fused kernels go through nvrtc,
+# whose default contracts a multiply and an add into one FMA, so the compiled merge may store
+# directions that differ from the uncompiled ops' by a float32 rounding there (the CPU's are bit
+# for bit the same, tested). Not yet checked on a GPU; the quality is the same either way, the
+# bits across backends may not be.
+COMPILE_MERGE = True
+
+
 @lru_cache(maxsize=None)
 def compiled_merge_part(slots: int, threshold: float, dir_bits, dtype):
     """merge_part for one setting through mx.compile (the settings are compile-time constants;
@@ -258,7 +267,11 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
     def _merge(self, k_low, v_low, k_up, v_up):
         """A block of both layers -> (the lower layer's arrays, the upper layer's arrays)."""
         low, up = {}, {}
-        merge = compiled_merge_part(self.slots, self.threshold, self.dir_bits, self.dtype)
+        if COMPILE_MERGE:
+            merge = compiled_merge_part(self.slots, self.threshold, self.dir_bits, self.dtype)
+        else:
+            merge = partial(merge_part, slots=self.slots, threshold=self.threshold,
+                            dir_bits=self.dir_bits, dtype=self.dtype)
         # The block's first position: an input, not a constant, so that one trace serves every
         # chunk of the same length.
         offset = mx.array(self.n_compressed, dtype=mx.int32)
