@@ -134,7 +134,7 @@ def _programs_built_in_parallel():
                 cache._prefill_keys_values(queries)
         for _, old, new, value_bits in MUTATIONS:
             with pytest.MonkeyPatch.context() as mutated, emulated():
-                mutated.setattr(fused_prefill_affine, "_SOURCE", fused_prefill_affine._SOURCE.replace(old, new, 1))
+                _mutate(mutated, old, new)
                 cache, queries = _mutation_case(value_bits)
                 cache._prefill_keys_values(queries)
     cuda_emulation.prebuild_captured(captured)
@@ -248,13 +248,26 @@ MUTATIONS = [
      "const int w = bit >> 5, sh = (bit + 1) & 31;\n      const vq_u2 word", 2),
     ("key 3-bit straddle ignored", "if (32 % KB != 0 && sh + KB > 32) {", "if (false) {", 2),
     ("key pair's second scale", "dequant(sc.y, zp.y, c1 & KMASK)", "dequant(sc.x, zp.y, c1 & KMASK)", 2),
-    ("value pair's second code", "c1 = word >> ((bit & 31) + VB);", "c1 = word >> (bit & 31);", 2),
-    ("value 3-bit straddle ignored", "if ((b1 & 31) + VB > 32) c1", "if (false) c1", 3),
+    # The value codes are read by the shared header's vq_code_pair (fused_decode._HEADER).
+    ("value pair's second code", "c1 = word >> ((bit & 31) + BITS);", "c1 = word >> (bit & 31);", 2),
+    ("value 3-bit straddle ignored", "if ((b1 & 31) + BITS > 32) c1", "if (false) c1", 3),
     ("one rounding (fma) instead of two",
      "const float p = vq_f32(vq_cast<AT>(sc * (float)code));", "const float p = sc * (float)code;", 2),
     ("sink ignored", "const int n_sink = meta[2];", "const int n_sink = 0;", 2),
     ("value group index", "const size_t g = (size_t)t * GV + c / G;", "const size_t g = (size_t)t * GV;", 2),
 ]
+
+
+def _mutate(patch, old, new):
+    """Replace `old` by `new` in the kernel's own source, or in the shared header where the
+    kernel's device functions live (vq_code_pair)."""
+    for module, name in ((fused_prefill_affine, "_SOURCE"), (fused_decode, "_HEADER")):
+        text = getattr(module, name)
+        if old in text:
+            patch.setattr(module, name, text.replace(old, new, 1))
+            return
+    raise AssertionError(f"neither fused_prefill_affine._SOURCE nor fused_decode._HEADER contains {old!r}: "
+                         "pick a new mutation")
 
 
 def _mutation_case(value_bits):
@@ -265,9 +278,7 @@ def _mutation_case(value_bits):
 @emulation
 @pytest.mark.parametrize("name, old, new, value_bits", MUTATIONS, ids=[m[0] for m in MUTATIONS])
 def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, new, value_bits):
-    source = fused_prefill_affine._SOURCE
-    assert old in source, f"fused_prefill_affine._SOURCE no longer contains {old!r}: pick a new mutation"
-    monkeypatch.setattr(fused_prefill_affine, "_SOURCE", source.replace(old, new, 1))
+    _mutate(monkeypatch, old, new)
     cache, queries = _mutation_case(value_bits)
     with pytest.raises(AssertionError, match=r"max \|kernel - portable\|"):
         _check(cache, queries)

@@ -204,20 +204,7 @@ _SOURCE = r"""
     } else if (t < n) {
       const uint32_t* row = vc_bh + (size_t)t * WV;
       unsigned c0, c1;
-      if (32 % VB == 0) {
-        // c even: both codes in one word (2 * VB divides 32 and the pair's first bit).
-        const int bit = c * VB;
-        const unsigned word = __ldg(row + (bit >> 5));
-        c0 = word >> (bit & 31);
-        c1 = word >> ((bit & 31) + VB);
-      } else {
-        // 3 bits: either code may straddle two words.
-        const int b0 = c * VB, b1 = b0 + VB;
-        c0 = __ldg(row + (b0 >> 5)) >> (b0 & 31);
-        if ((b0 & 31) + VB > 32) c0 |= __ldg(row + (b0 >> 5) + 1) << (32 - (b0 & 31));
-        c1 = __ldg(row + (b1 >> 5)) >> (b1 & 31);
-        if ((b1 & 31) + VB > 32) c1 |= __ldg(row + (b1 >> 5) + 1) << (32 - (b1 & 31));
-      }
+      vq_code_pair<VB>(row, c, c0, c1);  // c even
       const size_t g = (size_t)t * GV + c / G;  // c and c + 1 share a group (G is even)
       const float sc = side(vs_bh[g]), zp = side(vz_bh[g]);
       out = vq_o2{dequant(sc, zp, c0 & VMASK), dequant(sc, zp, c1 & VMASK)};

@@ -230,20 +230,7 @@ _BODY = r"""
     if (hist) {
       const uint32_t* row = vc_bh + (size_t)t * WV;
       unsigned c0, c1;
-      if (32 % KB == 0) {
-        // c even: both codes in one word (2 * KB divides 32 and the pair's first bit).
-        const int bit = c * KB;
-        const unsigned word = __ldg(row + (bit >> 5));
-        c0 = word >> (bit & 31);
-        c1 = word >> ((bit & 31) + KB);
-      } else {
-        // 3 bits: either code may straddle two words.
-        const int b0 = c * KB, b1 = b0 + KB;
-        c0 = __ldg(row + (b0 >> 5)) >> (b0 & 31);
-        if ((b0 & 31) + KB > 32) c0 |= __ldg(row + (b0 >> 5) + 1) << (32 - (b0 & 31));
-        c1 = __ldg(row + (b1 >> 5)) >> (b1 & 31);
-        if ((b1 & 31) + KB > 32) c1 |= __ldg(row + (b1 >> 5) + 1) << (32 - (b1 & 31));
-      }
+      vq_code_pair<KB>(row, c, c0, c1);  // c even
       const size_t g = (size_t)t * GV + c / G;  // c and c + 1 share a group (G is even)
       const float sc = vq_f32(vs_bh[g]), zp = vq_f32(vz_bh[g]);
       float x0 = sc * (float)(c0 & MASK) + zp;
