@@ -20,6 +20,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import gear_encode_kernel
+
 # Power-iteration steps. The residual of a uniform quantizer is close to noise; its leading
 # directions (outlier channels, a shared offset) separate quickly, and the paper's code uses a
 # handful of loops. Three steps reach within a few percent of the SVD's error on our data
@@ -32,6 +34,9 @@ def low_rank_factors(residual: mx.array, rank: int, steps: int = POWER_STEPS):
     start = start_matrix(residual.shape[-1], rank)
     if rank <= GRAM_SCHMIDT_MAX_RANK and _compile_here():
         return _compiled_iteration(rank, steps)(residual, start)
+    if rank <= GRAM_SCHMIDT_MAX_RANK and gear_encode_kernel.enabled():
+        # On CUDA, uncompiled: Gram-Schmidt's elementwise steps as kernels, its sums MLX's.
+        return _power_iteration(residual, rank, steps, start, orthonormal=gear_encode_kernel.orthonormal)
     return _power_iteration(residual, rank, steps, start)
 
 
@@ -52,14 +57,16 @@ def _start_matrix(d: int, rank: int, device: str) -> mx.array:
     return start
 
 
-def _power_iteration(residual: mx.array, rank: int, steps: int, start: mx.array | None = None):
+def _power_iteration(residual: mx.array, rank: int, steps: int, start: mx.array | None = None, orthonormal=None):
+    """`orthonormal`: what orthonormalizes each iterate (default _orthonormal, the MLX ops)."""
+    orthonormal = orthonormal or _orthonormal
     n, d = residual.shape[-2:]
     if start is None:
         start = start_matrix(d, rank)
     right = mx.broadcast_to(start, (*residual.shape[:-2], d, rank))
     left = None
     for _ in range(steps):
-        left = _orthonormal(residual @ right)
+        left = orthonormal(residual @ right)
         right = residual.swapaxes(-1, -2) @ left
     return left, right
 

@@ -1,0 +1,162 @@
+"""GEAR's Gram-Schmidt kernels (gear_encode_kernel.py) against the MLX ops' power iteration, bit for
+bit: on the CPU through the thread-level CUDA emulation (tests/cache/cuda_emulation.py, which cannot
+check nvrtc's acceptance nor speed), on MLX's CUDA backend for real (`pytest -m cuda`), and compiled
+by nvcc for sm_90 without spills (slow) as a proxy for nvrtc."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.cache import cuda_emulation
+from tests.cache.cuda_marks import cuda_test
+from tests.cache.encoder_reference import ReferenceGEARCache
+from tests.cache.test_encoder_identity import _bits, _feed_and_compare, _kv
+from tests.cache.test_kernels_nvcc import NVCC, compiled_without_spills
+from veloxquant_mlx.cache import gear_encode_kernel, gear_lowrank
+from veloxquant_mlx.cache.gear import GEARCache
+from veloxquant_mlx.config import KVCacheConfig
+
+needs_compiler = pytest.mark.skipif(cuda_emulation.COMPILER is None, reason="needs g++ with C++20 for the CUDA emulation")
+
+
+@pytest.fixture
+def uncompiled(monkeypatch):
+    """The power iteration as on CUDA: not through mx.compile (gear_lowrank.COMPILE_ON_GPU)."""
+    monkeypatch.setattr(gear_lowrank, "_compile_here", lambda: False)
+
+
+def _same_bits(a: mx.array, b: mx.array) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert np.array_equal(_bits(a), _bits(b))
+
+
+def _iterates(rank: int, seed: int) -> mx.array:
+    """(1, 2, 3, 64, rank) iterates: Gaussian, one block of rank < r (a repeated column: a
+    zero column after Gram-Schmidt), one so tiny that its squares underflow (the norm's floor
+    divides), one all-zero block, one huge-scaled."""
+    y = mx.random.normal((1, 2, 3, 64, rank), key=mx.random.key(seed))
+    if rank > 1:
+        y[0, 0, 1, :, rank - 1] = y[0, 0, 1, :, 0] * 2
+    y[0, 0, 2] = y[0, 0, 2] * 1e-25
+    y[0, 1, 0] = 0.0
+    y[0, 1, 2] = y[0, 1, 2] * 1e18
+    return y
+
+
+@needs_compiler
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_orthonormal_is_the_ops_bit_for_bit(rank):
+    y = _iterates(rank, seed=rank)
+    reference = gear_lowrank._orthonormal(y)
+    with cuda_emulation.emulated_kernels() as made:
+        ours = gear_encode_kernel.orthonormal(y)
+        mx.eval(ours)
+    assert len({k.name for k in made}) == (2 * rank - 1)  # normalize per column, project but the last
+    _same_bits(reference, ours)
+    assert not np.isnan(np.array(ours)).any()
+
+
+@needs_compiler
+def test_power_iteration_takes_the_kernels_on_cuda_and_stays_bit_identical(uncompiled):
+    residual = mx.random.normal((1, 2, 2, 256, 128), key=mx.random.key(3)) * 0.1
+    reference = gear_lowrank.low_rank_factors(residual, 4)
+    mx.eval(reference)
+    with cuda_emulation.emulated_kernels() as made:
+        ours = gear_lowrank.low_rank_factors(residual, 4)
+        mx.eval(ours)
+    assert {k.name for k in made} == {f"vq_gear_gs_normalize_{i}" for i in range(4)} | {
+        f"vq_gear_gs_project_{i}" for i in range(1, 4)}
+    for a, b in zip(reference, ours):
+        _same_bits(a, b)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype, real_shaped", [(mx.bfloat16, True), (mx.float16, "degenerate")])
+def test_gear_encoder_with_the_kernels_matches_the_frozen_encoder(uncompiled, dtype, real_shaped):
+    """The whole cache's stores (a prefill chunk, then decode flushes), kernels emulated, against
+    the frozen encoder of main 2e28496 (tests/cache/test_encoder_identity.py's comparison)."""
+    keys, values = _kv(1024 + 256, 2, 64, dtype, seed=5, real_shaped=real_shaped)
+    config = KVCacheConfig(method="gear")
+    with cuda_emulation.emulated_kernels() as made:
+        _feed_and_compare(lambda: GEARCache(config), lambda: ReferenceGEARCache(config), keys, values, [1024, 256])
+    assert any(k.name.startswith("vq_gear_gs_") for k in made)
+
+
+@needs_compiler
+def test_the_enabled_switch_turns_the_kernels_off(monkeypatch, uncompiled):
+    monkeypatch.setattr(gear_encode_kernel, "ENABLED", False)
+    residual = mx.random.normal((1, 1, 1, 256, 64), key=mx.random.key(4))
+    with cuda_emulation.emulated_kernels() as made:
+        mx.eval(gear_lowrank.low_rank_factors(residual, 4))
+    assert not any(k.name.startswith("vq_gear_gs_") for k in made)
+
+
+CORRUPTIONS = [
+    # (kernel source builder, text, replacement): each must change some stored bit.
+    ("_project_source", "__fsub_rn(v[J + {i1}], __fmul_rn(v[J], t{i}[blk]))",
+     "__fsub_rn(v[J + {i1}], __fmul_rn(v[J], t{i}[blk] * 1.0000001f))"),
+    ("_normalize_source", "(norm != norm || norm > FLOOR) ? norm : FLOOR", "norm > 0.0f ? norm : 1.0f"),
+    ("_normalize_source", "__fsqrt_rn(norm_sum[blk])", "__fsqrt_rn(norm_sum[blk] * 1.0000002f)"),
+    ("_project_source", "q[row] = __fmul_rn(v[J + 1], v[J + 1])", "q[row] = __fmul_rn(v[J + 1], v[J])"),
+    ("_ROW", "row / (size_t)N", "row / (size_t)(N / 2)"),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("builder, text, replacement", CORRUPTIONS)
+def test_a_corrupted_source_is_caught(monkeypatch, builder, text, replacement):
+    """The bit-for-bit comparison finds a changed rounding, a wrong operand or a wrong block."""
+    original = getattr(gear_encode_kernel, builder)
+    if builder == "_ROW":
+        assert text in original
+        monkeypatch.setattr(gear_encode_kernel, "_ROW", original.replace(text, replacement))
+    else:
+        probe = original(2)
+        assert text.format(i=0, i1=1) in probe
+
+        def corrupted(later, original=original):
+            source = original(later)
+            for i in range(later):
+                source = source.replace(text.format(i=i, i1=i + 1), replacement.format(i=i, i1=i + 1))
+            return source
+
+        monkeypatch.setattr(gear_encode_kernel, builder, corrupted)
+    y = _iterates(4, seed=9)
+    reference = gear_lowrank._orthonormal(y)
+    with cuda_emulation.emulated_kernels():
+        ours = gear_encode_kernel.orthonormal(y)
+        mx.eval(ours)
+    assert not np.array_equal(_bits(reference), _bits(ours))
+
+
+@cuda_test
+@pytest.mark.parametrize("dtype, real_shaped", [(mx.bfloat16, True), (mx.float16, "degenerate"), (mx.float32, True)])
+def test_gear_encoder_on_cuda_with_the_kernels_matches_the_frozen_encoder(monkeypatch, dtype, real_shaped):
+    """On MLX's CUDA backend (power iteration uncompiled there): kernels on, then off, both
+    against the frozen encoder run on the same device."""
+    keys, values = _kv(2048 + 512, 8, 128, dtype, seed=6, real_shaped=real_shaped)
+    config = KVCacheConfig(method="gear")
+    for on in (True, False):
+        monkeypatch.setattr(gear_encode_kernel, "ENABLED", on)
+        _feed_and_compare(lambda: GEARCache(config), lambda: ReferenceGEARCache(config), keys, values, [2048, 256, 256])
+
+
+@cuda_test
+@pytest.mark.parametrize("rank", [1, 2, 4, 8])
+def test_orthonormal_on_cuda_is_the_ops_bit_for_bit(rank):
+    y = _iterates(rank, seed=rank)
+    _same_bits(gear_lowrank._orthonormal(y), gear_encode_kernel.orthonormal(y))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    y = _iterates(4, seed=1)
+    with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
+        gear_encode_kernel.orthonormal(y)
+    sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
+    assert len(sources) == 7  # normalize with 3, 2, 1, 0 later columns; project with 3, 2, 1
+    for i, source in enumerate(sources):
+        compiled_without_spills(source, tmp_path, i)
