@@ -1,5 +1,5 @@
-"""GEAR's Gram-Schmidt kernels (gear_encode_kernel.py) against the MLX ops' power iteration, bit for
-bit: on the CPU through the thread-level CUDA emulation (tests/cache/cuda_emulation.py, which cannot
+"""GEAR's encode kernels (gear_encode_kernel.py: Gram-Schmidt's steps, the sparse part) against the
+MLX ops, bit for bit: on the CPU through the thread-level CUDA emulation (tests/cache/cuda_emulation.py, which cannot
 check nvrtc's acceptance nor speed), on MLX's CUDA backend for real (`pytest -m cuda`), and compiled
 by nvcc for sm_90 without spills (slow) as a proxy for nvrtc."""
 
@@ -14,7 +14,7 @@ from tests.cache.cuda_marks import cuda_test
 from tests.cache.encoder_reference import ReferenceGEARCache
 from tests.cache.test_encoder_identity import _bits, _feed_and_compare, _kv
 from tests.cache.test_kernels_nvcc import NVCC, compiled_without_spills
-from veloxquant_mlx.cache import gear_encode_kernel, gear_lowrank
+from veloxquant_mlx.cache import gear_encode_kernel, gear_encoder, gear_lowrank
 from veloxquant_mlx.cache.gear import GEARCache
 from veloxquant_mlx.config import KVCacheConfig
 
@@ -81,16 +81,46 @@ def test_gear_encoder_with_the_kernels_matches_the_frozen_encoder(uncompiled, dt
     config = KVCacheConfig(method="gear")
     with cuda_emulation.emulated_kernels() as made:
         _feed_and_compare(lambda: GEARCache(config), lambda: ReferenceGEARCache(config), keys, values, [1024, 256])
-    assert any(k.name.startswith("vq_gear_gs_") for k in made)
+    names = {k.name for k in made}
+    assert "vq_gear_sparse_part" in names and "vq_gear_gs_normalize_0" in names
 
 
 @needs_compiler
 def test_the_enabled_switch_turns_the_kernels_off(monkeypatch, uncompiled):
     monkeypatch.setattr(gear_encode_kernel, "ENABLED", False)
     residual = mx.random.normal((1, 1, 1, 256, 64), key=mx.random.key(4))
+    keys, values = _kv(512, 2, 64, mx.bfloat16, seed=2, real_shaped=True)
     with cuda_emulation.emulated_kernels() as made:
         mx.eval(gear_lowrank.low_rank_factors(residual, 4))
-    assert not any(k.name.startswith("vq_gear_gs_") for k in made)
+        cache = GEARCache(KVCacheConfig(method="gear"))
+        cache.update_and_fetch(keys, values)
+        cache._flush()
+        mx.eval(cache.store)
+    assert cache.n_compressed == 512 and made == []
+
+
+def _setting(rank: int, count: int, dim: int, side=mx.bfloat16, per_channel=False):
+    return gear_encoder.EncoderSetting(2, 32, rank, count, 256, side, per_channel)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rank, dim, per_channel", [(0, 64, False), (2, 64, True), (1, 512, False)])
+def test_sparse_part_is_the_ops_bit_for_bit(uncompiled, rank, dim, per_channel):
+    """Without a low rank (HAS_LOW = 0), keys and values, and uint32 positions (256 x 512
+    entries per block: over uint16), through encode_side with the kernels on and off."""
+    blocks = mx.random.normal((1, 2, 2, 256, dim), key=mx.random.key(dim + rank)) * 3
+    count = max(1, round(0.01 * 256 * dim))
+    setting = _setting(rank, count, dim, per_channel=per_channel)
+    reference = gear_encoder.encode_side(setting, blocks)
+    mx.eval(reference)
+    with cuda_emulation.emulated_kernels() as made:
+        ours = gear_encoder.encode_side(setting, blocks)
+        mx.eval(ours)
+    assert "vq_gear_sparse_part" in {k.name for k in made}
+    assert ours["out_index"].dtype == (mx.uint32 if dim == 512 else mx.uint16)
+    assert sorted(ours) == sorted(reference)
+    for name in reference:
+        _same_bits(reference[name], ours[name])
 
 
 CORRUPTIONS = [
@@ -102,6 +132,27 @@ CORRUPTIONS = [
     ("_project_source", "q[row] = __fmul_rn(v[J + 1], v[J + 1])", "q[row] = __fmul_rn(v[J + 1], v[J])"),
     ("_ROW", "row / (size_t)N", "row / (size_t)(N / 2)"),
 ]
+
+
+SPARSE_CORRUPTIONS = [
+    ("HAS_LOW ? __fadd_rn(approx[at], low[at]) : approx[at]", "approx[at]"),  # the low rank left out
+    ("const size_t at = blk * E + (size_t)p;", "const size_t at = blk * E + (size_t)(p ^ 1);"),  # wrong entry
+    ("vq_cast<VT>(__fsub_rn(blocks[at], fitted))", "vq_cast<VT>(__fsub_rn(fitted, blocks[at]))"),  # sign
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("text, replacement", SPARSE_CORRUPTIONS)
+def test_a_corrupted_sparse_source_is_caught(monkeypatch, uncompiled, text, replacement):
+    assert text in gear_encode_kernel._SPARSE_SOURCE
+    monkeypatch.setattr(gear_encode_kernel, "_SPARSE_SOURCE", gear_encode_kernel._SPARSE_SOURCE.replace(text, replacement))
+    blocks = mx.random.normal((1, 1, 2, 256, 64), key=mx.random.key(8)) * 3
+    setting = _setting(4, 164, 64)
+    reference = gear_encoder.encode_side(setting, blocks)["out_values"]
+    with cuda_emulation.emulated_kernels():
+        ours = gear_encoder.encode_side(setting, blocks)["out_values"]
+        mx.eval(ours)
+    assert not np.array_equal(_bits(reference), _bits(ours))
 
 
 @needs_compiler
@@ -152,11 +203,16 @@ def test_orthonormal_on_cuda_is_the_ops_bit_for_bit(rank):
 
 @pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
-def test_kernels_compile_for_sm90_without_spills(tmp_path):
-    y = _iterates(4, seed=1)
+def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch):
+    monkeypatch.setattr(gear_lowrank, "_compile_here", lambda: False)
+    keys, values = _kv(256, 2, 128, mx.bfloat16, seed=1, real_shaped=True)
+    cache = GEARCache(KVCacheConfig(method="gear"))
+    cache.batch_size, cache.n_kv_heads, cache.head_dim, cache.value_dim, cache.dtype = 1, 2, 128, 128, mx.bfloat16
     with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
-        gear_encode_kernel.orthonormal(y)
+        cache._encode(keys, values)
     sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
-    assert len(sources) == 7  # normalize with 3, 2, 1, 0 later columns; project with 3, 2, 1
+    # normalize with 3, 2, 1, 0 later columns; project with 3, 2, 1; the sparse part (keys and
+    # values share it: same block entries, count and dtypes)
+    assert len(sources) == 8
     for i, source in enumerate(sources):
         compiled_without_spills(source, tmp_path, i)

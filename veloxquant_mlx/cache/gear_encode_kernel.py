@@ -1,38 +1,49 @@
-"""GEAR's power iteration on MLX's CUDA backend: Gram-Schmidt's elementwise steps as one kernel each.
+"""GEAR's chunk encode on MLX's CUDA backend: its elementwise runs between reductions as kernels.
 
-GEAR's low rank (gear_lowrank.py) orthonormalizes the (n, r) iterate Y = R @ right of every
-block by modified Gram-Schmidt, r <= GRAM_SCHMIDT_MAX_RANK columns at a time. On the CPU that
-runs through mx.compile; on CUDA it does not (gear_lowrank.COMPILE_ON_GPU: nvrtc's default
---fmad=true may contract the projection's v - c * <c, v> into an FMA inside a fused kernel and
-change the factors' last bits), so each of its ops is a launch: 45 per orthonormalization at
-rank 4 (6 projections of a multiply, a sum, a multiply and a subtract; 4 norms of a multiply, a
-sum, a sqrt, a maximum and a divide; a concatenation), 135 per side of a chunk over the 3
-steps, 270 of the ~360 a 2048-token chunk's encode builds on CUDA (counted with
-`python -m tests.cache.bench_gear_encode`).
+On CUDA gear's encode (gear_encoder.py) built 376 primitives for a later 2048-token chunk of one
+8 x 128 layer in bf16, and the same for a 256-token decode flush (~342 launches on a GPU, where
+mx.dequantize is one kernel; `python -m tests.cache.bench_gear_encode`, which counts them on the
+CPU). Most were the power iteration's: gear_lowrank.COMPILE_ON_GPU keeps it out of mx.compile
+there (nvrtc's default --fmad=true may contract the projection's v - c * <c, v> into an FMA in a
+fused kernel and change the factors' last bits), so its modified Gram-Schmidt was 45 launches per
+orthonormalization at rank 4 (6 projections of a multiply, a sum, a multiply and a subtract; 4
+norms of a multiply, a sum, a sqrt, a maximum and a divide; a concatenation), 270 per chunk over
+3 steps and 2 sides.
 
 What must stay MLX ops to keep the stored bits: the float32 sums <c, v> and |v|^2 (their order is
-that of MLX's reduce kernels) and the two matmuls per step. Everything between two rounds of
-sums is elementwise and is one kernel here, per row of every block (one CUDA thread per row):
-  - `normalize` (column J): c_J = v_J / max(sqrt(|v_J|^2), EPS), written into the iterate, and
-    the products c_J * v_k for every later column k, each a contiguous (..., n, 1) array as the
-    ops' product was, so MLX sums exactly what it summed before;
-  - `project` (after those sums): v_k - c_J * <c_J, v_k> for every later column k, and the
-    next column's v * v for its norm's sum.
-Every float op is the ops' op in the same order, written with CUDA's round-to-nearest
-intrinsics (__fmul_rn, __fsub_rn, __fdiv_rn, __fsqrt_rn), which nvrtc never contracts; the
-maximum is MLX's (a NaN norm propagates). The sums are fed arrays of the shape, dtype and
-layout the ops fed them, so they are the same reductions. Per orthonormalization at rank 4:
-4 normalize + 3 project kernels + 1 multiply + 10 sums = 18 launches instead of 45; the
-concatenation goes (the last normalize writes the whole (n, r) result).
+that of MLX's reduce kernels), the matmuls, the argpartition and mx.quantize / mx.dequantize.
+Between two rounds of sums everything is elementwise, and is one kernel here (one CUDA thread
+per row of every block, the iterate read as (rows, r)):
+  - `normalize` (column J): c_J = v_J / max(sqrt(|v_J|^2), FLOOR), written into the iterate, and
+    the products c_J * v_k for every later column k, each its own contiguous (..., n, 1) array
+    as the ops' product was, so MLX sums exactly what it summed before;
+  - `project` (after those sums): v_k - c_J * <c_J, v_k> for every later column k, and the next
+    column's v * v for its norm's sum.
+Per orthonormalization at rank r: r normalize + (r - 1) project kernels + the first column's
+multiply + r (r + 1) / 2 sums (18 launches at rank 4 instead of 45); the last normalize writes
+the whole (n, r) result (no concatenation).
+And the sparse part (`sparse_part`): per outlier, its correction blocks[p] - (Q(D)[p] + (A B^T)[p])
+cast to the side dtype and its position to the index dtype, reading only the outliers' entries;
+the ops added A B^T to Q(D) and subtracted from the blocks over the whole side (two float32
+passes) before a gather and two casts: 5 launches per side, now 1.
+Every float op is the ops' op in the same order, written with CUDA's round-to-nearest intrinsics
+(__fadd_rn, __fmul_rn, __fsub_rn, __fdiv_rn, __fsqrt_rn), which nvrtc never contracts; the maximum
+is MLX's (a NaN operand first propagates). Counted (bench_gear_encode, results/gear_encode_s6.json):
+a later chunk's encode 376 -> 206 primitives in bf16 (374 -> 204 in float32; GPU estimate 342 ->
+172), the same per 256-token decode flush; host syncs 0 before and after; traces unchanged
+(the compiled stages once per chunk shape; the kernels are not traced, and JIT-compile once per
+template: 7 Gram-Schmidt kernels and one sparse kernel per side dtype). Not timed on a GPU.
 
-Bit for bit the ops' power iteration on the CPU through tests/cache/cuda_emulation.py
-(tests/cache/test_gear_encode_kernel.py); on CUDA its `@cuda_test` cases compare with the ops
-there; nvcc -arch=sm_90 compiles both kernels without spills (its slow test). Not yet compiled
-by nvrtc nor timed on a GPU (no device time this session).
+Bit for bit the ops on the CPU through tests/cache/cuda_emulation.py
+(tests/cache/test_gear_encode_kernel.py, also against the frozen encoder of main 2e28496); on
+CUDA its `@cuda_test` cases compare with the ops and the frozen encoder there; nvcc
+-arch=sm_90 compiles all 8 kernels without spills (its slow test). Not yet compiled by nvrtc
+nor timed on a GPU (no device time this session).
 """
 
 from __future__ import annotations
 
+import struct
 from functools import lru_cache
 
 import mlx.core as mx
@@ -52,6 +63,7 @@ _ROUNDING = r"""
 #if !defined(__CUDACC__)
 // Only for compilers without CUDA's intrinsics (the CPU emulation): plain float ops, which
 // round each result once as the _rn intrinsics do (x86-64 without FMA contraction).
+inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
@@ -101,8 +113,9 @@ def _project_source(later: int) -> str:
 
 
 def _floor_constant() -> str:
-    floor32 = mx.array(NORM_FLOOR, dtype=mx.float32).item()
-    return f"  constexpr float FLOOR = {float(floor32).hex()}f;\n"
+    # The float32 nearest NORM_FLOOR (MLX's rounding of the Python scalar), as an exact literal.
+    floor32 = struct.unpack("<f", struct.pack("<f", NORM_FLOOR))[0]
+    return f"  constexpr float FLOOR = {floor32.hex()}f;\n"
 
 
 @lru_cache(maxsize=None)
@@ -128,8 +141,9 @@ def _project_kernel(later: int):
 
 
 def enabled() -> bool:
-    """Whether the power iteration's Gram-Schmidt runs through these kernels (MLX's CUDA backend,
-    kernels on: fused_decode.kernels_enabled, VELOXQUANT_CUDA_KERNELS) and ENABLED."""
+    """Whether gear's encode runs through these kernels (the power iteration's Gram-Schmidt and
+    the sparse part): MLX's CUDA backend, kernels on (fused_decode.kernels_enabled,
+    VELOXQUANT_CUDA_KERNELS), and ENABLED."""
     return ENABLED and fused_decode.kernels_enabled()
 
 
@@ -165,3 +179,53 @@ def orthonormal(y: mx.array) -> mx.array:
         w, q = _launch(_project_kernel(later), w, sums, J, 2)
         norm_sum = mx.sum(q, axis=-2, keepdims=True)
     return w
+
+
+# ---- the sparse part -------------------------------------------------------------------------
+# gear_encoder's stage 3 with the low rank's add folded in: per outlier of a block, its stored
+# correction blocks[p] - (approx[p] + low[p]) cast to the side dtype, and its position cast to the
+# index dtype. As ops that is an add and a subtract over the whole (n, d) side (two float32
+# passes), a gather and two casts: 5 launches per side; here one, which reads only the outliers'
+# entries. One thread per outlier; the add and subtract are the ops' (float32, rounded once each).
+_SPARSE_SOURCE = r"""
+  const size_t o = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const size_t total = (size_t)index_shape[0] * index_shape[1] * index_shape[2] * NO;
+  if (o >= total) return;
+  const size_t blk = o / NO;
+  const int p = index[o];
+  const size_t at = blk * E + (size_t)p;
+  const float fitted = HAS_LOW ? __fadd_rn(approx[at], low[at]) : approx[at];
+  values[o] = vq_cast<VT>(__fsub_rn(blocks[at], fitted));
+  positions[o] = (IT)p;
+"""
+
+
+@lru_cache(maxsize=None)
+def _sparse_kernel():
+    return mx.fast.cuda_kernel(
+        name="vq_gear_sparse_part",
+        input_names=["blocks", "approx", "low", "index"],
+        output_names=["values", "positions"],
+        source=_SPARSE_SOURCE,
+        header=fused_decode._HEADER + _ROUNDING,
+    )
+
+
+def sparse_part(blocks: mx.array, approx: mx.array, low: mx.array | None, index: mx.array,
+                side_dtype: mx.Dtype, index_dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """blocks, approx (B, H, n_blocks, nb, d) float32 (the side and Q(D)); low the same shape
+    (A B^T as the stored factors give it) or None without a low rank; index (B, H, n_blocks,
+    count) int32 over nb * d -> (values (B, H, n_blocks, count) in side_dtype, positions in
+    index_dtype): bit for bit gear_encoder's stage 3 after `approx + low`."""
+    B, H, n_blocks, nb, d = blocks.shape
+    count = index.shape[-1]
+    total = B * H * n_blocks * count
+    has_low = low is not None
+    return _sparse_kernel()(
+        inputs=[blocks, approx, low if has_low else fused_decode.absent_input(mx.float32), index],
+        template=[("E", nb * d), ("NO", count), ("HAS_LOW", int(has_low)), ("VT", side_dtype), ("IT", index_dtype)],
+        grid=(-(-total // THREADS) * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[index.shape, index.shape],
+        output_dtypes=[side_dtype, index_dtype],
+    )

@@ -5,8 +5,10 @@ mx.quantize / mx.dequantize, the matmuls): the elementwise runs between them, ma
 column of every block (the low rank's Gram-Schmidt), become single kernels. For one 2048-token
 chunk of one layer (8 KV heads x 128, K and V) the encoder's lazy graph shrinks from 440
 non-view nodes to 292 (376 with the power iteration left uncompiled, as on CUDA: see
-gear_lowrank.COMPILE_ON_GPU); counted by `python -m tests.cache.bench_encoders` on the CPU, where
-mx.quantize is itself built from elementwise ops. CPU time hardly moves (1.02-1.06x; the
+gear_lowrank.COMPILE_ON_GPU; 206 there with gear_encode_kernel's kernels, which do the power
+iteration's Gram-Schmidt steps between its sums and the sparse part); counted by `python -m
+tests.cache.bench_encoders` / `bench_gear_encode` on the CPU, where mx.dequantize is itself built
+from elementwise ops. CPU time hardly moves (1.02-1.06x; the
 argpartition and mx.quantize dominate there); on a GPU fewer launches should matter more, not
 yet measured. Every reduction, argpartition, scatter, quantize and matmul is the same op on the
 same array as in the uncompiled encoder, so the stored arrays are bit-identical (checked
@@ -20,6 +22,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import gear_encode_kernel
 from veloxquant_mlx.cache.gear_lowrank import low_rank_factors
 from veloxquant_mlx.cache.gear_outliers import index_dtype, select_outliers
 
@@ -43,13 +46,27 @@ def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | N
     dense_parts = _compiled_quantize(setting, with_centres)(blocks, *([centres] if with_centres else []))
     codes, scales, zeros, approx, *rest = dense_parts
     out = {"codes": codes, "scales": scales, "zeros": zeros}
+    # On CUDA the sparse part is one kernel that also adds the low rank at the outliers only
+    # (gear_encode_kernel.sparse_part): stage 2 then returns A B^T instead of Q(D) + A B^T.
+    sparse_kernel = bool(setting.outliers) and gear_encode_kernel.enabled()
+    low = None
     if setting.rank:
         residual = rest[0]
         tokens, channels = low_rank_factors(residual, setting.rank)
-        out["lr_tokens"], out["lr_channels"], approx = _compiled_low_rank_parts(setting)(tokens, channels, approx)
+        parts = _compiled_low_rank_parts(setting, add_to_approx=not sparse_kernel)
+        out["lr_tokens"], out["lr_channels"], fitted = parts(tokens, channels, approx)
+        if sparse_kernel:
+            low = fitted
+        else:
+            approx = fitted
     if setting.outliers:
         index = rest[-1]
-        out["out_values"], out["out_index"] = _compiled_sparse_part(setting)(blocks, approx, index)
+        if sparse_kernel:
+            out["out_values"], out["out_index"] = gear_encode_kernel.sparse_part(
+                blocks, approx, low, index, setting.side_dtype, index_dtype(blocks.shape[-2] * blocks.shape[-1])
+            )
+        else:
+            out["out_values"], out["out_index"] = _compiled_sparse_part(setting)(blocks, approx, index)
     return out
 
 
@@ -89,15 +106,17 @@ def _compiled_quantize(setting: EncoderSetting, with_centres: bool):
 
 
 @lru_cache(maxsize=None)
-def _compiled_low_rank_parts(setting: EncoderSetting):
-    """Stage 2 (after low_rank_factors): the factors as stored and Q(D) + A B^T."""
+def _compiled_low_rank_parts(setting: EncoderSetting, add_to_approx: bool = True):
+    """Stage 2 (after low_rank_factors): the factors as stored and Q(D) + A B^T (A B^T alone
+    when not `add_to_approx`: the CUDA sparse kernel adds it at the outliers)."""
     side = setting.side_dtype
 
     def parts(tokens: mx.array, channels: mx.array, approx: mx.array):
         tokens, channels = tokens.astype(side), channels.astype(side)
         B, H, n_blocks, nb, _ = approx.shape
-        approx = approx + tokens.astype(mx.float32) @ channels.astype(mx.float32).swapaxes(-1, -2)
-        return tokens.reshape(B, H, n_blocks * nb, setting.rank), channels, approx
+        low = tokens.astype(mx.float32) @ channels.astype(mx.float32).swapaxes(-1, -2)
+        fitted = approx + low if add_to_approx else low
+        return tokens.reshape(B, H, n_blocks * nb, setting.rank), channels, fitted
 
     return mx.compile(parts)
 
