@@ -11,7 +11,8 @@ kernel launch on a GPU, a Compiled node one fused kernel), by primitive name, fo
   - `cuda_ops`: as MLX's CUDA backend ran it before gear_encode_kernel.py (the power iteration
     uncompiled: gear_lowrank.COMPILE_ON_GPU; gear_encode_kernel.ENABLED = False);
   - `cuda_kernels`: the same with gear_encode_kernel's kernels on, each launch one node (through
-    bench_kvquant_encode's stand-in for mx.fast.cuda_kernel, which computes nothing).
+    bench_kvquant_encode's stand-in for mx.fast.cuda_kernel, which computes nothing);
+    `cuda_kernels_sum_per_column` with gear_encode_kernel.BATCHED_SUMS = False.
 On the CPU mx.dequantize is built from elementwise ops where a GPU runs one kernel: at 2 bits 16
 shift pairs, a concatenation and the multiply-add (fused under mx.compile into 16 Compiled...Shift
 nodes, a Concatenate and a Compiled...MultiplyBroadcastAdd: 18 per dequantize, counted by
@@ -37,7 +38,7 @@ from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import gear_encode_kernel, gear_encoder, gear_lowrank
 from veloxquant_mlx.cache.gear import GEARCache
 
-PATHS = ("cpu", "cuda_ops", "cuda_kernels")
+PATHS = ("cpu", "cuda_ops", "cuda_kernels", "cuda_kernels_sum_per_column")
 DEQUANTIZE_PER_ENCODE = 2  # keys and values: one mx.dequantize each
 DEQUANTIZE_MULTIPLY_ADD = "CompiledAsTypeBroadcastMultiplyBroadcastAdd"  # its w * s + z on the CPU
 
@@ -45,18 +46,19 @@ DEQUANTIZE_MULTIPLY_ADD = "CompiledAsTypeBroadcastMultiplyBroadcastAdd"  # its w
 @contextmanager
 def _path(path: str):
     """The encode as `path` builds it (see the module docstring); yields the launches list."""
-    saved = gear_lowrank._compile_here, gear_encode_kernel.ENABLED
+    saved = gear_lowrank._compile_here, gear_encode_kernel.ENABLED, gear_encode_kernel.BATCHED_SUMS
     try:
         if path == "cpu":
             with _nothing():
                 yield []
         else:
             gear_lowrank._compile_here = lambda: False
-            gear_encode_kernel.ENABLED = path == "cuda_kernels"
+            gear_encode_kernel.ENABLED = path.startswith("cuda_kernels")
+            gear_encode_kernel.BATCHED_SUMS = path == "cuda_kernels"
             with _stand_in_kernels() as launches:
                 yield launches
     finally:
-        gear_lowrank._compile_here, gear_encode_kernel.ENABLED = saved
+        gear_lowrank._compile_here, gear_encode_kernel.ENABLED, gear_encode_kernel.BATCHED_SUMS = saved
 
 
 def _primed(keys, values) -> GEARCache:

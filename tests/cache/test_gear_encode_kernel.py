@@ -27,6 +27,19 @@ def uncompiled(monkeypatch):
     monkeypatch.setattr(gear_lowrank, "_compile_here", lambda: False)
 
 
+@pytest.fixture(params=[True, False], ids=["batched_sums", "sum_per_column"])
+def batched(request, monkeypatch):
+    """Both ways of summing a round of projections (gear_encode_kernel.BATCHED_SUMS)."""
+    monkeypatch.setattr(gear_encode_kernel, "BATCHED_SUMS", request.param)
+    return request.param
+
+
+def _kernel_names(rank: int, batched: bool) -> set[str]:
+    suffix = lambda later: "_batched" if batched and later else ""  # noqa: E731
+    return {f"vq_gear_gs_normalize_{i}{suffix(i)}" for i in range(rank)} | {
+        f"vq_gear_gs_project_{i}{suffix(i)}" for i in range(1, rank)}
+
+
 def _same_bits(a: mx.array, b: mx.array) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape
     assert np.array_equal(_bits(a), _bits(b))
@@ -47,34 +60,34 @@ def _iterates(rank: int, seed: int) -> mx.array:
 
 @needs_compiler
 @pytest.mark.parametrize("rank", [1, 2, 4])
-def test_orthonormal_is_the_ops_bit_for_bit(rank):
+def test_orthonormal_is_the_ops_bit_for_bit(rank, batched):
     y = _iterates(rank, seed=rank)
     reference = gear_lowrank._orthonormal(y)
     with cuda_emulation.emulated_kernels() as made:
         ours = gear_encode_kernel.orthonormal(y)
         mx.eval(ours)
-    assert len({k.name for k in made}) == (2 * rank - 1)  # normalize per column, project but the last
+    # normalize per column, project per column but the last
+    assert {k.name for k in made} == _kernel_names(rank, batched)
     _same_bits(reference, ours)
     assert not np.isnan(np.array(ours)).any()
 
 
 @needs_compiler
-def test_power_iteration_takes_the_kernels_on_cuda_and_stays_bit_identical(uncompiled):
+def test_power_iteration_takes_the_kernels_on_cuda_and_stays_bit_identical(uncompiled, batched):
     residual = mx.random.normal((1, 2, 2, 256, 128), key=mx.random.key(3)) * 0.1
     reference = gear_lowrank.low_rank_factors(residual, 4)
     mx.eval(reference)
     with cuda_emulation.emulated_kernels() as made:
         ours = gear_lowrank.low_rank_factors(residual, 4)
         mx.eval(ours)
-    assert {k.name for k in made} == {f"vq_gear_gs_normalize_{i}" for i in range(4)} | {
-        f"vq_gear_gs_project_{i}" for i in range(1, 4)}
+    assert {k.name for k in made} == _kernel_names(4, batched)
     for a, b in zip(reference, ours):
         _same_bits(a, b)
 
 
 @needs_compiler
 @pytest.mark.parametrize("dtype, real_shaped", [(mx.bfloat16, True), (mx.float16, "degenerate")])
-def test_gear_encoder_with_the_kernels_matches_the_frozen_encoder(uncompiled, dtype, real_shaped):
+def test_gear_encoder_with_the_kernels_matches_the_frozen_encoder(uncompiled, batched, dtype, real_shaped):
     """The whole cache's stores (a prefill chunk, then decode flushes), kernels emulated, against
     the frozen encoder of main 2e28496 (tests/cache/test_encoder_identity.py's comparison)."""
     keys, values = _kv(1024 + 256, 2, 64, dtype, seed=5, real_shaped=real_shaped)
@@ -125,13 +138,38 @@ def test_sparse_part_is_the_ops_bit_for_bit(uncompiled, rank, dim, per_channel):
 
 CORRUPTIONS = [
     # (kernel source builder, text, replacement): each must change some stored bit.
-    ("_project_source", "__fsub_rn(v[J + {i1}], __fmul_rn(v[J], t{i}[blk]))",
-     "__fsub_rn(v[J + {i1}], __fmul_rn(v[J], t{i}[blk] * 1.0000001f))"),
-    ("_normalize_source", "(norm != norm || norm > FLOOR) ? norm : FLOOR", "norm > 0.0f ? norm : 1.0f"),
+    ("_project_source", "__fmul_rn(v[J], ", "__fmul_rn(v[J] * 1.0000001f, "),  # a rounding off
+    ("_normalize_source", "(norm != norm || norm > FLOOR) ? norm : FLOOR", "norm > 0.0f ? norm : 1.0f"),  # floor
     ("_normalize_source", "__fsqrt_rn(norm_sum[blk])", "__fsqrt_rn(norm_sum[blk] * 1.0000002f)"),
     ("_project_source", "q[row] = __fmul_rn(v[J + 1], v[J + 1])", "q[row] = __fmul_rn(v[J + 1], v[J])"),
-    ("_ROW", "row / (size_t)N", "row / (size_t)(N / 2)"),
+    ("_ROW", "row / (size_t)N", "row / (size_t)(N / 2)"),  # a wrong block's sums
+    ("_sum_at", "(rows / N) + blk]", "(rows / N) + (blk ^ 1)]"),  # batched: another block's sum
+    ("_product_at", "rows + row]", "rows + (row ^ 1)]"),  # batched: a product in the wrong row
 ]
+
+
+@needs_compiler
+@pytest.mark.parametrize("builder, text, replacement", CORRUPTIONS)
+def test_a_corrupted_source_is_caught(monkeypatch, builder, text, replacement):
+    """The bit-for-bit comparison finds a changed rounding, a wrong operand or a wrong block."""
+    monkeypatch.setattr(gear_encode_kernel, "BATCHED_SUMS", True)
+    original = getattr(gear_encode_kernel, builder)
+    if builder == "_ROW":
+        assert text in original
+        monkeypatch.setattr(gear_encode_kernel, "_ROW", original.replace(text, replacement))
+    else:
+        assert text in original(2, True)
+
+        def corrupted(*args, original=original):
+            return original(*args).replace(text, replacement)
+
+        monkeypatch.setattr(gear_encode_kernel, builder, corrupted)
+    y = _iterates(4, seed=9)
+    reference = gear_lowrank._orthonormal(y)
+    with cuda_emulation.emulated_kernels():
+        ours = gear_encode_kernel.orthonormal(y)
+        mx.eval(ours)
+    assert not np.array_equal(_bits(reference), _bits(ours))
 
 
 SPARSE_CORRUPTIONS = [
@@ -155,36 +193,9 @@ def test_a_corrupted_sparse_source_is_caught(monkeypatch, uncompiled, text, repl
     assert not np.array_equal(_bits(reference), _bits(ours))
 
 
-@needs_compiler
-@pytest.mark.parametrize("builder, text, replacement", CORRUPTIONS)
-def test_a_corrupted_source_is_caught(monkeypatch, builder, text, replacement):
-    """The bit-for-bit comparison finds a changed rounding, a wrong operand or a wrong block."""
-    original = getattr(gear_encode_kernel, builder)
-    if builder == "_ROW":
-        assert text in original
-        monkeypatch.setattr(gear_encode_kernel, "_ROW", original.replace(text, replacement))
-    else:
-        probe = original(2)
-        assert text.format(i=0, i1=1) in probe
-
-        def corrupted(later, original=original):
-            source = original(later)
-            for i in range(later):
-                source = source.replace(text.format(i=i, i1=i + 1), replacement.format(i=i, i1=i + 1))
-            return source
-
-        monkeypatch.setattr(gear_encode_kernel, builder, corrupted)
-    y = _iterates(4, seed=9)
-    reference = gear_lowrank._orthonormal(y)
-    with cuda_emulation.emulated_kernels():
-        ours = gear_encode_kernel.orthonormal(y)
-        mx.eval(ours)
-    assert not np.array_equal(_bits(reference), _bits(ours))
-
-
 @cuda_test
 @pytest.mark.parametrize("dtype, real_shaped", [(mx.bfloat16, True), (mx.float16, "degenerate"), (mx.float32, True)])
-def test_gear_encoder_on_cuda_with_the_kernels_matches_the_frozen_encoder(monkeypatch, dtype, real_shaped):
+def test_gear_encoder_on_cuda_with_the_kernels_matches_the_frozen_encoder(monkeypatch, batched, dtype, real_shaped):
     """On MLX's CUDA backend (power iteration uncompiled there): kernels on, then off, both
     against the frozen encoder run on the same device."""
     keys, values = _kv(2048 + 512, 8, 128, dtype, seed=6, real_shaped=real_shaped)
@@ -196,7 +207,7 @@ def test_gear_encoder_on_cuda_with_the_kernels_matches_the_frozen_encoder(monkey
 
 @cuda_test
 @pytest.mark.parametrize("rank", [1, 2, 4, 8])
-def test_orthonormal_on_cuda_is_the_ops_bit_for_bit(rank):
+def test_orthonormal_on_cuda_is_the_ops_bit_for_bit(rank, batched):
     y = _iterates(rank, seed=rank)
     _same_bits(gear_lowrank._orthonormal(y), gear_encode_kernel.orthonormal(y))
 
@@ -212,7 +223,12 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch):
         cache._encode(keys, values)
     sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
     # normalize with 3, 2, 1, 0 later columns; project with 3, 2, 1; the sparse part (keys and
-    # values share it: same block entries, count and dtypes)
+    # values share it: same block entries, count and dtypes); then the per-column sums' kernels
     assert len(sources) == 8
+    monkeypatch.setattr(gear_encode_kernel, "BATCHED_SUMS", False)
+    with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
+        gear_encode_kernel.orthonormal(mx.random.normal((1, 2, 1, 256, 4)))  # blocks of 256 as above
+    sources += sorted({kernel.cuda_source(sig) for kernel, sig in captured} - set(sources))
+    assert len(sources) == 8 + 6  # normalize_0 is the same source either way
     for i, source in enumerate(sources):
         compiled_without_spills(source, tmp_path, i)

@@ -20,8 +20,9 @@ per row of every block, the iterate read as (rows, r)):
   - `project` (after those sums): v_k - c_J * <c_J, v_k> for every later column k, and the next
     column's v * v for its norm's sum.
 Per orthonormalization at rank r: r normalize + (r - 1) project kernels + the first column's
-multiply + r (r + 1) / 2 sums (18 launches at rank 4 instead of 45); the last normalize writes
-the whole (n, r) result (no concatenation).
+multiply + 2r - 1 sums (one per round of projections, BATCHED_SUMS; r (r + 1) / 2 without):
+15 launches at rank 4 instead of 45 (18 with a sum per column); the last normalize writes the
+whole (n, r) result (no concatenation).
 And the sparse part (`sparse_part`): per outlier, its correction blocks[p] - (Q(D)[p] + (A B^T)[p])
 cast to the side dtype and its position to the index dtype, reading only the outliers' entries;
 the ops added A B^T to Q(D) and subtracted from the blocks over the whole side (two float32
@@ -29,15 +30,17 @@ passes) before a gather and two casts: 5 launches per side, now 1.
 Every float op is the ops' op in the same order, written with CUDA's round-to-nearest intrinsics
 (__fadd_rn, __fmul_rn, __fsub_rn, __fdiv_rn, __fsqrt_rn), which nvrtc never contracts; the maximum
 is MLX's (a NaN operand first propagates). Counted (bench_gear_encode, results/gear_encode_s6.json):
-a later chunk's encode 376 -> 206 primitives in bf16 (374 -> 204 in float32; GPU estimate 342 ->
-172), the same per 256-token decode flush; host syncs 0 before and after; traces unchanged
+a later chunk's encode 376 -> 188 primitives in bf16 (374 -> 186 in float32; GPU estimate,
+mx.dequantize one kernel, 342 -> 154; 206 / 172 with BATCHED_SUMS off), the same per 256-token
+decode flush; host syncs 0 before and after; traces unchanged
 (the compiled stages once per chunk shape; the kernels are not traced, and JIT-compile once per
-template: 7 Gram-Schmidt kernels and one sparse kernel per side dtype). Not timed on a GPU.
+template: 7 Gram-Schmidt kernels per way of summing and one sparse kernel per side dtype).
+Not timed on a GPU.
 
 Bit for bit the ops on the CPU through tests/cache/cuda_emulation.py
 (tests/cache/test_gear_encode_kernel.py, also against the frozen encoder of main 2e28496); on
 CUDA its `@cuda_test` cases compare with the ops and the frozen encoder there; nvcc
--arch=sm_90 compiles all 8 kernels without spills (its slow test). Not yet compiled by nvrtc
+-arch=sm_90 compiles every kernel (both ways of summing) without spills (its slow test). Not yet compiled by nvrtc
 nor timed on a GPU (no device time this session).
 """
 
@@ -54,6 +57,13 @@ from veloxquant_mlx.cache import fused_decode
 # modules' `--set gear_encode_kernel.ENABLED=0`).
 ENABLED = True
 THREADS = 256
+# One MLX sum per round of projections (the later columns' products stacked, (later, ..., n, 1))
+# instead of one per column: the same rows of n contiguous floats, reduced in the same order by
+# MLX's row reduction whatever their number (its CUDA row_reduce_simple: one row per thread block,
+# two above 1024 rows, the same per-row order; equal on the CPU, tested), 3 launches fewer per
+# orthonormalization at rank 4. False: one sum per column, each on an array shaped as the ops'
+# (`--set gear_encode_kernel.BATCHED_SUMS=0`, should the CUDA bits differ).
+BATCHED_SUMS = True
 
 # gear_lowrank._orthonormal's floor of a column's norm (a zero column stays zero, no NaN), as
 # the float32 MLX rounds the Python scalar to, written as an exact hexadecimal literal.
@@ -84,10 +94,22 @@ _ROW = r"""
 """
 
 
-def _normalize_source(later: int) -> str:
-    """c_J = v_J / max(sqrt(s), FLOOR); out row = v with column J replaced by c_J; p_k = c_J * v_k
-    for the `later` columns after J (outputs p0, p1, ...)."""
-    products = "".join(f"  p{i}[row] = __fmul_rn(c, v[J + {i + 1}]);\n" for i in range(later))
+def _product_at(i: int, batched: bool) -> str:
+    """Where the i-th later column's product goes: its own (rows) output, or row i of one
+    (later, rows) output (BATCHED_SUMS)."""
+    return f"p[(size_t){i} * rows + row]" if batched else f"p{i}[row]"
+
+
+def _sum_at(i: int, batched: bool) -> str:
+    """Where the i-th later column's sum <c_J, v_k> is read: its own (blocks) input, or row i of
+    one (later, blocks) input (BATCHED_SUMS)."""
+    return f"t[(size_t){i} * (rows / N) + blk]" if batched else f"t{i}[blk]"
+
+
+def _normalize_source(later: int, batched: bool) -> str:
+    """c_J = v_J / max(sqrt(s), FLOOR); out row = v with column J replaced by c_J; the products
+    c_J * v_k of the `later` columns after J."""
+    products = "".join(f"  {_product_at(i, batched)} = __fmul_rn(c, v[J + {i + 1}]);\n" for i in range(later))
     return _ROW + r"""
   const float norm = __fsqrt_rn(norm_sum[blk]);
   // MLX's maximum: a NaN operand first is returned as is, else the larger (x > y ? x : y).
@@ -99,11 +121,11 @@ def _normalize_source(later: int) -> str:
 """ + products
 
 
-def _project_source(later: int) -> str:
-    """v_k - c_J * t_k for the `later` columns k after J (t0, t1, ...: their sums <c_J, v_k>);
-    q = v_{J+1} * v_{J+1} after the projection."""
+def _project_source(later: int, batched: bool) -> str:
+    """v_k - c_J * <c_J, v_k> for the `later` columns k after J; q = v_{J+1} * v_{J+1} after it."""
     updates = "".join(
-        f"  v[J + {i + 1}] = __fsub_rn(v[J + {i + 1}], __fmul_rn(v[J], t{i}[blk]));\n" for i in range(later)
+        f"  v[J + {i + 1}] = __fsub_rn(v[J + {i + 1}], __fmul_rn(v[J], {_sum_at(i, batched)}));\n"
+        for i in range(later)
     )
     return _ROW + updates + r"""
   #pragma unroll
@@ -119,23 +141,24 @@ def _floor_constant() -> str:
 
 
 @lru_cache(maxsize=None)
-def _normalize_kernel(later: int):
+def _normalize_kernel(later: int, batched: bool):
+    products = (["p"] if later else []) if batched else [f"p{i}" for i in range(later)]
     return mx.fast.cuda_kernel(
-        name=f"vq_gear_gs_normalize_{later}",
+        name=f"vq_gear_gs_normalize_{later}" + ("_batched" if batched and later else ""),
         input_names=["w", "norm_sum"],
-        output_names=["out", *(f"p{i}" for i in range(later))],
-        source=_floor_constant() + _normalize_source(later),
+        output_names=["out", *products],
+        source=_floor_constant() + _normalize_source(later, batched),
         header=_ROUNDING,
     )
 
 
 @lru_cache(maxsize=None)
-def _project_kernel(later: int):
+def _project_kernel(later: int, batched: bool):
     return mx.fast.cuda_kernel(
-        name=f"vq_gear_gs_project_{later}",
-        input_names=["w", *(f"t{i}" for i in range(later))],
+        name=f"vq_gear_gs_project_{later}" + ("_batched" if batched and later else ""),
+        input_names=["w", *(["t"] if batched else [f"t{i}" for i in range(later)])],
         output_names=["out", "q"],
-        source=_project_source(later),
+        source=_project_source(later, batched),
         header=_ROUNDING,
     )
 
@@ -147,19 +170,17 @@ def enabled() -> bool:
     return ENABLED and fused_decode.kernels_enabled()
 
 
-def _launch(kernel, w: mx.array, extra: list, J: int, n_outputs: int) -> list:
-    """w (..., n, R) float32; extra: the per-block sums (..., 1, 1). Returns [out (w's shape),
-    then n_outputs - 1 arrays (..., n, 1)]."""
-    *lead, n, R = w.shape
-    rows = w.size // R
-    column = (*lead, n, 1)
+def _launch(kernel, w: mx.array, extra: list, J: int, column_shapes: list) -> list:
+    """w (..., n, R) float32; extra: the per-block sums. Returns [out (w's shape), then one
+    float32 array per shape of `column_shapes`]."""
+    rows = w.size // w.shape[-1]
     return kernel(
-        inputs=[w.reshape(rows, R), *extra],
-        template=[("N", n), ("R", R), ("J", J)],
+        inputs=[w.reshape(rows, w.shape[-1]), *extra],
+        template=[("N", w.shape[-2]), ("R", w.shape[-1]), ("J", J)],
         grid=(-(-rows // THREADS) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[w.shape] + [column] * (n_outputs - 1),
-        output_dtypes=[mx.float32] * n_outputs,
+        output_shapes=[w.shape, *column_shapes],
+        output_dtypes=[mx.float32] * (1 + len(column_shapes)),
     )
 
 
@@ -167,16 +188,19 @@ def orthonormal(y: mx.array) -> mx.array:
     """y (..., n, r) float32 -> its columns orthonormalized by modified Gram-Schmidt, bit for bit
     gear_lowrank._orthonormal's ops for r <= GRAM_SCHMIDT_MAX_RANK (the sums stay MLX's)."""
     r = y.shape[-1]
+    column = (*y.shape[:-1], 1)
+    batched = BATCHED_SUMS
     w = y
     first = y[..., 0:1]
     norm_sum = mx.sum(first * first, axis=-2, keepdims=True)  # the ops' first v * v and its sum
     for J in range(r):
         later = r - 1 - J
-        w, *products = _launch(_normalize_kernel(later), w, [norm_sum], J, 1 + later)
+        shapes = ([(later, *column)] if later else []) if batched else [column] * later
+        w, *products = _launch(_normalize_kernel(later, batched), w, [norm_sum], J, shapes)
         if not later:
             break
         sums = [mx.sum(p, axis=-2, keepdims=True) for p in products]
-        w, q = _launch(_project_kernel(later), w, sums, J, 2)
+        w, q = _launch(_project_kernel(later, batched), w, sums, J, [column])
         norm_sum = mx.sum(q, axis=-2, keepdims=True)
     return w
 

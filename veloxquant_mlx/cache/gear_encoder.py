@@ -5,7 +5,7 @@ mx.quantize / mx.dequantize, the matmuls): the elementwise runs between them, ma
 column of every block (the low rank's Gram-Schmidt), become single kernels. For one 2048-token
 chunk of one layer (8 KV heads x 128, K and V) the encoder's lazy graph shrinks from 440
 non-view nodes to 292 (376 with the power iteration left uncompiled, as on CUDA: see
-gear_lowrank.COMPILE_ON_GPU; 206 there with gear_encode_kernel's kernels, which do the power
+gear_lowrank.COMPILE_ON_GPU; 188 there with gear_encode_kernel's kernels, which do the power
 iteration's Gram-Schmidt steps between its sums and the sparse part); counted by `python -m
 tests.cache.bench_encoders` / `bench_gear_encode` on the CPU, where mx.dequantize is itself built
 from elementwise ops. CPU time hardly moves (1.02-1.06x; the

@@ -84,7 +84,7 @@ GRAM_SCHMIDT_MAX_RANK = 8
 # whose product is inexact, so a contracted FMA could change the factors' last bits. Set
 # COMPILE_ON_GPU = True and run tests/cache/test_encoder_identity.py on the GPU to check. Meanwhile
 # on CUDA the Gram-Schmidt steps between its sums run as kernels with round-to-nearest intrinsics
-# (gear_encode_kernel.py: 18 launches per orthonormalization at rank 4 instead of 45).
+# (gear_encode_kernel.py: 15 launches per orthonormalization at rank 4 instead of 45).
 COMPILE_ON_GPU = False
 
 
