@@ -17,7 +17,9 @@ On the CPU mx.dequantize is built from elementwise ops where a GPU runs one kern
 shift pairs, a concatenation and the multiply-add (fused under mx.compile into 16 Compiled...Shift
 nodes, a Concatenate and a Compiled...MultiplyBroadcastAdd: 18 per dequantize, counted by
 exporting one mx.dequantize's graph); `gpu_estimate` counts those as one per dequantize.
-Also per path: host syncs (mx.eval / mx.async_eval calls inside `_encode`) and traces
+For a prompt chunk also the layer's whole later prefill chunk (append, history decode for the
+attention with 32 query heads, encode at the flush; on CUDA the history by gear_prefill_kernel),
+its primitives and host syncs. Also per path: host syncs (mx.eval / mx.async_eval calls inside `_encode`) and traces
 (calls of the functions only mx.compile's traces call) per chunk over `--chunks` prompt chunks
 then `--flushes` decode flushes of one cache.
 """
@@ -90,6 +92,34 @@ def primitives(cache: GEARCache, keys, values, path: str) -> dict:
     }
 
 
+def whole_chunk(first: tuple, keys, values, path: str, query_heads: int = 32) -> dict:
+    """The layer's whole later prefill chunk (update_and_fetch, then the attention: the history
+    decode for mx.fast attention, the encode of the chunk at the flush) of a cache primed with
+    `first` (K, V): primitives and host syncs, to put the encode's share in context."""
+    cache = _primed(*first)
+    B, H, n, D = keys.shape
+    queries = mx.random.normal((B, query_heads, n, D), key=mx.random.key(1)).astype(keys.dtype)
+    mx.eval(queries)
+    calls = []
+    saved = mx.eval, mx.async_eval
+    with _path(path) as launches:
+        mx.eval = lambda *a, **k: calls.append("eval") or saved[0](*a, **k)
+        mx.async_eval = lambda *a, **k: calls.append("async_eval") or saved[1](*a, **k)
+        try:
+            cache.update_and_fetch(keys, values)
+            out = cache.attention(queries, scale=D**-0.5, mask="causal")
+        finally:
+            mx.eval, mx.async_eval = saved
+        nodes = _graph([out, *cache.store.values()])
+    if launches:
+        nodes["Full"] -= sum(outputs for _, outputs in launches)
+        nodes.pop("Depends", None)
+        for name, _ in launches:
+            nodes[name] += 1
+        nodes = +nodes
+    return {"primitives": sum(nodes.values()), "host_syncs": len(calls)}
+
+
 def host_syncs(cache: GEARCache, keys, values, path: str) -> int:
     calls = []
     saved = mx.eval, mx.async_eval
@@ -158,7 +188,8 @@ def main(argv=None) -> None:
         dtype = getattr(mx, dtype_name)
         for tokens in (int(t) for t in args.tokens.split(",")):
             keys, values = _kv(2 * tokens, args.heads, args.dim, dtype, seed=2, real_shaped=True)
-            first, later = (a[:, :, :tokens] for a in (keys, values)), (a[:, :, tokens:] for a in (keys, values))
+            first = tuple(a[:, :, :tokens] for a in (keys, values))
+            later = (a[:, :, tokens:] for a in (keys, values))
             cache = _primed(*first)
             later_k, later_v = later
             mx.eval(later_k, later_v)
@@ -166,6 +197,8 @@ def main(argv=None) -> None:
             for path in PATHS:
                 row[path] = primitives(cache, later_k, later_v, path)
                 row[path]["host_syncs"] = host_syncs(cache, later_k, later_v, path)
+                if tokens > GEARCache.block_tokens:
+                    row[path]["whole_later_prefill_chunk"] = whole_chunk(first, later_k, later_v, path)
             rows[f"{dtype_name} {tokens}-token later encode"] = row
             print(dtype_name, tokens, {p: (row[p]["total"], row[p]["gpu_estimate"]) for p in PATHS}, flush=True)
         keys, values = _kv(int(args.tokens.split(",")[0]), args.heads, args.dim, dtype, seed=2, real_shaped=True)
