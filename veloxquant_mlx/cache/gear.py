@@ -42,8 +42,8 @@ traced once: a chunk is always 2048 tokens). The history decode was one uncompil
 118 primitives (~50 on a GPU, where mx.dequantize is one kernel and not the CPU's ~64 shifts),
 whatever the history, holding float32 intermediates of the whole history: one layer's decode
 added 7.5-7.9x the history's fp16 K/V at its peak (bf16, 16K and 32K). The encoder builds ~290
-primitives per chunk (~390 on CUDA, where the power iteration is not compiled: see
-gear_lowrank.COMPILE_ON_GPU), the same at every history. `_prefill_keys_values` now
+primitives per chunk (~390 on CUDA before session 6's gear_encode_kernel.py, ~206 with it: the
+power iteration is not compiled there, see gear_lowrank.COMPILE_ON_GPU), the same at every history. `_prefill_keys_values` now
   1. decodes the history in pieces of `prefill_decode_bytes` of float32 (8192 tokens of 8 x 128)
      through one compiled function (decode_side under mx.compile: the adds, casts and index
      arithmetic fuse; ~32 primitives per piece pair on a GPU, estimated the same way), so its input
@@ -82,7 +82,8 @@ per chunk of a 32K fill the K/V build took 0.67-0.83x session 5's time (median 0
 after the first chunk (one piece shape), but 70-966 CPU primitives against 66-252 (4x the pieces);
 a 4-layer model's 16K prefill peaked 0.233 GiB over its start against 0.593 in session 5 (fp16's
 KVCache 0.41; 0.302 without the queries' ordering). The chunk's encode (~290 primitives on the
-CPU, ~390 on CUDA; no sync, no retrace after the first chunk; ~165 ms per chunk here) is unchanged. Nothing of this is measured on a GPU yet; the next GPU session:
+CPU; on CUDA ~390, ~206 through gear_encode_kernel.py, results/gear_encode_s6.json; no sync, no
+retrace after the first chunk; ~165 ms per chunk here) is unchanged by the prefill change. Nothing of this is measured on a GPU yet; the next GPU session:
     pytest -m cuda tests/cache/test_gear_prefill_kernel.py
     python -m veloxquant_mlx.bench.kernel_probe --parts prefill --methods gear --out X.json
     python -m veloxquant_mlx.bench.gpu_speed --methods fp16,gear --contexts 32768 --repeats 3

@@ -20,7 +20,7 @@ per row of every block, the iterate read as (rows, r)):
   - `project` (after those sums): v_k - c_J * <c_J, v_k> for every later column k, and the next
     column's v * v for its norm's sum.
 Per orthonormalization at rank r: r normalize + (r - 1) project kernels + the first column's
-multiply + 2r - 1 sums (one per round of projections, BATCHED_SUMS; r (r + 1) / 2 without):
+multiply + r (r + 1) / 2 sums (one per column; 2r - 1 with BATCHED_SUMS, one per round):
 15 launches at rank 4 instead of 45 (18 with a sum per column); the last normalize writes the
 whole (n, r) result (no concatenation).
 And the sparse part (`sparse_part`): per outlier, its correction blocks[p] - (Q(D)[p] + (A B^T)[p])
@@ -61,9 +61,11 @@ THREADS = 256
 # instead of one per column: the same rows of n contiguous floats, reduced in the same order by
 # MLX's row reduction whatever their number (its CUDA row_reduce_simple: one row per thread block,
 # two above 1024 rows, the same per-row order; equal on the CPU, tested), 3 launches fewer per
-# orthonormalization at rank 4. False: one sum per column, each on an array shaped as the ops'
-# (`--set gear_encode_kernel.BATCHED_SUMS=0`, should the CUDA bits differ).
-BATCHED_SUMS = True
+# orthonormalization at rank 4. Off by default until a GPU run confirms the bits there
+# (tests/cache/test_gear_encode_kernel.py's CUDA cases, both ways; `--set
+# gear_encode_kernel.BATCHED_SUMS=1` for the A/B): off, one sum per column, each on an array shaped
+# as the ops' own, so the same reduction whatever MLX's row-reduction strategy.
+BATCHED_SUMS = False
 
 # gear_lowrank._orthonormal's floor of a column's norm (a zero column stays zero, no NaN), as
 # the float32 MLX rounds the Python scalar to, written as an exact hexadecimal literal.
