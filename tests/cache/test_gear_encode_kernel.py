@@ -27,7 +27,9 @@ def uncompiled(monkeypatch):
     monkeypatch.setattr(gear_lowrank, "_compile_here", lambda: False)
 
 
-@pytest.fixture(params=[True, False], ids=["batched_sums", "sum_per_column"])
+# The batched way is off by default (until a GPU confirms its bits): its emulated cases are slow
+# tests, the default's stay in the fast subset.
+@pytest.fixture(params=[pytest.param(True, marks=pytest.mark.slow), False], ids=["batched_sums", "sum_per_column"])
 def batched(request, monkeypatch):
     """Both ways of summing a round of projections (gear_encode_kernel.BATCHED_SUMS)."""
     monkeypatch.setattr(gear_encode_kernel, "BATCHED_SUMS", request.param)
