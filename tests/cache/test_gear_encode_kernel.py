@@ -218,6 +218,7 @@ def test_orthonormal_on_cuda_is_the_ops_bit_for_bit(rank, batched):
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
 def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch):
     monkeypatch.setattr(gear_lowrank, "_compile_here", lambda: False)
+    monkeypatch.setattr(gear_encode_kernel, "BATCHED_SUMS", True)  # first the batched sources
     keys, values = _kv(256, 2, 128, mx.bfloat16, seed=1, real_shaped=True)
     cache = GEARCache(KVCacheConfig(method="gear"))
     cache.batch_size, cache.n_kv_heads, cache.head_dim, cache.value_dim, cache.dtype = 1, 2, 128, 128, mx.bfloat16
