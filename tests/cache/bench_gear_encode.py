@@ -34,7 +34,7 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from tests.cache.bench_kvquant_encode import _graph, _nothing, _stand_in_kernels
+from tests.cache.bench_kvquant_encode import _graph, _nothing, _stand_in_kernels, chunk_counts
 from tests.cache.test_encoder_identity import _kv
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import gear_encode_kernel, gear_encoder, gear_lowrank
@@ -99,25 +99,9 @@ def whole_chunk(first: tuple, keys, values, path: str, query_heads: int = 32) ->
     cache = _primed(*first)
     B, H, n, D = keys.shape
     queries = mx.random.normal((B, query_heads, n, D), key=mx.random.key(1)).astype(keys.dtype)
-    mx.eval(queries)
-    calls = []
-    saved = mx.eval, mx.async_eval
     with _path(path) as launches:
-        mx.eval = lambda *a, **k: calls.append("eval") or saved[0](*a, **k)
-        mx.async_eval = lambda *a, **k: calls.append("async_eval") or saved[1](*a, **k)
-        try:
-            cache.update_and_fetch(keys, values)
-            out = cache.attention(queries, scale=D**-0.5, mask="causal")
-        finally:
-            mx.eval, mx.async_eval = saved
-        nodes = _graph([out, *cache.store.values()])
-    if launches:
-        nodes["Full"] -= sum(outputs for _, outputs in launches)
-        nodes.pop("Depends", None)
-        for name, _ in launches:
-            nodes[name] += 1
-        nodes = +nodes
-    return {"primitives": sum(nodes.values()), "host_syncs": len(calls)}
+        counts = chunk_counts(cache, keys, values, queries, launches)
+    return {"primitives": counts["primitives"], "host_syncs": counts["host_syncs"]}
 
 
 def host_syncs(cache: GEARCache, keys, values, path: str) -> int:

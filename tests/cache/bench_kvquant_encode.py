@@ -204,18 +204,27 @@ def whole_chunk(keys, values, path: str, query_heads: int = 32) -> dict:
     cache = _cache_after(keys, values, first=False)
     B, H, n, D = keys.shape
     queries = mx.random.normal((B, query_heads, n, D)).astype(keys.dtype)
+    with _stand_in_kernels() if path == "cuda" else _nothing() as launches:
+        return chunk_counts(cache, keys, values, queries, launches)
+
+
+def chunk_counts(cache, keys, values, queries, launches) -> dict:
+    """One prefill chunk (update_and_fetch, then the causal attention) of `cache`, built inside
+    a kernel stand-in context whose `launches` lists the kernels it recorded (empty off the
+    kernel path): primitives (each launch one node, its stand-in's zeros and depends removed),
+    host syncs made while building it, and the primitives by name. bench_gear_encode counts
+    its chunk with it too."""
     mx.eval(queries)
     calls = []
     saved = mx.eval, mx.async_eval
-    with _stand_in_kernels() if path == "cuda" else _nothing() as launches:
-        mx.eval = lambda *a, **k: calls.append("eval") or saved[0](*a, **k)
-        mx.async_eval = lambda *a, **k: calls.append("async_eval") or saved[1](*a, **k)
-        try:
-            cache.update_and_fetch(keys, values)
-            out = cache.attention(queries, scale=D**-0.5, mask="causal")
-        finally:
-            mx.eval, mx.async_eval = saved
-        nodes = _graph([out, *cache.store.values()])
+    mx.eval = lambda *a, **k: calls.append("eval") or saved[0](*a, **k)
+    mx.async_eval = lambda *a, **k: calls.append("async_eval") or saved[1](*a, **k)
+    try:
+        cache.update_and_fetch(keys, values)
+        out = cache.attention(queries, scale=keys.shape[-1] ** -0.5, mask="causal")
+    finally:
+        mx.eval, mx.async_eval = saved
+    nodes = _graph([out, *cache.store.values()])
     if launches:
         nodes["Full"] -= sum(outputs for _, outputs in launches)
         nodes.pop("Depends", None)
