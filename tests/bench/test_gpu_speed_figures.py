@@ -52,7 +52,8 @@ def test_committed_h200_results_recompute_to_the_new_figures(path, tmp_path, cap
         times = [r["prefill_s"] for r in case["runs"]]
         assert case["figure"]["prefill_s"] == (min(times) if times else None)
     for row in result["targets"]:
-        assert row["basis"] in ("fastest repeat of each", "decode figures (median over repeats)")
+        assert row["basis"] in ("fastest repeat of each", "decode figures (median over repeats)",
+                                "median of per-round ratios (interleaved)")
     assert len(capsys.readouterr().out.splitlines()) == len(result["cases"]) + 3  # header, rows, legend, count
 
 

@@ -45,6 +45,10 @@ class DecodeTrace:
     tokens: list[int] = field(default_factory=list)
     logits: list = field(default_factory=list)  # per token, when kept
     times: list[float] = field(default_factory=list)  # perf_counter when each token was read
+    # Host seconds per queued step: building its graph (the model call) and handing it to
+    # async_eval, which encodes the launches. A step whose host time is its whole interval is
+    # bound by the host, not by the device's kernels.
+    host_s: list[float] = field(default_factory=list)
 
     def intervals(self, skip: int = 0) -> list[float]:
         t = self.times[skip:]
@@ -69,9 +73,11 @@ def decode(model, cache: list, logits: mx.array, n_tokens: int, *, keep_logits: 
     mx.async_eval(y)
     for i in range(n_tokens):
         if i + 1 < n_tokens:
+            built = time.perf_counter()
             next_logits = model(y[None], cache=cache)[:, -1, :]
             next_y = choose(next_logits, i + 1)
             mx.async_eval(next_y, next_logits)
+            trace.host_s.append(time.perf_counter() - built)
         trace.tokens.append(int(y.item()))
         trace.times.append(time.perf_counter())
         if keep_logits:

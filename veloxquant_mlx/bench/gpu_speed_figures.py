@@ -50,7 +50,8 @@ def case_figure(case: dict, context_warmup: bool = False) -> dict:
     prefill = [r["prefill_s"] for r in runs if r.get("prefill_s")]
     figure = {"prefill_repeats_s": prefill, "prefill_s": None, "prefill_tps": None, "prefill_spread": None,
               "prefill_may_be_cold": None, "decode_tps": None, "decode_interval_ms": None,
-              "decode_tps_min": None, "decode_tps_max": None, "decode_source": None}
+              "decode_tps_min": None, "decode_tps_max": None, "decode_source": None,
+              "decode_host_ms": None}
     if prefill:
         fastest = min(prefill)
         figure.update(prefill_s=fastest, prefill_tps=case["context"] / fastest,
@@ -62,6 +63,11 @@ def case_figure(case: dict, context_warmup: bool = False) -> dict:
         per_round = [statistics.median(r["intervals_ms"]) for r in rounds]
         figure.update(decode_interval_ms=statistics.median(tokens), decode_source="interleaved rounds",
                       decode_tps_min=1000 / max(per_round), decode_tps_max=1000 / min(per_round))
+        # The host's share of a step (graph built, launches handed over): near the interval, the
+        # step waits on Python and MLX's encoding, not on the kernels.
+        host = [ms for r in rounds for ms in r.get("host_ms", [])]
+        if host:
+            figure["decode_host_ms"] = statistics.median(host)
     else:
         # Per-repeat median intervals; runs without a timed token (decode_tps None) have none.
         per_repeat = [r["decode_interval_ms_median"] for r in runs if r.get("decode_tps")]
@@ -164,7 +170,7 @@ def table_lines(cases: list[dict]) -> list[str]:
     """One line per case: fastest prefill (slowest/fastest, repeats), its time ratio to fp16,
     the decode figure (min-max), its ratio to fp16 and the paired one (quartiles)."""
     lines = [f"{'spec':28} {'context':>7} {'prefill_s':>9} {'spread':>6} {'x_fp16':>6} "
-             f"{'decode':>7} {'(min-max)':>13} {'x_fp16':>6} {'paired':>6} {'(p25-p75)':>11}"]
+             f"{'decode':>7} {'(min-max)':>13} {'x_fp16':>6} {'paired':>6} {'(p25-p75)':>11} {'host_ms':>7}"]
     for c in cases:
         fig, vs = c["figure"], c.get("ratio_vs", {}).get("fp16") or {}
         paired = (c.get("interleaved") or {}).get("ratio_vs_fp16") or {}
@@ -175,7 +181,9 @@ def table_lines(cases: list[dict]) -> list[str]:
             f"{_num(fig['prefill_spread'], '5.2f')}x {_num(vs.get('prefill_time'), '6.2f')} "
             f"{_num(fig['decode_tps'], '7.1f')} ({_num(fig['decode_tps_min'], '5.0f')}-{_num(fig['decode_tps_max'], '5.0f')}) "
             f"{_num(vs.get('decode_tps'), '6.2f')} {_num(paired.get('median'), '6.2f')} "
-            f"({_num(paired.get('p25'), '4.2f')}-{_num(paired.get('p75'), '4.2f')}) {status}")
+            f"({_num(paired.get('p25'), '4.2f')}-{_num(paired.get('p75'), '4.2f')}) "
+            f"{_num(fig.get('decode_host_ms'), '7.2f')} {status}")
     lines.append("prefill_s: fastest repeat (* = one repeat, no context warm-up: may include JIT compiles); "
-                 "spread: slowest/fastest; decode: tok/s; paired: per-round ratio to fp16 (--interleave)")
+                 "spread: slowest/fastest; decode: tok/s; paired: per-round ratio to fp16 (--interleave); "
+                 "host_ms: median host time per step (graph built + async_eval; --interleave)")
     return lines

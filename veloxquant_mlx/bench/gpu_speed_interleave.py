@@ -93,11 +93,11 @@ def prefill_case(model, make_cache, prompt: mx.array, prefill_step_size: int):
 
 def decode_burst(model, cache: list, logits: mx.array, tokens: int):
     """`tokens` timed greedy tokens continuing from `logits` -> (intervals in ms, the logits to
-    continue from). Decodes tokens + 2: the last token is chosen but not fed (the next burst
+    continue from, host ms per step: its graph built and handed to async_eval). Decodes tokens + 2: the last token is chosen but not fed (the next burst
     feeds it), and the last interval (nothing queued behind it) is not kept."""
     trace = decode(model, cache, logits, tokens + 2, keep_logits=True)
     intervals = [1000 * s for s in trace.intervals()[:tokens]]
-    return intervals, trace.logits[-1]
+    return intervals, trace.logits[-1], [1000 * s for s in trace.host_s[:tokens]]
 
 
 def run_context(model, specs, prompt, cases: dict, *, repeats: int, rounds: int, round_tokens: int,
@@ -153,14 +153,15 @@ def run_context(model, specs, prompt, cases: dict, *, repeats: int, rounds: int,
             for position, name in enumerate(names[start:] + names[:start]):
                 cache, logits = live[name]
                 try:
-                    intervals, live[name][1] = decode_burst(model, cache, logits, round_tokens)
+                    intervals, live[name][1], host = decode_burst(model, cache, logits, round_tokens)
                 except Exception as exc:  # noqa: BLE001
                     fail(name, f"decode round {r + 1}", exc)
                     continue
                 cases[name]["interleaved"]["rounds"].append(
-                    {"round": r, "position": position, "intervals_ms": intervals})
+                    {"round": r, "position": position, "intervals_ms": intervals, "host_ms": host})
             log(f"  round {r + 1}/{rounds}: " + ", ".join(
                 f"{n} {statistics.median(cases[n]['interleaved']['rounds'][-1]['intervals_ms']):.2f} ms"
+                f" (host {statistics.median(cases[n]['interleaved']['rounds'][-1]['host_ms']):.2f})"
                 for n in names if n in live))
             save()
     live.clear()
