@@ -81,8 +81,7 @@ def test_census_command_end_to_end(tmp_path):
     fp16 = methods["fp16"]["layers"][0]["typical_step"]
     assert fp16 == {"ScaledDotProductAttention": 1, "Slice": 2, "SliceUpdate": 2}
     kivi = methods["kivi"]["layers"][0]["typical_step"]
-    assert kivi == {"Concatenate": 2, "CustomKernel:vq_affine_decode_partials": 1,
-                    "CustomKernel:vq_affine_decode_merge": 1}
+    assert kivi == {"Concatenate": 2, "CustomKernel:vq_affine_decode_partials_merged": 1}
     leader, follower = (layer["typical_step"] for layer in methods["xquant"]["layers"])
     assert leader == follower
     for r in methods.values():

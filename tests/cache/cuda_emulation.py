@@ -155,6 +155,8 @@ template <typename T> inline T __shfl_up_sync(unsigned, T x, unsigned d, int wid
   return vq_exchange(x, (l % width) >= (int)d ? l - (int)d : l);
 }
 template <typename T> inline T __ldg(const T* p) { return *p; }
+template <typename T> inline T __ldcg(const T* p) { return *p; }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
   return (unsigned)((((unsigned long long)hi << 32) | lo) >> (s & 31));
 }

@@ -81,8 +81,15 @@ MUTATIONS = [
     # the history's value loop reading the probabilities where the old layout kept them
     ("partials: probability slots", "_PARTIALS", "const int pslot = (tile_slot((b0 + k) * TPR) + slot_tl) * R;\n          float pj[R];",
      "const int pslot = ((b0 + k) * TPR + tl) * R;\n          float pj[R];"),
-    ("merge: block stride", "_MERGE", "po[(size_t)b * R * DV]", "po[(size_t)b * DV]"),
+    ("merge kernel: block stride", "_MERGE", "po[(size_t)b * R * DV]", "po[(size_t)b * DV]"),
+    # the merge fused into the partials kernel (MERGE_IN_KERNEL) reading block 0's partial only
+    ("fused merge: block stride", "_HEADER", "__ldcg(part_o + row * DV + c)", "__ldcg(part_o + (first + r) * DV + c)"),
 ]
+
+
+def _launches():
+    """The kernels a decode step runs: one with the merge fused in, else partials and merge."""
+    return [1] if fused_decode.MERGE_IN_KERNEL else [1, 1]
 
 
 def _mutated(monkeypatch, attr, old, new):
@@ -159,7 +166,7 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
     assert (cache.n_compressed, cache.window_keys.shape[2]) == (n_valid, window)  # nothing flushed
 
     got, made = _emulated_step(cache, q_heads, D**-0.5)
-    assert [k.calls for k in made] == [1, 1], "the decode step did not run both kernels"
+    assert [k.calls for k in made if k.calls] == _launches(), "the decode step did not run its kernels"
     assert got.dtype == dtype and got.shape == q_heads.shape
 
     per_block = fused_decode.tokens_per_block(n_valid, B * 2)
@@ -175,6 +182,21 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
     tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
     assert np.allclose(got, expected, atol=tol, rtol=tol), np.abs(got - expected).max()
 
+
+
+def test_the_split_build_and_the_merge_kernel_are_the_same_attention(monkeypatch):
+    # MERGE_IN_KERNEL off (the A/B setting): the partials kernel as written, then the merge
+    # kernel, against the portable attention as above and against the fused launch.
+    name, make, dtype, D, B, rep, n, warps = CASES[0]
+    cache = make()
+    q_heads = _filled(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
+    expected = np.array(cache.attention(q_heads, scale=D**-0.5))
+    fused, _ = _emulated_step(cache, q_heads, D**-0.5)
+    monkeypatch.setattr(fused_decode, "MERGE_IN_KERNEL", False)
+    split, made = _emulated_step(cache, q_heads, D**-0.5)
+    assert sorted((k.name, k.calls) for k in made if k.calls) == [("vq_affine_decode_merge", 1), ("vq_affine_decode_partials", 1)]
+    split, fused = np.array(split), np.array(fused)
+    assert np.allclose(split, expected, atol=2e-5, rtol=2e-5) and np.allclose(split, fused, atol=2e-6, rtol=2e-6)
 
 
 class _Recorded:
@@ -206,9 +228,9 @@ def test_kivis_default_sink_is_attended_through_the_partials_kernels_sink_inputs
     real = cuda_emulation.cuda_kernel
     monkeypatch.setattr(cuda_emulation, "cuda_kernel", lambda *a, **k: recorded.append(_Recorded(real(*a, **k))) or recorded[-1])
     got, made = _emulated_step(cache, q_heads, 128**-0.5)
-    assert [k.name for k in made] == ["vq_affine_decode_partials", "vq_affine_decode_merge"]
-    assert [len(k.launches) for k in made] == [1, 1]
-    inputs = dict(zip(fused_decode.PARTIALS_INPUTS, made[0].launches[0]))
+    assert [k.name for k in made if k.launches] == ["vq_affine_decode_partials_merged"]
+    assert [len(k.launches) for k in made if k.launches] == [1]
+    inputs = dict(zip(fused_decode.PARTIALS_INPUTS, next(k for k in made if k.launches).launches[0]))
     assert mx.array_equal(inputs["sk"], cache.sink_keys).item() and inputs["sk"].shape == (1, 2, 1, 128)
     assert mx.array_equal(inputs["sv"], cache.sink_values).item()
     assert mx.array_equal(inputs["wk"], cache.window_keys).item() and mx.array_equal(inputs["wv"], cache.window_values).item()
@@ -233,7 +255,7 @@ def test_the_emulated_rotated_step_is_the_portable_attention(monkeypatch, name, 
     assert cache.n_compressed > 0 and cache.sink_deltas is not None  # the exact sink is in play
     expected = np.array(cache.attention(q_heads.astype(mx.float32), scale=D**-0.5))
     got, made = _emulated_step(cache, q_heads, D**-0.5)
-    assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_rotated_decode_partials"]
+    assert sorted(k.name for k in made if k.calls) == ["vq_rotated_decode_partials_merged"]
     assert got.dtype == dtype and got.shape == q_heads.shape
     tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
     got = np.array(got.astype(mx.float32))
@@ -254,7 +276,7 @@ def test_a_corrupted_rotated_kernel_source_fails_the_comparison(monkeypatch):
     good, _ = _emulated_step(cache, q_heads, 128**-0.5)
     _mutated_rotated(monkeypatch)
     got, made = _emulated_step(cache, q_heads, 128**-0.5)
-    assert [k.calls for k in made if k.calls] == [1, 1]
+    assert [k.calls for k in made if k.calls] == _launches()
     good_err, bad_err = np.abs(np.array(good) - expected).max(), np.abs(np.array(got) - expected).max()
     print(f"rotated, 8 rows: max |kernel - portable| {good_err:.3g}, corrupted {bad_err:.3g}")
     assert good_err < 2e-5 and bad_err > 1e-3
@@ -266,7 +288,9 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, attr,
     q_heads = _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
     expected = np.array(cache.attention(q_heads, scale=128**-0.5))
     _mutated(monkeypatch, attr, old, new)
+    if attr == "_MERGE":  # the merge kernel runs in the split build only
+        monkeypatch.setattr(fused_decode, "MERGE_IN_KERNEL", False)
     got, made = _emulated_step(cache, q_heads, 128**-0.5)
-    assert [k.calls for k in made] == [1, 1]
+    assert [k.calls for k in made if k.calls] == _launches()
     print(f"{name}: max |corrupted kernel - portable| = {np.abs(np.array(got) - expected).max():.2e}")
     assert np.abs(np.array(got) - expected).max() > 1e-4  # 5x the tolerance above, at least

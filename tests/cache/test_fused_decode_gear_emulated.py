@@ -127,7 +127,7 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
 
     got, made = _emulated_step(cache, q_heads, D**-0.5)
     # fused_decode builds its own partials kernel with the merge one; it must not run
-    assert sorted((k.name, k.calls) for k in made if k.calls) == [("vq_affine_decode_merge", 1), ("vq_gear_decode_partials", 1)]
+    assert sorted((k.name, k.calls) for k in made if k.calls) == [("vq_gear_decode_partials_merged", 1)]
     assert got.dtype == dtype and got.shape == q_heads.shape
 
     per_block = fused_decode.tokens_per_block(n_valid, B * 2)
@@ -153,7 +153,7 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, 
     expected = _portable(cache, q_heads, 128)
     _mutated(monkeypatch, old, new)
     got, made = _emulated_step(cache, q_heads, 128**-0.5)
-    assert sorted(k.name for k in made if k.calls == 1) == ["vq_affine_decode_merge", "vq_gear_decode_partials"]
+    assert sorted(k.name for k in made if k.calls == 1) == ["vq_gear_decode_partials_merged"]
     diff = np.abs(np.array(got) - expected).max()
     print(f"{name}: max |corrupted kernel - portable| = {diff:.2e}")
     assert diff > 1e-4  # 5x the float32 tolerance above, at least
@@ -169,7 +169,7 @@ def test_supports_counts_the_kernels_shared_memory():
             _emulated_step(cache, _filled(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
     checked = 0
     for kernel, sig in captured:
-        if kernel.name != "vq_gear_decode_partials":
+        if kernel.name != "vq_gear_decode_partials_merged":
             continue
         t = dict(sig.template)
         counted = cuda_emulation._static_shared_bytes(kernel.executable(sig))
@@ -195,5 +195,5 @@ def test_after_a_trim_the_kernel_ignores_the_stale_blocks(monkeypatch):
     assert (cache.n_compressed, cache.capacity, cache.window_keys.shape[2]) == (768, 1024, 34)
     expected = _portable(cache, q_heads, 128)
     got, made = _emulated_step(cache, q_heads, 128**-0.5)
-    assert "vq_gear_decode_partials" in [k.name for k in made if k.calls == 1]
+    assert "vq_gear_decode_partials_merged" in [k.name for k in made if k.calls == 1]
     assert np.allclose(np.array(got), expected, atol=2e-5, rtol=2e-5), np.abs(np.array(got) - expected).max()

@@ -85,8 +85,11 @@ def test_a_new_accumulator_setting_builds_a_kernel_of_its_own(monkeypatch):
     try:
         a = fused_decode_codebook._partials_kernel(32, True)
         assert fused_decode_codebook._partials_kernel(32, True) is a
-        assert fused_decode_codebook._partials_kernel(64, True) is not a
-        assert fused_decode_codebook._partials_kernel(32, False) is not a
+        others = [fused_decode_codebook._partials_kernel(64, True), fused_decode_codebook._partials_kernel(32, False)]
+        assert all(k is not a for k in others)
+        assert made == []  # built on first use, one build per setting
+        for k in (a, *others):
+            assert k.fused is k.fused
         assert len(made) == 3
     finally:
         fused_decode_codebook._partials_kernel.cache_clear()
@@ -122,16 +125,15 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
     q_heads = _filled(cache, 700)
     seen = {}
 
-    def kernel(**kwargs):
-        seen["launch"] = kwargs
-        return ["o", "m", "l"]
+    class Kernel:
+        def attend(self, queries, **kwargs):
+            seen["launch"], seen["queries"] = kwargs, queries
+            return "kernel output"
 
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    monkeypatch.setattr(fused_decode_codebook, "_partials_kernel", lambda accumulators, park: kernel)
-    monkeypatch.setattr(fused_decode_codebook, "merge_partials",
-                        lambda *a: seen.update(merge=a) or "kernel output")
+    monkeypatch.setattr(fused_decode_codebook, "_partials_kernel", lambda accumulators, park: Kernel())
     assert cache._fused_decode(q_heads, 0.5) == "kernel output"
-    assert seen["merge"] == ("o", "m", "l", q_heads)
+    assert seen["queries"] is q_heads
     launch = seen["launch"]
     inputs = launch["inputs"]
     s = cache.store
@@ -157,8 +159,7 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
     n_out = 41 if outliers else 0  # round(0.01 * 32 * 128)
     assert template == {"D": 128, "DV": 128, "R": 4, "G": 32, "BITS": 3, "LPT": 16, "NOK": n_out,
                         "NOV": n_out, "PARK": True, "QT": mx.float32, "ST": mx.float32}
-    assert launch["grid"] == (128 * (n_hist + 1), 2, 1) and launch["threadgroup"] == (128, 1, 1)
-    assert launch["output_shapes"] == [(2, n_hist + 1, 4, 128), (2, n_hist + 1, 4), (2, n_hist + 1, 4)]
+    assert (launch["n_blocks"], launch["heads"], launch["value_dim"]) == (n_hist + 1, 2, 128)
     # Off, or a shape the kernel refuses: the portable path.
     monkeypatch.setattr(fused_decode_codebook, "supports", lambda *a, **k: False)
     assert cache._fused_decode(q_heads, 0.5) is None

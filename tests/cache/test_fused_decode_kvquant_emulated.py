@@ -153,7 +153,7 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
     assert (cache.n_compressed, cache.window_keys.shape[2]) == (n_valid, window)  # nothing flushed
 
     got, made = _emulated_step(cache, q_heads, D**-0.5)
-    assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_codebook_decode_partials"]
+    assert sorted(k.name for k in made if k.calls) == ["vq_codebook_decode_partials_merged"]
     assert got.dtype == dtype and got.shape == q_heads.shape
 
     per_block = fused_decode.tokens_per_block(n_valid, B * 2)
@@ -179,7 +179,7 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, 
         monkeypatch.setattr(fused_decode, "TARGET_WARPS", 1)
     _mutated(monkeypatch, old, new)
     got, made = _emulated_step(cache, q_heads, 128**-0.5)
-    assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_codebook_decode_partials"]
+    assert sorted(k.name for k in made if k.calls) == ["vq_codebook_decode_partials_merged"]
     diff = np.abs(np.array(got) - expected).max()
     print(f"mutation {name!r}: max |kernel - portable| = {diff:.3g}")
     assert diff > 1e-4  # 5x the float32 tolerance above, at least

@@ -131,7 +131,7 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, dtyp
         assert (cache.n_compressed, cache.window_keys.shape[2]) == (n_valid, window)  # nothing flushed
         got, made = _emulated_step(cache, q_heads, D**-0.5)
         ran = sorted((k.name, k.calls) for k in made if k.calls)
-        assert ran == [("vq_affine_decode_merge", 1), ("vq_merged_decode_partials", 1)], ran
+        assert ran == [("vq_merged_decode_partials_merged", 1)], ran
         assert got.dtype == dtype and got.shape == q_heads.shape
         got, expected = np.array(got.astype(mx.float32)), np.array(expected)
         tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
@@ -145,7 +145,7 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, field
     expected = np.array(upper.attention(queries[1], scale=128**-0.5))
     _mutated(monkeypatch, old, new)
     got, made = _emulated_step(upper, queries[1], 128**-0.5)
-    assert sorted(k.name for k in made if k.calls) == ["vq_affine_decode_merge", "vq_merged_decode_partials"]
+    assert sorted(k.name for k in made if k.calls) == ["vq_merged_decode_partials_merged"]
     difference = np.abs(np.array(got) - expected).max()
     print(f"{name}: max |kernel - portable| = {difference:.2e}")
     assert difference > 1e-3  # 50x the tolerance above, at least

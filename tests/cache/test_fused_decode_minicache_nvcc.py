@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from veloxquant_mlx.cache import fused_decode_merged
+from veloxquant_mlx.cache import fused_decode, fused_decode_merged
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (CUDA toolkit) to compile the kernel for sm_90")
@@ -25,17 +25,19 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (CUDA toolkit) 
 _C_TYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "u32": "uint32_t", "i32": "int32_t"}
 
 
-def _program(D, DV, R, S, DB, QT, RT, PV=1) -> str:
+def _program(D, DV, R, S, DB, QT, RT, PV=1, fused=False) -> str:
     DT = "u32" if DB else "f16"
     dtypes = dict(q=QT, dk=DT, dv=DT, dks="f16", dkb="f16", dvs="f16", dvb="f16", mk="f16", mv="f16",
                   rk=RT, rv=RT, pk="i32", pv="i32", wk=QT, wv=QT, meta="i32")
     source = fused_decode_merged._PARTIALS
+    if fused:  # the merge fused in (fused_decode.MERGE_IN_KERNEL): outputs the attention and the scratch
+        source = fused_decode._FUSED_PROLOGUE + source + fused_decode._FUSED_EPILOGUE
     params = []
     for name in fused_decode_merged._INPUTS:
         params.append(f"const {_C_TYPES[dtypes[name]]}* {name}")
         if f"{name}_shape" in source:
             params.append(f"const int32_t* {name}_shape")
-    params += ["float* part_o", "float* part_m", "float* part_l"]
+    params += [f"{_C_TYPES[QT]}* out", "float* scratch"] if fused else ["float* part_o", "float* part_m", "float* part_l"]
     template = dict(D=D, DV=DV, R=R, PV=PV, S=S, DB=DB, QT=QT, DT=DT, ST="f16", MT="f16", RT=RT)
     constants = [f"  using {k} = {_C_TYPES[v]};" if isinstance(v, str) else f"  constexpr int {k} = {v};"
                  for k, v in template.items()]
@@ -60,10 +62,11 @@ def _ptxas_report(tmp_path, label, **shape) -> tuple[int, int]:
 # The default config on the 8B shape (bf16, head_dim 128, 4 rows per kv head, 4 slots), with
 # fp16 directions (values prefetched or not) and with 4-bit directions: no spills (on
 # 2026-11-30, nvcc 13.0: 222, 170 and 208 registers; fused_decode's kivi kernel: 184).
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "merge fused in"])
 @pytest.mark.parametrize("DB, PV", [(0, 1), (0, 0), (4, 1)], ids=["fp16 directions", "fp16 no prefetch", "4-bit directions"])
-def test_the_8b_shape_compiles_for_sm90_without_spills(tmp_path, DB, PV):
+def test_the_8b_shape_compiles_for_sm90_without_spills(tmp_path, DB, PV, fused):
     registers, spilled = _ptxas_report(tmp_path, f"db{DB}pv{PV}", D=128, DV=128, R=4, S=4, DB=DB, QT="bf16",
-                                       RT="bf16", PV=PV)
+                                       RT="bf16", PV=PV, fused=fused)
     assert spilled == 0 and registers <= 255
 
 

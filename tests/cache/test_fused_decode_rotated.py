@@ -223,7 +223,7 @@ def test_the_emulated_decode_step_at_each_value_sum_budget(monkeypatch, budget, 
     # window stays under residual + block tokens, so neither call flushes.
     expected = np.array(cache.attention(q_heads.astype(mx.float32), scale=D**-0.5))
     got, made = cuda_emulation.emulated_decode_step(cache, q_heads, D**-0.5)
-    partials = [k for k in made if k.name == "vq_rotated_decode_partials" and k.calls]
+    partials = [k for k in made if k.name == "vq_rotated_decode_partials_merged" and k.calls]
     assert len(partials) == 1 and f"VQ_MAX_VALUE_SUMS = {budget};" in partials[0].header
     assert got.dtype == dtype and got.shape == q_heads.shape
     tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
@@ -241,7 +241,7 @@ def test_each_budget_builds_and_launches_its_own_kernel(monkeypatch):
         for budget in (32, 64, 32):
             monkeypatch.setattr(fdr, "MAX_VALUE_SUMS", budget)
             cache.attention(q_heads, scale=128**-0.5)
-    launches = [(k, dict(sig.template)) for k, sig in captured if k.name == "vq_rotated_decode_partials"]
+    launches = [(k, dict(sig.template)) for k, sig in captured if k.name == "vq_rotated_decode_partials_merged"]
     assert [t["VQ_MAX_VALUE_SUMS"] for _, t in launches] == [32, 64, 32]
     assert launches[0][0] is launches[2][0] and launches[0][0] is not launches[1][0]
     assert "VQ_MAX_VALUE_SUMS = 64;" in launches[1][0].header

@@ -76,7 +76,7 @@ def compiled_without_spills(source: str, tmp_path, index: int = 0) -> str:
 @pytest.mark.parametrize("method, dtype, rep, D", CASES)
 def test_every_kernel_compiles_for_sm90_without_spills(tmp_path, method, dtype, rep, D):
     captured = _captured(method, dtype, rep, D)
-    assert len(captured) >= 2, f"{method}: the decode step launched {len(captured)} kernels (kernels not taken?)"
+    assert len(captured) >= 1, f"{method}: the decode step launched {len(captured)} kernels (kernels not taken?)"
     sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(lambda a: compiled_without_spills(a[1], tmp_path, a[0]), enumerate(sources)))

@@ -91,6 +91,48 @@ __device__ __forceinline__ float vq_warp_sum(float x) {
   return x;
 }
 
+// A small unsigned integer (< 2^23) as a float without the int-to-float conversion unit (a
+// slower path on Hopper): or it into the mantissa of 2^23 and subtract 2^23.
+__device__ __forceinline__ float vq_u2f(unsigned small) {
+  return __uint_as_float(small | 0x4B000000u) - 8388608.f;
+}
+
+// The merge of one (batch*kv-head)'s block partials into its R output rows (flash-decoding's
+// second pass), done inside the partials kernel by the block that finishes last: every block,
+// its partial written, fences it and counts itself in (counts[bh], zero at launch); the block
+// that brings the count to n_blocks reads every block's partial (__ldcg: from L2, never a stale
+// L1 line) and writes out[(bh * R + r) * DV + c] = sum_b e_b o_b / sum_b e_b l_b, e_b =
+// exp(m_b - max m). Called by every thread of the block, after its last write of the partials.
+template <int R, int DV, typename OT>
+__device__ __noinline__ void vq_merge_if_last(const float* part_o, const float* part_m,
+                                                 const float* part_l, int* counts, OT* out,
+                                                 int bh, int n_blocks) {
+  __shared__ int vq_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) vq_last = atomicAdd(counts + bh, 1) == n_blocks - 1;
+  __syncthreads();
+  if (!vq_last) return;
+  __threadfence();
+  const float neg_inf = __int_as_float(0xff800000);
+  const size_t first = (size_t)bh * n_blocks * R;
+  for (int i = threadIdx.x; i < R * DV; i += blockDim.x) {
+    const int r = i / DV, c = i % DV;
+    float top = neg_inf;
+    for (int b = 0; b < n_blocks; ++b) top = fmaxf(top, __ldcg(part_m + first + (size_t)b * R + r));
+    float o = 0.f, den = 0.f;
+    #pragma unroll 4
+    for (int b = 0; b < n_blocks; ++b) {
+      const size_t row = first + (size_t)b * R + r;
+      const float mb = __ldcg(part_m + row);
+      const float e = mb == neg_inf ? 0.f : expf(mb - top);
+      den = fmaf(e, __ldcg(part_l + row), den);
+      o = fmaf(e, __ldcg(part_o + row * DV + c), o);
+    }
+    out[((size_t)bh * R + r) * DV + c] = vq_cast<OT>(o / den);
+  }
+}
+
 // The block's NW warps' partials merged into the block's one (flash-decoding's merge inside a
 // block): warp w left its unnormalised sums for rows x channels in ps_w = ps + w * ps_stride
 // ([r * DV + c]) and its running max and sum per row in red_m / red_l ([w * R + r]). Called by
@@ -481,6 +523,95 @@ _MERGE = r"""
 """
 
 
+# One launch per decode step: the partials kernel's last block per (batch*kv-head) merges the
+# blocks' partials (vq_merge_if_last) where a second kernel (_MERGE) did. Why: on the H200 the
+# decode step is bound by the host, not the GPU (each token's host time, graph built and handed
+# to async_eval, is its whole interval: fp16 1.67 ms, kivi 1.91 ms per 8-layer step at 32K,
+# results/gpu_speed_h200_s7_32k_host.json), and one mx.fast.cuda_kernel call costs the host
+# ~23 us there (12 us to build, 11 us to launch; a built-in op ~4.5 us: mx.add 1.1 + 3.5,
+# results/launch_cost_h200_s7.json), so the merge kernel cost every layer ~23 us of each step.
+# The fused kernel's partials live in one zero-filled float32 scratch output (MLX fills it at
+# the launch: init_value), whose tail holds the per-head counters. False: the two kernels.
+MERGE_IN_KERNEL = True
+
+# Put before / after a partials kernel's source to fuse the merge in: the source writes part_o /
+# part_m / part_l (BH, n_blocks, R, DV) / (BH, n_blocks, R) as before, now slices of `scratch`
+# (grid: x = n_blocks blocks, y = BH), and ends with its block partial written.
+# Macros, not pointer variables: computed where used (the end), so no register holds them
+# through the kernel's loops (as variables: 106 registers against 96, ptxas sm_90, kivi's 8B shape).
+_FUSED_PROLOGUE = r"""
+#define part_o (scratch)
+#define part_m (scratch + (size_t)gridDim.y * gridDim.x * R * DV)
+#define part_l (scratch + (size_t)gridDim.y * gridDim.x * R * (DV + 1))
+"""
+_FUSED_EPILOGUE = r"""
+  vq_merge_if_last<R, DV>(part_o, part_m, part_l,
+                          reinterpret_cast<int*>(scratch + (size_t)gridDim.y * gridDim.x * R * (DV + 2)),
+                          out, blockIdx.y, gridDim.x);
+#undef part_o
+#undef part_m
+#undef part_l
+"""
+
+
+def scratch_floats(heads: int, n_blocks: int, rows: int, value_dim: int) -> int:
+    """Floats of the fused kernel's scratch: the partials (o, m, l) and one counter per head."""
+    return heads * n_blocks * rows * (value_dim + 2) + heads
+
+
+class PartialsKernel:
+    """A flash-decoding partials kernel in its two builds: as written (outputs part_o, part_m,
+    part_l, merged by merge_partials' kernel) and with the merge fused in (outputs the attention
+    `out` and the scratch), built on first use. Every partials kernel of ours launches blocks of
+    WARPS_PER_BLOCK warps on a grid of (n_blocks, batch * kv heads) and has R and DV among its
+    template constants."""
+
+    def __init__(self, name: str, input_names, source: str, header: str):
+        self.name, self.input_names, self.source, self.header = name, list(input_names), source, header
+        self._split = self._fused = None
+
+    @property
+    def split(self):
+        if self._split is None:
+            self._split = mx.fast.cuda_kernel(
+                name=self.name, input_names=self.input_names,
+                output_names=["part_o", "part_m", "part_l"], source=self.source, header=self.header)
+        return self._split
+
+    @property
+    def fused(self):
+        if self._fused is None:
+            self._fused = mx.fast.cuda_kernel(
+                name=self.name + "_merged", input_names=self.input_names, output_names=["out", "scratch"],
+                source=_FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE, header=self.header)
+        return self._fused
+
+    def partials(self, *, inputs, template, n_blocks: int, heads: int, rows: int, value_dim: int):
+        """The split build's launch -> (part_o, part_m, part_l)."""
+        return self.split(
+            inputs=inputs, template=template, grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1),
+            threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
+            output_shapes=[(heads, n_blocks, rows, value_dim), (heads, n_blocks, rows), (heads, n_blocks, rows)],
+            output_dtypes=[mx.float32, mx.float32, mx.float32],
+        )
+
+    def attend(self, queries, *, inputs, template, n_blocks: int, heads: int, value_dim: int):
+        """The attention output (B, Hq, 1, DV) in the queries' dtype: one fused launch
+        (MERGE_IN_KERNEL), else the split build and merge_partials."""
+        B, n_q_heads = queries.shape[:2]
+        rows = n_q_heads * B // heads
+        if not MERGE_IN_KERNEL:
+            return merge_partials(*self.partials(inputs=inputs, template=template, n_blocks=n_blocks,
+                                                 heads=heads, rows=rows, value_dim=value_dim), queries)
+        out, _ = self.fused(
+            inputs=inputs, template=template, grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1),
+            threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
+            output_shapes=[(B, n_q_heads, 1, value_dim), (scratch_floats(heads, n_blocks, rows, value_dim),)],
+            output_dtypes=[queries.dtype, mx.float32], init_value=0,
+        )
+        return out
+
+
 def kernels_enabled() -> bool:
     """True when the CUDA kernel should run: MLX's CUDA backend is the default GPU device and
     VELOXQUANT_CUDA_KERNELS is not 0."""
@@ -508,13 +639,7 @@ PARTIALS_INPUTS = ("q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "sk", "s
 
 @lru_cache(maxsize=None)
 def _kernels():
-    partials = mx.fast.cuda_kernel(
-        name="vq_affine_decode_partials",
-        input_names=list(PARTIALS_INPUTS),
-        output_names=["part_o", "part_m", "part_l"],
-        source=_PARTIALS,
-        header=_HEADER,
-    )
+    partials = PartialsKernel("vq_affine_decode_partials", PARTIALS_INPUTS, _PARTIALS, _HEADER)
     merge = mx.fast.cuda_kernel(
         name="vq_affine_decode_merge",
         input_names=["part_o", "part_m", "part_l"],
@@ -673,27 +798,28 @@ def affine_decode_attention(
     compressed tokens [skip, n_valid), the exact sink `sink` = (keys, values) (B, H, S, D / DV;
     None: none) and the exact window (B, H, W, D), W >= 1 -> (B, Hq, 1, DV) in the queries'
     dtype. Only call when kernels_enabled() and supports(...): decode_step checks."""
-    partials = affine_partials(
+    return affine_partials(
         queries, scale, key_codes, key_scales, key_zeros, value_codes,
         value_scales, value_zeros, window_keys, window_values, n_valid=n_valid,
         group_size=group_size, key_bits=key_bits, value_bits=value_bits, n_kv_heads=n_kv_heads,
-        meta_cache=meta_cache, skip=skip, sink=sink,
+        meta_cache=meta_cache, skip=skip, sink=sink, merged=True,
     )
-    return merge_partials(*partials, queries)
 
 
 def affine_partials(
     queries, scale: float, key_codes, key_scales, key_zeros, value_codes, value_scales,
     value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
     value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0, sink=None,
-    kernel=None, extra_inputs=(), extra_template=(),
+    kernel=None, extra_inputs=(), extra_template=(), merged: bool = False,
 ):
     """Kernel 1's launch (the checks, block split, meta and template) -> (part_o, part_m,
-    part_l); `sink`: (keys, values) (B, H, S, D / DV) the exact block attends before the window
-    (None: dummies, S = 0); `kernel`: the shipped partials kernel when None, else a variant of
-    its source (bench.kernel_probe times some) or a kernel built on it by partials_source
-    (GEAR's), taken after the checks; `extra_inputs` / `extra_template`: what such a kernel
-    takes beyond this one's inputs (after `meta`) and template constants."""
+    part_l), or with `merged` the attention output (B, Hq, 1, DV) (PartialsKernel.attend: the
+    merge fused in, MERGE_IN_KERNEL); `sink`: (keys, values) (B, H, S, D / DV) the exact block
+    attends before the window (None: dummies, S = 0); `kernel`: the shipped PartialsKernel when
+    None, else one built on this source by partials_source (GEAR's), or a raw variant kernel
+    of its source (bench.kernel_probe times some; not with `merged`), taken after the checks;
+    `extra_inputs` / `extra_template`: what such a kernel takes beyond this one's inputs (after
+    `meta`) and template constants."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -705,13 +831,20 @@ def affine_partials(
     sink_keys, sink_values, n_sink = _sink_inputs(sink, queries, window_keys, window_values, DV)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip, n_sink)
     partials = _kernels()[0] if kernel is None else kernel
+    inputs = [queries, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
+              window_keys.astype(dtype), window_values.astype(dtype), sink_keys, sink_values,
+              meta, *extra_inputs]
+    template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
+                ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits, R)), ("QT", dtype),
+                ("ST", side), *extra_template]
+    if merged:
+        return partials.attend(queries, inputs=inputs, template=template, n_blocks=n_blocks, heads=BH,
+                               value_dim=DV)
+    if isinstance(partials, PartialsKernel):
+        return partials.partials(inputs=inputs, template=template, n_blocks=n_blocks, heads=BH, rows=R,
+                                 value_dim=DV)
     return partials(
-        inputs=[queries, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
-                window_keys.astype(dtype), window_values.astype(dtype), sink_keys, sink_values,
-                meta, *extra_inputs],
-        template=[("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
-                  ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits, R)), ("QT", dtype),
-                  ("ST", side), *extra_template],
+        inputs=inputs, template=template,
         grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
         threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
         output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],

@@ -111,9 +111,9 @@ import mlx.core as mx
 from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.fused_decode import (
     _HEADER,
+    PartialsKernel,
     WARPS_PER_BLOCK,
     FusedDecodeMeta,
-    merge_partials,
 )
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -615,13 +615,7 @@ def _partials_kernel(lane_accumulators: int, park: bool):
     not read them (the lane split and the parking are the template's LPT and PARK, and MLX
     compiles one kernel per template), but a probe that changes a constant gets a kernel object of
     its own, never one built for the other setting."""
-    return mx.fast.cuda_kernel(
-        name="vq_codebook_decode_partials",
-        input_names=_INPUTS,
-        output_names=["part_o", "part_m", "part_l"],
-        source=_PARTIALS,
-        header=_HEADER + _WINDOW,
-    )
+    return PartialsKernel("vq_codebook_decode_partials", _INPUTS, _PARTIALS, _HEADER + _WINDOW)
 
 
 def channels_per_lane(rows: int) -> int:
@@ -717,18 +711,19 @@ def codebook_decode_attention(
     sink `sink` = (keys, values) (B, H, S, D) standing for tokens [0, S) (None: S = 0) and the
     exact window (B, H, W, D), W >= 1 -> (B, Hq, 1, DV) in the queries' dtype. Only call when
     kernels_enabled() and supports(...): decode_step checks."""
-    return merge_partials(*codebook_partials(
+    return codebook_partials(
         queries, scale, store, window_keys, window_values, sink, n_valid=n_valid,
-        group_size=group_size, bits=bits, n_kv_heads=n_kv_heads, meta_cache=meta_cache,
-    ), queries)
+        group_size=group_size, bits=bits, n_kv_heads=n_kv_heads, meta_cache=meta_cache, merged=True,
+    )
 
 
 def codebook_partials(
     queries, scale: float, store, window_keys, window_values, sink, *, n_valid: int,
-    group_size: int, bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta,
+    group_size: int, bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, merged: bool = False,
 ):
     """The partials kernel's launch (checks, block split, meta, template) -> (part_o, part_m,
-    part_l) for fused_decode.merge_partials."""
+    part_l) for fused_decode.merge_partials, or with `merged` the attention output
+    (PartialsKernel.attend: one launch, the merge fused in)."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -755,16 +750,14 @@ def codebook_partials(
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip)
     dtype = queries.dtype
     park = parks(D, DV, R, bits, counts[1] > 0)
-    return _partials_kernel(MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS)(
-        inputs=[queries, store["key_codes"], store["key_scale"], store["key_zero"],
-                _as(store["key_codebook"], mx.float32), store["value_codes"], store["value_scale"],
-                store["value_zero"], _as(store["value_codebook"], mx.float32), *outliers,
-                _as(window_keys, dtype), _as(window_values, dtype), sink_keys, sink_values, meta],
-        template=[("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
-                  ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]), ("PARK", park),
-                  ("QT", dtype), ("ST", side)],
-        grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
-        threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
-        output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
-    )
+    kernel = _partials_kernel(MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS)
+    inputs = [queries, store["key_codes"], store["key_scale"], store["key_zero"],
+              _as(store["key_codebook"], mx.float32), store["value_codes"], store["value_scale"],
+              store["value_zero"], _as(store["value_codebook"], mx.float32), *outliers,
+              _as(window_keys, dtype), _as(window_values, dtype), sink_keys, sink_values, meta]
+    template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
+                ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]), ("PARK", park),
+                ("QT", dtype), ("ST", side)]
+    if merged:
+        return kernel.attend(queries, inputs=inputs, template=template, n_blocks=n_blocks, heads=BH, value_dim=DV)
+    return kernel.partials(inputs=inputs, template=template, n_blocks=n_blocks, heads=BH, rows=R, value_dim=DV)

@@ -273,13 +273,8 @@ PARTIALS_SOURCE = fused_decode.partials_source({
 
 @lru_cache(maxsize=None)
 def _partials_kernel():
-    return mx.fast.cuda_kernel(
-        name="vq_gear_decode_partials",
-        input_names=[*fused_decode.PARTIALS_INPUTS, *GEAR_INPUTS],
-        output_names=["part_o", "part_m", "part_l"],
-        source=PARTIALS_SOURCE,
-        header=fused_decode._HEADER,
-    )
+    return fused_decode.PartialsKernel("vq_gear_decode_partials", [*fused_decode.PARTIALS_INPUTS, *GEAR_INPUTS],
+                                       PARTIALS_SOURCE, fused_decode._HEADER)
 
 
 def shared_bytes(head_dim: int, value_dim: int, rows: int, value_outliers: bool) -> int:
@@ -343,10 +338,9 @@ def decode_step(cache, queries, scale: float):
         return None
     base, extra, template = store_arrays(cache)
     meta_cache = cache.__dict__.setdefault("_fused_meta", fused_decode.FusedDecodeMeta())
-    partials = fused_decode.affine_partials(
+    return fused_decode.affine_partials(
         queries, scale, *base, cache.window_keys, cache.window_values,
         n_valid=cache.n_compressed, group_size=cache.code_group, key_bits=cache.code_bits,
         value_bits=cache.code_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
-        kernel=_partials_kernel(), extra_inputs=extra, extra_template=template,
+        kernel=_partials_kernel(), extra_inputs=extra, extra_template=template, merged=True,
     )
-    return fused_decode.merge_partials(*partials, queries)

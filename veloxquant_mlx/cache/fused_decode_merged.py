@@ -198,12 +198,6 @@ __device__ __forceinline__ void vq_weighted_rows(const T* base, const int (&rows
   vq_fma_rows<T, R, N>(raw, w_sh, wrow, acc);
 }
 
-// A small unsigned integer (< 2^23) as a float without the int-to-float conversion unit (a
-// slow path on Hopper): or it into the mantissa of 2^23 and subtract 2^23 (fused_decode_rotated).
-__device__ __forceinline__ float vq_u2f(unsigned small) {
-  return __uint_as_float(small | 0x4B000000u) - 8388608.f;
-}
-
 // vq_partial_dots over quantized directions (minicache_bits = B in 2, 4, 8: mx.quantize's
 // layout per token, D * B / 32 words of a little-endian bit stream along channels, a scale s
 // and bias b per 32 channels). The lane's 8-channel chunk lies in one group, so per chunk
@@ -605,13 +599,7 @@ _INPUTS = ["q", "dk", "dv", "dks", "dkb", "dvs", "dvb", "mk", "mv", "rk", "rv", 
 
 @lru_cache(maxsize=None)
 def _partials_kernel():
-    return mx.fast.cuda_kernel(
-        name="vq_merged_decode_partials",
-        input_names=_INPUTS,
-        output_names=["part_o", "part_m", "part_l"],
-        source=_PARTIALS,
-        header=_HEADER,
-    )
+    return fused_decode.PartialsKernel("vq_merged_decode_partials", _INPUTS, _PARTIALS, _HEADER)
 
 
 def tokens_per_block(n_tokens: int, n_heads: int) -> int:
@@ -713,7 +701,8 @@ def merged_decode_attention(
         n_valid, BH, "merged fused decode", tokens_per_block)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale))
     dtype = queries.dtype
-    part_o, part_m, part_l = _partials_kernel()(
+    return _partials_kernel().attend(
+        queries,
         inputs=[queries, dir_k, dir_v, *direction_side, mag_k, mag_v, *retained,
                 window_keys.astype(dtype), window_values.astype(dtype), meta],
         template=[("D", D), ("DV", DV), ("R", R), ("PV", int(PREFETCH_FIRST_VALUES and R <= PREFETCH_MAX_ROWS)),
@@ -721,9 +710,5 @@ def merged_decode_attention(
                   ("DB", direction_bits or 0),
                   ("QT", dtype), ("DT", dir_k.dtype), ("ST", direction_side[0].dtype),
                   ("MT", mag_k.dtype), ("RT", retained[0].dtype)],
-        grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
-        threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
-        output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
+        n_blocks=n_blocks, heads=BH, value_dim=DV,
     )
-    return fused_decode.merge_partials(part_o, part_m, part_l, queries)

@@ -149,12 +149,6 @@ def channels_per_lane(rows: int) -> int:
 
 
 _HELPERS = r"""
-// A small unsigned integer (< 2^23) as a float without the int-to-float conversion unit (a
-// quarter-rate or slower path on Hopper): or it into the mantissa of 2^23 and subtract 2^23.
-__device__ __forceinline__ float vq_u2f(unsigned small) {
-  return __uint_as_float(small | 0x4B000000u) - 8388608.f;
-}
-
 // Code j (B bits) of an aligned little-endian bit stream held in registers w[0..N): with j a
 // compile-time constant after unrolling, the word index and the straddle are constants too.
 template <int B, int N>
@@ -525,13 +519,7 @@ _INPUTS = ["q", "ksg", "vsg", "kmean", "kc1", "ks1", "kz1", "kc2", "km2",
 def _partials_kernel(max_value_sums: int):
     """The partials kernel at a value-sum budget (keyed on it: setting MAX_VALUE_SUMS builds
     another kernel; the launch passes the budget as a template argument as well)."""
-    return mx.fast.cuda_kernel(
-        name="vq_rotated_decode_partials",
-        input_names=_INPUTS,
-        output_names=["part_o", "part_m", "part_l"],
-        source=_PARTIALS,
-        header=_header(max_value_sums),
-    )
+    return fused_decode.PartialsKernel("vq_rotated_decode_partials", _INPUTS, _PARTIALS, _header(max_value_sums))
 
 
 def tokens_per_block(n_tokens: int, n_heads: int) -> int:
@@ -640,15 +628,12 @@ def rotated_decode_attention(
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), n_sink)
     dtype = queries.dtype
     budget = MAX_VALUE_SUMS  # read at each call: a probe sets it to time another lane split
-    part_o, part_m, part_l = _partials_kernel(budget)(
+    return _partials_kernel(budget).attend(
+        queries,
         inputs=[queries, key_signs, value_signs, key_mean.astype(dtype), *stores,
                 window_keys.astype(dtype), window_values.astype(dtype), sk, sv, meta],
         template=[("D", D), ("DV", DV), ("R", R), ("KB1", key_stage1_bits),
                   ("VB1", value_stage1_bits), ("KG", key_group), ("VG", value_group), ("QT", dtype),
                   ("VQ_MAX_VALUE_SUMS", budget)],
-        grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
-        threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
-        output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
+        n_blocks=n_blocks, heads=BH, value_dim=DV,
     )
-    return fused_decode.merge_partials(part_o, part_m, part_l, queries)

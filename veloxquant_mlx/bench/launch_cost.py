@@ -1,0 +1,86 @@
+"""Host time of one MLX op against one mx.fast.cuda_kernel call, per call (MLX's CUDA backend).
+
+    python -m veloxquant_mlx.bench.launch_cost --out results/launch_cost_h200.json
+
+Why: on the H200 a decode step of the 8B-shaped llama is bound by the host (each token's host
+time, its graph built and handed to async_eval, is its whole interval; gpu_speed --interleave
+records it per round as host_ms), so what a cache adds per layer and step is host time: its
+Python, and each op and kernel call it builds and MLX launches. This times, 2000 calls each:
+`build` (the Python call that makes the lazy node) and `eval` (mx.eval of the 2000 independent
+nodes: MLX's encoding and launch of each), for a built-in op on small arrays (mx.add,
+mx.concatenate) and for a trivial custom kernel with a partials kernel's interface (12 inputs,
+3 outputs, 9 template constants). Medians of 5 rounds, the first untimed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx.core as mx
+
+CALLS = 2000
+ROUNDS = 5
+_SOURCE = "  const int i = threadIdx.x + blockIdx.x * blockDim.x; if (i < 1024) out[i] = x0[i] + (float)N;"
+
+
+def _custom_call():
+    kernel = mx.fast.cuda_kernel(name="vq_launch_cost", input_names=[f"x{i}" for i in range(12)],
+                                 output_names=["out", "o2", "o3"], source=_SOURCE)
+    xs = [mx.zeros((1024,), mx.float32) for _ in range(12)]
+    mx.eval(xs)
+    template = [("N", 3), ("D", 128), ("R", 4), ("G", 32), ("KB", 2), ("VB", 2), ("LPT", 8),
+                ("QT", mx.bfloat16), ("ST", mx.bfloat16)]
+    return lambda: kernel(inputs=xs, template=template, grid=(1024, 1, 1), threadgroup=(256, 1, 1),
+                          output_shapes=[(1024,), (8, 4), (8, 4)], output_dtypes=[mx.float32] * 3)
+
+
+def time_calls(make) -> dict:
+    """Median microseconds per call to build, and per node to evaluate."""
+    build, evaluate = [], []
+    for r in range(ROUNDS + 1):
+        t0 = time.perf_counter()
+        outs = [make() for _ in range(CALLS)]
+        t1 = time.perf_counter()
+        mx.eval(outs)
+        t2 = time.perf_counter()
+        if r:
+            build.append(1e6 * (t1 - t0) / CALLS)
+            evaluate.append(1e6 * (t2 - t1) / CALLS)
+    return {"build_us": statistics.median(build), "eval_us": statistics.median(evaluate),
+            "build_us_range": [min(build), max(build)], "eval_us_range": [min(evaluate), max(evaluate)]}
+
+
+def run() -> dict:
+    a = mx.zeros((1, 8, 1, 128), mx.bfloat16)
+    b = mx.zeros((1, 8, 1, 128), mx.bfloat16)
+    mx.eval(a, b)
+    cases = {"add": lambda: mx.add(a, b), "concatenate": lambda: mx.concatenate([a, b], axis=2)}
+    if mx.default_device() == mx.gpu and getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
+        call = _custom_call()
+        mx.eval(call())  # its JIT compile, untimed
+        cases["cuda_kernel"] = call
+    return {name: time_calls(make) for name, make in cases.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m veloxquant_mlx.bench.launch_cost", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="JSON output path (default: stdout only)")
+    args = parser.parse_args(argv)
+    from veloxquant_mlx.bench.report import machine_info
+
+    result = {"command": "python -m veloxquant_mlx.bench.launch_cost" + (f" --out {args.out}" if args.out else ""),
+              "machine": machine_info(), "calls": CALLS, "rounds": ROUNDS, "cases": run()}
+    for name, case in result["cases"].items():
+        print(f"{name}: build {case['build_us']:.2f} us/call, eval {case['eval_us']:.2f} us/node")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
