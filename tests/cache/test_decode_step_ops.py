@@ -144,13 +144,14 @@ def cuda_step_counts(caches, steps=2):
 
 
 def test_census_recorder_runs_the_cuda_path_of_xquant():
-    """On the CUDA path the follower's step is the leader's: one kernel (the merge fused in),
-    two concatenations (the window's append), one reshape (a view) of the key codes."""
+    """On the CUDA path the follower's step is the leader's: one kernel (the merge fused in) and
+    two concatenations (the window's append); the key codes' reshape is the launch plan's, made
+    once per flush."""
     config = KVCacheConfig(method="xquant", xquant_residual_length=8)
     caches = XQuantCache.build_layers(config, 2)
     run_steps(caches, [64, 1])
     for c in cuda_step_counts(caches):
-        assert c == {"Concatenate": 2, "CustomKernel:vq_affine_decode_partials_merged": 1, "Reshape": 1}, c
+        assert c == {"Concatenate": 2, "CustomKernel:vq_affine_decode_partials_merged": 1}, c
 
 
 @pytest.mark.parametrize("method", ["xquant", "kvquant", "minicache"])

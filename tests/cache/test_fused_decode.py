@@ -203,16 +203,58 @@ def test_kernel_skip_with_the_skipped_tokens_as_exact_prefix_is_the_same_attenti
     assert not mx.allclose(plain, dropped, atol=1e-4).item()
 
 
+class _FakeKernel:
+    def __init__(self, seen):
+        self.seen = seen
+
+    def attend(self, queries, *, inputs, **shape):
+        self.seen.setdefault("steps", []).append((queries, inputs, shape))
+        return "kernel output"
+
+
+def _spy_launch(monkeypatch) -> dict:
+    """Kernels reported active; affine_launch recorded (args, kwargs, calls) and each step's
+    attend (queries, inputs, shape) in `steps`."""
+    seen = {"launches": 0}
+
+    def launch(*a, **k):
+        seen.update(args=a, kwargs=k, launches=seen["launches"] + 1)
+        return _FakeKernel(seen), [f"input {i}" for i in range(12)], {"n_blocks": 3}
+
+    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
+    monkeypatch.setattr(fused_decode, "affine_launch", launch)
+    monkeypatch.setattr(fused_decode, "_kernels", lambda: (_FakeKernel(seen), None))
+    return seen
+
+
+def test_a_launch_plan_serves_the_steps_until_the_store_changes(monkeypatch):
+    # Between two flushes a step swaps its queries and window into the plan's inputs; the checks,
+    # split, meta and constants are not redone. A store write (here a growth) drops the plan.
+    cache = _filled(_kivi(bit_width_inlier=2)(), 700, D=128, Dv=128)
+    q_heads = _decode_step(cache, D=128, Dv=128)
+    seen = _spy_launch(monkeypatch)
+    for _ in range(3):
+        assert cache._fused_decode(q_heads, 0.5) == "kernel output"
+    assert seen["launches"] == 1 and len(seen["steps"]) == 3
+    queries, inputs, shape = seen["steps"][-1]
+    assert queries is q_heads and inputs[0] is q_heads and shape == {"n_blocks": 3}
+    assert mx.array_equal(inputs[7], cache.window_keys).item() and mx.array_equal(inputs[8], cache.window_values).item()
+    assert inputs[1:7] == [f"input {i}" for i in range(1, 7)] and inputs[9:] == [f"input {i}" for i in range(9, 12)]
+    assert cache._fused_decode(q_heads.astype(mx.float16), 0.5) == "kernel output"  # other queries: a new plan
+    assert seen["launches"] == 2
+    cache._ensure_capacity(cache.capacity + 1)
+    assert "_fused_plan" not in cache.__dict__
+    cache._fused_decode(q_heads, 0.5)
+    assert seen["launches"] == 3
+
+
 @pytest.mark.parametrize("name, make", [(c[0], c[1]) for c in KERNEL_CASES if c[0].startswith(("kivi-2", "xquant"))])
 def test_decode_step_hands_the_kernels_the_caches_arrays(monkeypatch, name, make):
     # The wiring from a cache to the kernels, checked on any device: with the kernels reported
     # active, decode_step passes the cache's codes, window, history length and heads.
     cache = _filled(make(), 700, D=128, Dv=128)
     q_heads = _decode_step(cache, D=128, Dv=128)
-    seen = {}
-    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    monkeypatch.setattr(fused_decode, "affine_decode_attention",
-                        lambda *a, **k: seen.update(args=a, kwargs=k) or "kernel output")
+    seen = _spy_launch(monkeypatch)
     assert cache._fused_decode(q_heads, 0.5) == "kernel output"
     args, kwargs = seen["args"], seen["kwargs"]
     assert args[0] is q_heads and args[1] == 0.5
@@ -241,9 +283,7 @@ def test_decode_step_hands_an_exact_prefix_in_as_the_kernels_sink(monkeypatch):
     # kernel takes it as its sink inputs (sk, sv), attended before the window.
     cache = _filled(_kivi(bit_width_inlier=2)(), 700, D=128, Dv=128)
     q_heads = _decode_step(cache, D=128, Dv=128)
-    seen = {}
-    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    monkeypatch.setattr(fused_decode, "affine_decode_attention", lambda *a, **k: seen.update(args=a, kwargs=k))
+    seen = _spy_launch(monkeypatch)
     keys, values = cache._decode()
     prefix = (keys[:, :, :1], values[:, :, :1])
     fused_decode.decode_step(cache, q_heads, 0.5, lambda: (None,) * 6, group_size=32, key_bits=2,

@@ -99,6 +99,9 @@ class CompressedKVCache(_BaseCache):
         self.window_keys: mx.array | None = None
         self.window_values: mx.array | None = None
         self.store: dict[str, mx.array] = {}
+        # Counts every write of the store (a flush, a growth, a state load): a decode kernel's
+        # launch plan, kept between steps, is valid while this has not moved.
+        self.store_writes = 0
         self.batch_size = 0
         self.n_kv_heads = 0
         self.head_dim = 0
@@ -520,6 +523,7 @@ class CompressedKVCache(_BaseCache):
             )
         self.window_keys, self.window_values = v[1], v[2]
         self.store = dict(zip(names, v[3:]))
+        self._store_written()
 
     def _split_state(self, v, extra_counts: tuple[int, ...], layout: str):
         """A method whose state adds entries after the base's (meta, window_keys, window_values,
@@ -596,6 +600,7 @@ class CompressedKVCache(_BaseCache):
             index = [slice(None)] * self.store[spec.name].ndim
             index[spec.axis] = slice(start, stop)
             self.store[spec.name][tuple(index)] = encoded[spec.name]
+        self._store_written()
         self.n_compressed += n
         if self.window_keys.shape[2] == n:
             self.window_keys = self.window_values = None
@@ -603,6 +608,13 @@ class CompressedKVCache(_BaseCache):
             # A slice is a view that keeps the whole chunk's buffer alive: copy the remainder.
             self.window_keys = mx.contiguous(self.window_keys[:, :, n:])
             self.window_values = mx.contiguous(self.window_values[:, :, n:])
+
+    def _store_written(self) -> None:
+        """Count a write of the store and drop the decode kernel's launch plan, which holds the
+        store's arrays (kept, a plan would pin a grown store's old buffers until the next
+        decode step, e.g. through a whole prefill)."""
+        self.store_writes = getattr(self, "store_writes", 0) + 1
+        self.__dict__.pop("_fused_plan", None)
 
     def _ensure_capacity(self, tokens: int) -> None:
         if tokens <= self.capacity:
@@ -617,4 +629,5 @@ class CompressedKVCache(_BaseCache):
             extra = mx.zeros(shape, spec.dtype)
             old = self.store.get(spec.name)
             self.store[spec.name] = extra if old is None else mx.concatenate([old, extra], axis=axis)
+        self._store_written()
         self.capacity = new_capacity

@@ -765,7 +765,7 @@ def side_dtype(key_scales, key_zeros, value_scales, value_zeros, what: str):
 
 
 def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bits: int,
-                value_bits: int, skip: int = 0, exact_prefix=None):
+                value_bits: int, skip: int = 0, exact_prefix=None, plan_key=()):
     """A KIVI-layout cache's decode-step attention through the kernels, or None where they are
     not active (off CUDA, switched off, a shape supports() refuses): the cache then takes the
     portable path. `arrays()` gives (key codes, scales, zeros, value codes, scales, zeros); it is
@@ -773,20 +773,43 @@ def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bi
     `skip`: leading compressed tokens to ignore; `exact_prefix`: (keys, values) (B, H, S, D /
     DV) attended exactly before the window (a cache holding its first tokens exactly passes
     both): kernel inputs of their own (sk, sv), not concatenated to the window, so the step
-    launches the two kernels and nothing else."""
-    rows = queries.shape[1] // cache.n_kv_heads
-    if not kernels_enabled() or not supports(
-        cache.head_dim, cache.value_dim, group_size, key_bits, value_bits, rows
-    ):
+    launches the kernel(s) and nothing else. `plan_key`: what else the arrays depend on (a
+    cache reading another layer's store passes that store's state)."""
+    if not kernels_enabled():
         return None
-    # The meta array belongs to the cache (it changes with its history), made on first use.
-    meta_cache = cache.__dict__.setdefault("_fused_meta", FusedDecodeMeta())
-    return affine_decode_attention(
-        queries, scale, *arrays(), cache.window_keys, cache.window_values,
-        n_valid=cache.n_compressed, group_size=group_size, key_bits=key_bits,
-        value_bits=value_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache, skip=skip,
-        sink=exact_prefix,
-    )
+    # The launch's checks, split, meta and constants change only with the history (a flush, a
+    # growth) or the queries' shape: kept in a plan between two flushes, so a step only swaps
+    # in its queries and window. Why: the H200's decode step is host-bound (MERGE_IN_KERNEL's
+    # note), and rebuilding them took ~5 us of Python per layer and step on this machine's CPU.
+    key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale,
+           skip, group_size, key_bits, value_bits, plan_key,
+           None if exact_prefix is None else (id(exact_prefix[0]), id(exact_prefix[1])))
+    plan = cache.__dict__.get("_fused_plan")
+    if plan is None or plan[0] != key:
+        rows = queries.shape[1] // cache.n_kv_heads
+        if not supports(cache.head_dim, cache.value_dim, group_size, key_bits, value_bits, rows):
+            cache.__dict__["_fused_plan"] = (key, None)
+            return None
+        # The meta array belongs to the cache (it changes with its history), made on first use.
+        meta_cache = cache.__dict__.setdefault("_fused_meta", FusedDecodeMeta())
+        plan = (key, affine_launch(
+            queries, scale, *arrays(), cache.window_keys, cache.window_values,
+            n_valid=cache.n_compressed, group_size=group_size, key_bits=key_bits,
+            value_bits=value_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache, skip=skip,
+            sink=exact_prefix,
+        ))
+        cache.__dict__["_fused_plan"] = plan
+    if plan[1] is None:
+        return None
+    # The kernel itself is looked up at each step (not kept in the plan): a factory emptied
+    # or a constant set between two steps (the CUDA emulation, bench --set) takes effect.
+    _, inputs, shape = plan[1]
+    kernel = _kernels()[0]
+    inputs = list(inputs)
+    inputs[0] = queries
+    inputs[WINDOW_INPUTS[0]] = cache.window_keys.astype(queries.dtype)
+    inputs[WINDOW_INPUTS[1]] = cache.window_values.astype(queries.dtype)
+    return kernel.attend(queries, inputs=inputs, **shape)
 
 
 def affine_decode_attention(
@@ -820,6 +843,39 @@ def affine_partials(
     of its source (bench.kernel_probe times some; not with `merged`), taken after the checks;
     `extra_inputs` / `extra_template`: what such a kernel takes beyond this one's inputs (after
     `meta`) and template constants."""
+    launch = affine_launch(
+        queries, scale, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
+        window_keys, window_values, n_valid=n_valid, group_size=group_size, key_bits=key_bits,
+        value_bits=value_bits, n_kv_heads=n_kv_heads, meta_cache=meta_cache, skip=skip, sink=sink,
+        kernel=kernel, extra_inputs=extra_inputs, extra_template=extra_template)
+    partials, inputs, shape = launch
+    if merged:
+        return partials.attend(queries, inputs=inputs, **shape)
+    if isinstance(partials, PartialsKernel):
+        return partials.partials(inputs=inputs, rows=queries.shape[1] // n_kv_heads, **shape)
+    BH, n_blocks, DV = shape["heads"], shape["n_blocks"], shape["value_dim"]
+    R = queries.shape[1] // n_kv_heads
+    return partials(
+        inputs=inputs, template=shape["template"],
+        grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
+        threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
+        output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+
+
+# Where affine_launch's input list holds the window (keys, values): a step plan swaps them in.
+WINDOW_INPUTS = (PARTIALS_INPUTS.index("wk"), PARTIALS_INPUTS.index("wv"))
+
+
+def affine_launch(
+    queries, scale: float, key_codes, key_scales, key_zeros, value_codes, value_scales,
+    value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
+    value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0, sink=None,
+    kernel=None, extra_inputs=(), extra_template=(),
+):
+    """The checks, block split, meta and template of kernel 1's launch (affine_partials) ->
+    (kernel, inputs, {template, n_blocks, heads, value_dim})."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -830,26 +886,14 @@ def affine_partials(
     dtype = queries.dtype
     sink_keys, sink_values, n_sink = _sink_inputs(sink, queries, window_keys, window_values, DV)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip, n_sink)
-    partials = _kernels()[0] if kernel is None else kernel
     inputs = [queries, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
               window_keys.astype(dtype), window_values.astype(dtype), sink_keys, sink_values,
               meta, *extra_inputs]
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                 ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits, R)), ("QT", dtype),
                 ("ST", side), *extra_template]
-    if merged:
-        return partials.attend(queries, inputs=inputs, template=template, n_blocks=n_blocks, heads=BH,
-                               value_dim=DV)
-    if isinstance(partials, PartialsKernel):
-        return partials.partials(inputs=inputs, template=template, n_blocks=n_blocks, heads=BH, rows=R,
-                                 value_dim=DV)
-    return partials(
-        inputs=inputs, template=template,
-        grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
-        threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
-        output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
-    )
+    kernel = _kernels()[0] if kernel is None else kernel
+    return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
 
 
 @lru_cache(maxsize=None)

@@ -239,6 +239,7 @@ class XQuantCache(CrossLayerMixin, CompressedKVCache):
         v_same = mx.array_equal(self.store["v_codes"][:, :, :n], leader.store["v_codes"][:, :, :n])
         if k_same.item() and v_same.item():
             del self.store["k_codes"], self.store["v_codes"]
+            self._store_written()
             self.shared = True
 
     # ---- storage ----------------------------------------------------------------------------
@@ -330,9 +331,13 @@ class XQuantCache(CrossLayerMixin, CompressedKVCache):
             s = self.store
             return k_codes, s["k_scale"], s["k_zero"], v_codes, s["v_scale"], s["v_zero"]
 
+        # A follower's codes are its leader's: its launch plan holds while the leader's store
+        # is unchanged too.
+        leader = self._leader() if self.shared else None
         return fused_decode.decode_step(
             self, queries, scale, arrays,
             group_size=self.group, key_bits=self.code_bits, value_bits=self.code_bits,
+            plan_key=(self.shared,) if leader is None else (self.shared, id(leader), leader.store_writes),
         )
 
     def _prefill_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
