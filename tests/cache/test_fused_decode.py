@@ -148,8 +148,8 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, make, dtype, D
     portable = cache.attention(q_heads, scale=D**-0.5).astype(mx.float32)
     monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
     calls = []
-    kernel = fused_decode.affine_decode_attention
-    monkeypatch.setattr(fused_decode, "affine_decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    planned = fused_decode.planned_attend
+    monkeypatch.setattr(fused_decode, "planned_attend", lambda *a, **k: calls.append(1) or planned(*a, **k))
     fused = cache.attention(q_heads, scale=D**-0.5)
     assert calls == [1], "the kernel did not run"
     assert fused.dtype == dtype and fused.shape == q_heads.shape

@@ -286,8 +286,15 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, bits, sink)
     cache = _filled(_cache(bits=bits, sink=sink), 300, D=128)
     q_heads = _step(cache, D=128)
     seen = {}
+
+    class Kernel:
+        def attend(self, queries, **kwargs):
+            return "kernel output"
+
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    monkeypatch.setattr(fdr, "rotated_decode_attention", lambda *a, **k: seen.update(args=a, kwargs=k) or "kernel output")
+    monkeypatch.setattr(fdr, "_partials_kernel", lambda budget: Kernel())
+    monkeypatch.setattr(fdr, "rotated_launch",
+                        lambda *a, **k: seen.update(args=a, kwargs=k) or ([None] * 19, {}, fdr.WINDOW_INPUTS))
     assert cache.attention(q_heads, scale=0.5) == "kernel output"  # through base.attention
     args, kwargs = seen["args"], seen["kwargs"]
     assert args[0] is q_heads and args[1] == 0.5
@@ -347,10 +354,10 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, bits, sink, dt
         portable = cache.attention(q_heads.astype(mx.float32), scale=D**-0.5)
         monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
         calls = []
-        kernel = fdr.rotated_decode_attention
-        monkeypatch.setattr(fdr, "rotated_decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+        planned = fused_decode.planned_attend
+        monkeypatch.setattr(fused_decode, "planned_attend", lambda *a, **k: calls.append(1) or planned(*a, **k))
         fused = cache.attention(q_heads, scale=D**-0.5)
-        monkeypatch.setattr(fdr, "rotated_decode_attention", kernel)
+        monkeypatch.setattr(fused_decode, "planned_attend", planned)
         assert calls == [1], "the kernel did not run"
         assert fused.dtype == dtype and fused.shape == q_heads.shape
         fused = fused.astype(mx.float32)

@@ -784,32 +784,47 @@ def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bi
     key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale,
            skip, group_size, key_bits, value_bits, plan_key,
            None if exact_prefix is None else (id(exact_prefix[0]), id(exact_prefix[1])))
-    plan = cache.__dict__.get("_fused_plan")
-    if plan is None or plan[0] != key:
+
+    def launch():
         rows = queries.shape[1] // cache.n_kv_heads
         if not supports(cache.head_dim, cache.value_dim, group_size, key_bits, value_bits, rows):
-            cache.__dict__["_fused_plan"] = (key, None)
             return None
         # The meta array belongs to the cache (it changes with its history), made on first use.
         meta_cache = cache.__dict__.setdefault("_fused_meta", FusedDecodeMeta())
-        plan = (key, affine_launch(
+        _, inputs, shape = affine_launch(
             queries, scale, *arrays(), cache.window_keys, cache.window_values,
             n_valid=cache.n_compressed, group_size=group_size, key_bits=key_bits,
             value_bits=value_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache, skip=skip,
             sink=exact_prefix,
-        ))
+        )
+        return inputs, shape, WINDOW_INPUTS
+
+    return planned_attend(cache, key, launch, queries, lambda: _kernels()[0])
+
+
+def planned_attend(cache, key, launch, queries, kernel):
+    """A decode step through a launch plan kept on `cache` between two changes of `key` (its
+    history, its store writes, the queries' shape...): `launch()` -> (inputs, {template,
+    n_blocks, heads, value_dim}, window slots) or None (the kernel does not take this shape:
+    the portable path, None here too), called when the key changed; each step swaps its queries
+    (slot 0) and the cache's window (its slots, in the queries' dtype) into the plan's inputs.
+    Why: the H200's decode step is host-bound (MERGE_IN_KERNEL's note), and rebuilding the
+    checks, split, meta and constants at every step cost ~10 us of Python per layer on this
+    machine's CPU (kivi 29 -> 18 us per layer-step with the kernels stubbed). `kernel()` gives
+    the PartialsKernel, looked up at each step (not kept in the plan): a factory emptied or a
+    constant set between two steps (the CUDA emulation, bench --set) takes effect."""
+    plan = cache.__dict__.get("_fused_plan")
+    if plan is None or plan[0] != key:
+        plan = (key, launch())
         cache.__dict__["_fused_plan"] = plan
     if plan[1] is None:
         return None
-    # The kernel itself is looked up at each step (not kept in the plan): a factory emptied
-    # or a constant set between two steps (the CUDA emulation, bench --set) takes effect.
-    _, inputs, shape = plan[1]
-    kernel = _kernels()[0]
+    inputs, shape, (keys_slot, values_slot) = plan[1]
     inputs = list(inputs)
     inputs[0] = queries
-    inputs[WINDOW_INPUTS[0]] = cache.window_keys.astype(queries.dtype)
-    inputs[WINDOW_INPUTS[1]] = cache.window_values.astype(queries.dtype)
-    return kernel.attend(queries, inputs=inputs, **shape)
+    inputs[keys_slot] = cache.window_keys.astype(queries.dtype)
+    inputs[values_slot] = cache.window_values.astype(queries.dtype)
+    return kernel().attend(queries, inputs=inputs, **shape)
 
 
 def affine_decode_attention(

@@ -592,29 +592,46 @@ def decode_step(cache, queries, scale: float):
     """A TurboQuantRVQCache decode step's attention through the kernel, or None where it is not
     active (off CUDA, switched off, a shape supports() refuses): the cache then takes the
     portable path."""
-    rows = queries.shape[1] // cache.n_kv_heads
-    kb1, vb1 = cache.key_bits - 1, cache.value_bits - 1
-    if not fused_decode.kernels_enabled() or not supports(cache.head_dim, cache.value_dim, kb1, vb1, rows):
+    if not fused_decode.kernels_enabled():
         return None
-    meta_cache = cache.__dict__.setdefault("_rotated_meta", fused_decode.FusedDecodeMeta())
-    return rotated_decode_attention(
-        queries, scale, cache._signs[0], cache._signs[1], cache.key_mean, store_arrays(cache),
-        cache.window_keys, cache.window_values, exact_sink(cache),
-        n_valid=cache.n_compressed, key_stage1_bits=kb1, value_stage1_bits=vb1,
-        key_group=cache._group(cache.head_dim), value_group=cache._group(cache.value_dim),
-        n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
-    )
+    kb1, vb1 = cache.key_bits - 1, cache.value_bits - 1
+    budget = MAX_VALUE_SUMS  # read at each call: a probe sets it to time another lane split
+    # The plan (fused_decode.planned_attend) holds while the store, the sink corrections, the
+    # key mean and the signs are the same objects (each is replaced, never written in place).
+    key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale,
+           id(cache.sink_deltas), id(cache.key_mean), id(cache._signs), budget)
+
+    def launch():
+        rows = queries.shape[1] // cache.n_kv_heads
+        if not supports(cache.head_dim, cache.value_dim, kb1, vb1, rows):
+            return None
+        meta_cache = cache.__dict__.setdefault("_rotated_meta", fused_decode.FusedDecodeMeta())
+        return rotated_launch(
+            queries, scale, cache._signs[0], cache._signs[1], cache.key_mean, store_arrays(cache),
+            cache.window_keys, cache.window_values, exact_sink(cache),
+            n_valid=cache.n_compressed, key_stage1_bits=kb1, value_stage1_bits=vb1,
+            key_group=cache._group(cache.head_dim), value_group=cache._group(cache.value_dim),
+            n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
+        )
+
+    return fused_decode.planned_attend(cache, key, launch, queries, lambda: _partials_kernel(budget))
 
 
-def rotated_decode_attention(
+# Where rotated_launch's input list holds the window (keys, values).
+WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"))
+
+
+def rotated_launch(
     queries, scale: float, key_signs, value_signs, key_mean, stores, window_keys, window_values,
     sink, *, n_valid: int, key_stage1_bits: int, value_stage1_bits: int, key_group: int,
     value_group: int, n_kv_heads: int, meta_cache: fused_decode.FusedDecodeMeta,
 ):
-    """softmax(q K^T * scale) V for one query row per head, queries (B, Hq, 1, D), over the
-    compressed tokens [S, n_valid) (S = sink tokens, attended exactly from `sink`), the sink and
-    the exact window (B, H, W, D), W >= 1 -> (B, Hq, 1, DV) in the queries' dtype. Only call
-    when kernels_enabled() and supports(...): decode_step checks."""
+    """The launch of softmax(q K^T * scale) V for one query row per head, queries (B, Hq, 1, D),
+    over the compressed tokens [S, n_valid) (S = sink tokens, attended exactly from `sink`), the
+    sink and the exact window (B, H, W, D), W >= 1 -> (inputs, {template, n_blocks, heads,
+    value_dim}, the window's input slots) for fused_decode.planned_attend (the output: (B, Hq,
+    1, DV) in the queries' dtype). Only call when kernels_enabled() and supports(...):
+    decode_step checks."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -628,12 +645,10 @@ def rotated_decode_attention(
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), n_sink)
     dtype = queries.dtype
     budget = MAX_VALUE_SUMS  # read at each call: a probe sets it to time another lane split
-    return _partials_kernel(budget).attend(
-        queries,
-        inputs=[queries, key_signs, value_signs, key_mean.astype(dtype), *stores,
-                window_keys.astype(dtype), window_values.astype(dtype), sk, sv, meta],
-        template=[("D", D), ("DV", DV), ("R", R), ("KB1", key_stage1_bits),
-                  ("VB1", value_stage1_bits), ("KG", key_group), ("VG", value_group), ("QT", dtype),
-                  ("VQ_MAX_VALUE_SUMS", budget)],
-        n_blocks=n_blocks, heads=BH, value_dim=DV,
-    )
+    inputs = [queries, key_signs, value_signs, key_mean.astype(dtype), *stores,
+              window_keys.astype(dtype), window_values.astype(dtype), sk, sv, meta]
+    shape = {"template": [("D", D), ("DV", DV), ("R", R), ("KB1", key_stage1_bits),
+                          ("VB1", value_stage1_bits), ("KG", key_group), ("VG", value_group), ("QT", dtype),
+                          ("VQ_MAX_VALUE_SUMS", budget)],
+             "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
+    return inputs, shape, WINDOW_INPUTS
