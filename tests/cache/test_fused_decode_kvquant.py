@@ -148,7 +148,7 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
     else:
         assert [a.size for a in inputs[9:13]] == [1, 1, 1, 1]  # stand-ins the kernel does not read
     # the window as it is, the sink as inputs of their own (no concatenation per step)
-    assert inputs[13] is cache.window_keys and inputs[14] is cache.window_values
+    assert mx.array_equal(inputs[13], cache.window_keys).item() and mx.array_equal(inputs[14], cache.window_values).item()
     assert inputs[15] is s["sink_keys"] and inputs[16] is s["sink_values"] and s["sink_keys"].shape[2] == 1
     n_valid = cache.n_compressed
     assert n_valid == 672
@@ -160,8 +160,10 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
     assert template == {"D": 128, "DV": 128, "R": 4, "G": 32, "BITS": 3, "LPT": 16, "NOK": n_out,
                         "NOV": n_out, "PARK": True, "QT": mx.float32, "ST": mx.float32}
     assert (launch["n_blocks"], launch["heads"], launch["value_dim"]) == (n_hist + 1, 2, 128)
-    # Off, or a shape the kernel refuses: the portable path.
+    # Off, or a shape the kernel refuses: the portable path (supports() is asked when a launch
+    # plan is made: a new cache's first step, or after a store write).
     monkeypatch.setattr(fused_decode_codebook, "supports", lambda *a, **k: False)
+    cache.__dict__.pop("_fused_plan")
     assert cache._fused_decode(q_heads, 0.5) is None
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: False)
     assert cache._fused_decode(q_heads, 0.5) is None

@@ -684,22 +684,31 @@ def decode_step(cache, queries, scale: float):
     (off CUDA, switched off, a shape supports() refuses): the cache then takes the portable
     path. Token 0 of the history is the exact sink: skipped in the codes, attended from
     sink_keys / sink_values with the window."""
-    rows = queries.shape[1] // cache.n_kv_heads
-    s = cache.store
-    value_outliers = "value_outlier_position" in s
-    if not fused_decode.kernels_enabled() or not supports(
-        cache.head_dim, cache.value_dim, cache.group_size, cache.code_bits, rows, value_outliers
-    ):
+    if not fused_decode.kernels_enabled():
         return None
-    # The sink goes in as its own inputs, not concatenated with the window: two copies (two
-    # more launches per layer and step) saved.
-    sink = (s["sink_keys"], s["sink_values"]) if "sink_keys" in s else None
-    meta_cache = cache.__dict__.setdefault("_codebook_meta", FusedDecodeMeta())
-    return codebook_decode_attention(
-        queries, scale, s, cache.window_keys, cache.window_values, sink, n_valid=cache.n_compressed,
-        group_size=cache.group_size, bits=cache.code_bits, n_kv_heads=cache.n_kv_heads,
-        meta_cache=meta_cache,
-    )
+    accumulators, park = MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS  # read at each call (probes set them)
+    # The plan (fused_decode.planned_attend) holds while the store is unwritten (store_writes).
+    key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale,
+           accumulators, park)
+
+    def launch():
+        rows = queries.shape[1] // cache.n_kv_heads
+        s = cache.store
+        value_outliers = "value_outlier_position" in s
+        if not supports(cache.head_dim, cache.value_dim, cache.group_size, cache.code_bits, rows, value_outliers):
+            return None
+        # The sink goes in as its own inputs, not concatenated with the window: two copies (two
+        # more launches per layer and step) saved.
+        sink = (s["sink_keys"], s["sink_values"]) if "sink_keys" in s else None
+        meta_cache = cache.__dict__.setdefault("_codebook_meta", FusedDecodeMeta())
+        _, inputs, shape = codebook_launch(
+            queries, scale, s, cache.window_keys, cache.window_values, sink, n_valid=cache.n_compressed,
+            group_size=cache.group_size, bits=cache.code_bits, n_kv_heads=cache.n_kv_heads,
+            meta_cache=meta_cache,
+        )
+        return inputs, shape, WINDOW_INPUTS
+
+    return fused_decode.planned_attend(cache, key, launch, queries, lambda: _partials_kernel(accumulators, park))
 
 
 def codebook_decode_attention(
@@ -724,6 +733,24 @@ def codebook_partials(
     """The partials kernel's launch (checks, block split, meta, template) -> (part_o, part_m,
     part_l) for fused_decode.merge_partials, or with `merged` the attention output
     (PartialsKernel.attend: one launch, the merge fused in)."""
+    kernel, inputs, shape = codebook_launch(
+        queries, scale, store, window_keys, window_values, sink, n_valid=n_valid, group_size=group_size,
+        bits=bits, n_kv_heads=n_kv_heads, meta_cache=meta_cache)
+    if merged:
+        return kernel.attend(queries, inputs=inputs, **shape)
+    return kernel.partials(inputs=inputs, rows=queries.shape[1] // n_kv_heads, **shape)
+
+
+# Where codebook_launch's input list holds the window (keys, values).
+WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"))
+
+
+def codebook_launch(
+    queries, scale: float, store, window_keys, window_values, sink, *, n_valid: int,
+    group_size: int, bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta,
+):
+    """The checks, block split, meta and template of the partials kernel's launch ->
+    (kernel, inputs, {template, n_blocks, heads, value_dim})."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -758,6 +785,4 @@ def codebook_partials(
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
                 ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]), ("PARK", park),
                 ("QT", dtype), ("ST", side)]
-    if merged:
-        return kernel.attend(queries, inputs=inputs, template=template, n_blocks=n_blocks, heads=BH, value_dim=DV)
-    return kernel.partials(inputs=inputs, template=template, n_blocks=n_blocks, heads=BH, rows=R, value_dim=DV)
+    return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}

@@ -229,6 +229,7 @@ class KVQuantCache(CompressedKVCache):
             # 2047-token chunk of SmolLM2's shape, 6x the layer's compressed bytes).
             self.store["sink_keys"] = mx.contiguous(keys[:, :, :1])
             self.store["sink_values"] = mx.contiguous(values[:, :, :1])
+            self._store_written()
             keys, values = with_sink_placeholder(keys, 1), with_sink_placeholder(values, 1)
         kb = keys.reshape(B, H, nb, G, self.head_dim)
         vb = values.reshape(B, H, nb, G, self.value_dim)
@@ -247,6 +248,7 @@ class KVQuantCache(CompressedKVCache):
                 self.store[f"{prefix}_codebook"] = fit_codebook(
                     normalized.reshape(B, H, -1), 1 << self.code_bits
                 )
+                self._store_written()
             out[f"{prefix}_codes"] = _compiled_codes(self.code_bits)(normalized, self.store[f"{prefix}_codebook"])
             if axis == -1:  # per-token side data is stored per token
                 zero, scale = zero.reshape(B, H, nb * G), scale.reshape(B, H, nb * G)
