@@ -51,12 +51,18 @@ def test_supported_shapes():
     assert fused_decode_gear.shared_bytes(128, 128, 4, True) == 4 * (4 * (128 + 4 * 132 + 8) + 4 * 4 * 128)
 
 
+class _Kernel:
+    def attend(self, queries, **kwargs):
+        return "kernel output"
+
+
 def _spy(monkeypatch):
     seen = {}
+    kernel = _Kernel()
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    monkeypatch.setattr(fused_decode_gear, "_partials_kernel", lambda: "gear partials kernel")
-    monkeypatch.setattr(fused_decode, "affine_partials",
-                        lambda *a, **k: seen.update(args=a, kwargs=k) or "kernel output")
+    monkeypatch.setattr(fused_decode_gear, "_partials_kernel", lambda: kernel)
+    monkeypatch.setattr(fused_decode, "affine_launch",
+                        lambda *a, **k: seen.update(args=a, kwargs=k) or (kernel, [None] * 20, {}))
     return seen
 
 
@@ -79,10 +85,9 @@ def test_decode_step_hands_the_kernels_the_caches_arrays(monkeypatch, name, make
     assert args[8] is cache.window_keys and args[9] is cache.window_values
     assert kwargs["n_valid"] == 512 and kwargs["n_kv_heads"] == 2 and kwargs["group_size"] == 32
     assert kwargs["key_bits"] == kwargs["value_bits"] == 2
-    assert kwargs["meta_cache"] is cache._fused_meta and kwargs["kernel"] == "gear partials kernel"
+    assert kwargs["meta_cache"] is cache._fused_meta and isinstance(kwargs["kernel"], _Kernel)
     extra, template = kwargs["extra_inputs"], dict(kwargs["extra_template"])
     assert len(extra) == len(fused_decode_gear.GEAR_INPUTS) == 8
-    assert kwargs["merged"] is True  # one launch: the attention output, the merge fused in
     if cache.rank:
         names = ["k_lr_tokens", "k_lr_channels", "k_out_index", "k_out_values",
                  "v_lr_tokens", "v_lr_channels", "v_out_index", "v_out_values"]

@@ -330,17 +330,24 @@ def decode_step(cache, queries, scale: float):
     """A GEARCache decode step's attention (queries (B, Hq, 1, D), a compressed history and a
     non-empty window) through the two kernels, or None where they are not active (off CUDA,
     switched off, a shape supports() refuses): the cache then takes the portable path."""
-    rows = queries.shape[1] // cache.n_kv_heads
-    if not fused_decode.kernels_enabled() or not supports(
-        cache.head_dim, cache.value_dim, cache.code_group, cache.code_bits, cache.rank,
-        cache.block_tokens, rows, "v_out_values" in cache.store,
-    ):
+    if not fused_decode.kernels_enabled():
         return None
-    base, extra, template = store_arrays(cache)
-    meta_cache = cache.__dict__.setdefault("_fused_meta", fused_decode.FusedDecodeMeta())
-    return fused_decode.affine_partials(
-        queries, scale, *base, cache.window_keys, cache.window_values,
-        n_valid=cache.n_compressed, group_size=cache.code_group, key_bits=cache.code_bits,
-        value_bits=cache.code_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
-        kernel=_partials_kernel(), extra_inputs=extra, extra_template=template, merged=True,
-    )
+    # The plan (fused_decode.planned_attend) holds while the store is unwritten (store_writes).
+    key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale)
+
+    def launch():
+        rows = queries.shape[1] // cache.n_kv_heads
+        if not supports(cache.head_dim, cache.value_dim, cache.code_group, cache.code_bits, cache.rank,
+                        cache.block_tokens, rows, "v_out_values" in cache.store):
+            return None
+        base, extra, template = store_arrays(cache)
+        meta_cache = cache.__dict__.setdefault("_fused_meta", fused_decode.FusedDecodeMeta())
+        _, inputs, shape = fused_decode.affine_launch(
+            queries, scale, *base, cache.window_keys, cache.window_values,
+            n_valid=cache.n_compressed, group_size=cache.code_group, key_bits=cache.code_bits,
+            value_bits=cache.code_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
+            kernel=_partials_kernel(), extra_inputs=extra, extra_template=template,
+        )
+        return inputs, shape, fused_decode.WINDOW_INPUTS
+
+    return fused_decode.planned_attend(cache, key, launch, queries, _partials_kernel)
