@@ -67,6 +67,18 @@ def test_supported_shapes():
     assert fused_decode_merged.tokens_per_block(100, 1) == 128
 
 
+class _Kernel:
+    def attend(self, queries, **kwargs):
+        return "kernel output"
+
+
+def _spy_launch(monkeypatch, seen: dict) -> None:
+    """merged_launch recorded (args, kwargs) in `seen`; the step's kernel a stand-in."""
+    monkeypatch.setattr(fused_decode_merged, "_partials_kernel", lambda: _Kernel())
+    monkeypatch.setattr(fused_decode_merged, "merged_launch", lambda *a, **k: seen.update(args=a, kwargs=k)
+                        or ([None] * len(fused_decode_merged._INPUTS), {}, fused_decode_merged.WINDOW_INPUTS))
+
+
 @pytest.mark.parametrize("role", ["lower", "upper"])
 def test_decode_step_hands_the_kernel_the_pairs_arrays(monkeypatch, role):
     # The wiring from a paired layer to the kernel, checked on any device: with the kernels
@@ -76,8 +88,7 @@ def test_decode_step_hands_the_kernel_the_pairs_arrays(monkeypatch, role):
     cache, q_heads = (lower, queries[0]) if role == "lower" else (upper, queries[1])
     seen = {}
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    monkeypatch.setattr(fused_decode_merged, "merged_decode_attention",
-                        lambda *a, **k: seen.update(args=a, kwargs=k) or "kernel output")
+    _spy_launch(monkeypatch, seen)
     assert cache.attention(q_heads, scale=0.5) == "kernel output"
     args, kwargs = seen["args"], seen["kwargs"]
     assert args[0] is q_heads and args[1] == 0.5
@@ -105,7 +116,7 @@ def test_quantized_directions_hand_the_lower_layers_codes_scales_and_biases(monk
     cache, q_heads = (lower, queries[0]) if role == "lower" else (upper, queries[1])
     seen = {}
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    monkeypatch.setattr(fused_decode_merged, "merged_decode_attention", lambda *a, **k: seen.update(args=a, kwargs=k))
+    _spy_launch(monkeypatch, seen)
     cache._fused_decode(q_heads, 0.5)
     s = lower.store
     assert seen["args"][2] is s["dir_k"] and s["dir_k"].dtype == mx.uint32 and seen["args"][3] is s["dir_v"]
@@ -117,7 +128,7 @@ def test_no_slots_hand_no_retained_arrays(monkeypatch):
     lower, upper, queries = _pair(100, B=1, H=2, rep=4, D=64, dtype=mx.float16, minicache_retain_slots=0)
     seen = {}
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    monkeypatch.setattr(fused_decode_merged, "merged_decode_attention", lambda *a, **k: seen.update(args=a, kwargs=k))
+    _spy_launch(monkeypatch, seen)
     upper._fused_decode(queries[1], 0.5)
     assert seen["args"][6] is None and seen["kwargs"]["slots"] == 0
 
@@ -178,11 +189,10 @@ def _kernel_against_portable(monkeypatch, lower, upper, queries, D, dtype):
         portable = cache.attention(q_heads.astype(mx.float32), scale=D**-0.5)
         monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
         calls = []
-        kernel = fused_decode_merged.merged_decode_attention
-        monkeypatch.setattr(fused_decode_merged, "merged_decode_attention",
-                            lambda *a, **k: calls.append(1) or kernel(*a, **k))
+        planned = fused_decode.planned_attend
+        monkeypatch.setattr(fused_decode, "planned_attend", lambda *a, **k: calls.append(1) or planned(*a, **k))
         fused = cache.attention(q_heads, scale=D**-0.5)
-        monkeypatch.setattr(fused_decode_merged, "merged_decode_attention", kernel)
+        monkeypatch.setattr(fused_decode, "planned_attend", planned)
         assert calls == [1], "the kernel did not run"
         assert fused.dtype == dtype and fused.shape == q_heads.shape
         fused = fused.astype(mx.float32)

@@ -5,7 +5,7 @@ the caches' real decode path, against their portable attention.
 The emulation stands in for mx.fast.cuda_kernel and the kernels are reported active, so a paired
 layer's decode step goes the way it goes on CUDA: CompressedKVCache.attention ->
 MiniCacheCache._fused_decode -> fused_decode_merged.decode_step (the lower layer's directions,
-the layer's magnitudes and retained slots, the window) -> merged_decode_attention (blocks, meta,
+the layer's magnitudes and retained slots, the window) -> merged_launch (blocks, meta,
 template constants, grid) -> the two kernel sources, as written. Expected: the same step with
 the kernels off (the CPU default: _scores / _weighted_values). Both layers of a pair are checked
 (the lower one reads its own directions, the upper one its partner's). A corrupted source (in

@@ -633,34 +633,59 @@ def decode_step(cache, queries, scale: float):
     """A paired MiniCacheCache layer's decode-step attention through the kernels, or None where
     they are not active (off CUDA, switched off, a plain layer, a shape supports() refuses, a
     partner whose directions no longer cover the history): the portable path then runs."""
-    if cache.role == "plain":
+    if cache.role == "plain" or not fused_decode.kernels_enabled():
         return None
-    rows = queries.shape[1] // cache.n_kv_heads
-    if not fused_decode.kernels_enabled() or not supports(
-        cache.head_dim, cache.value_dim, cache.slots, rows, cache.dir_bits
-    ):
-        return None
-    source = cache._direction_store()
-    dk, dv = source["dir_k"], source["dir_v"]
-    if dk.shape[2] < cache.n_compressed:
-        return None  # a trimmed partner no longer holds these positions' directions
-    side = None
-    if cache.dir_bits is not None:
-        side = tuple(source[n] for n in ("dirscale_k", "dirbias_k", "dirscale_v", "dirbias_v"))
-    s = cache.store
-    retained = None
-    if cache.slots:
-        retained = (s["ret_k"], s["ret_v"], s["retpos_k"], s["retpos_v"])
-    meta_cache = cache.__dict__.setdefault("_merged_meta", fused_decode.FusedDecodeMeta())
-    return merged_decode_attention(
-        queries, scale, dk, dv, s["mag_k"], s["mag_v"], retained, cache.window_keys,
-        cache.window_values, n_valid=cache.n_compressed, slots=cache.slots,
-        n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache, direction_bits=cache.dir_bits,
-        direction_side=side,
-    )
+    # The plan (fused_decode.planned_attend) holds while this layer's store and, where the
+    # directions are the lower partner's, that store are unwritten (store_writes).
+    lower = None if cache.owns_directions else cache._peer(cache.layer_index - 1)
+    key = (cache.role, cache.owns_directions, cache.store_writes, cache.n_compressed, cache.capacity,
+           None if lower is None else (id(lower), lower.store_writes), queries.shape, queries.dtype, scale)
+
+    def launch():
+        rows = queries.shape[1] // cache.n_kv_heads
+        if not supports(cache.head_dim, cache.value_dim, cache.slots, rows, cache.dir_bits):
+            return None
+        source = cache._direction_store()
+        dk, dv = source["dir_k"], source["dir_v"]
+        if dk.shape[2] < cache.n_compressed:
+            return None  # a trimmed partner no longer holds these positions' directions
+        side = None
+        if cache.dir_bits is not None:
+            side = tuple(source[n] for n in ("dirscale_k", "dirbias_k", "dirscale_v", "dirbias_v"))
+        s = cache.store
+        retained = None
+        if cache.slots:
+            retained = (s["ret_k"], s["ret_v"], s["retpos_k"], s["retpos_v"])
+        meta_cache = cache.__dict__.setdefault("_merged_meta", fused_decode.FusedDecodeMeta())
+        return merged_launch(
+            queries, scale, dk, dv, s["mag_k"], s["mag_v"], retained, cache.window_keys,
+            cache.window_values, n_valid=cache.n_compressed, slots=cache.slots,
+            n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache, direction_bits=cache.dir_bits,
+            direction_side=side,
+        )
+
+    return fused_decode.planned_attend(cache, key, launch, queries, _partials_kernel)
 
 
 def merged_decode_attention(
+    queries, scale: float, dir_k, dir_v, mag_k, mag_v, retained, window_keys, window_values, *,
+    n_valid: int, slots: int, n_kv_heads: int, meta_cache: fused_decode.FusedDecodeMeta,
+    direction_bits=None, direction_side=None,
+):
+    """The attention of merged_launch's launch, (B, Hq, 1, DV) in the queries' dtype, in one call
+    (decode_step keeps the launch in a plan instead)."""
+    inputs, shape, _ = merged_launch(
+        queries, scale, dir_k, dir_v, mag_k, mag_v, retained, window_keys, window_values,
+        n_valid=n_valid, slots=slots, n_kv_heads=n_kv_heads, meta_cache=meta_cache,
+        direction_bits=direction_bits, direction_side=direction_side)
+    return _partials_kernel().attend(queries, inputs=inputs, **shape)
+
+
+# Where merged_launch's input list holds the window (keys, values).
+WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"))
+
+
+def merged_launch(
     queries, scale: float, dir_k, dir_v, mag_k, mag_v, retained, window_keys, window_values, *,
     n_valid: int, slots: int, n_kv_heads: int, meta_cache: fused_decode.FusedDecodeMeta,
     direction_bits=None, direction_side=None,
@@ -670,8 +695,9 @@ def merged_decode_attention(
     their codes (B, H, cap_pair, D * bits / 32) and direction_side = (key scales, key biases,
     value scales, value biases) (B, H, cap_pair, D / 32); magnitudes (B, H, cap); retained =
     (ret_k, ret_v, retpos_k, retpos_v) or None for 0 slots) and the exact window (B, H, W, D),
-    W >= 1 -> (B, Hq, 1, DV) in the queries' dtype. Only call when kernels_enabled() and
-    supports(...): decode_step checks."""
+    W >= 1 -> (B, Hq, 1, DV) in the queries' dtype: the launch's (inputs, {template, n_blocks,
+    heads, value_dim}, the window's input slots) for fused_decode.planned_attend. Only call when
+    kernels_enabled() and supports(...): decode_step checks."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -701,14 +727,9 @@ def merged_decode_attention(
         n_valid, BH, "merged fused decode", tokens_per_block)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale))
     dtype = queries.dtype
-    return _partials_kernel().attend(
-        queries,
-        inputs=[queries, dir_k, dir_v, *direction_side, mag_k, mag_v, *retained,
-                window_keys.astype(dtype), window_values.astype(dtype), meta],
-        template=[("D", D), ("DV", DV), ("R", R), ("PV", int(PREFETCH_FIRST_VALUES and R <= PREFETCH_MAX_ROWS)),
-                  ("S", slots),
-                  ("DB", direction_bits or 0),
-                  ("QT", dtype), ("DT", dir_k.dtype), ("ST", direction_side[0].dtype),
-                  ("MT", mag_k.dtype), ("RT", retained[0].dtype)],
-        n_blocks=n_blocks, heads=BH, value_dim=DV,
-    )
+    inputs = [queries, dir_k, dir_v, *direction_side, mag_k, mag_v, *retained,
+              window_keys.astype(dtype), window_values.astype(dtype), meta]
+    template = [("D", D), ("DV", DV), ("R", R), ("PV", int(PREFETCH_FIRST_VALUES and R <= PREFETCH_MAX_ROWS)),
+                ("S", slots), ("DB", direction_bits or 0), ("QT", dtype), ("DT", dir_k.dtype),
+                ("ST", direction_side[0].dtype), ("MT", mag_k.dtype), ("RT", retained[0].dtype)]
+    return inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}, WINDOW_INPUTS

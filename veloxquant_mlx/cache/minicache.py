@@ -297,6 +297,7 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
             for name in names:
                 del self.store[name]
             self.owns_directions = False
+            self._store_written()
 
     # ---- storage ----------------------------------------------------------------------------
     def _direction_names(self) -> list[str]:
