@@ -528,8 +528,8 @@ _MERGE = r"""
 # decode step is bound by the host, not the GPU (each token's host time, graph built and handed
 # to async_eval, is its whole interval: fp16 1.67 ms, kivi 1.91 ms per 8-layer step at 32K,
 # results/gpu_speed_h200_s7_32k_host.json), and one mx.fast.cuda_kernel call costs the host
-# ~23 us there (12 us to build, 11 us to launch; a built-in op ~4.5 us: mx.add 1.1 + 3.5,
-# results/launch_cost_h200_s7.json), so the merge kernel cost every layer ~23 us of each step.
+# ~23 us there (12 us to build, 11 us to launch; a built-in op ~4.5 us: mx.add 1.1 + 3.5; the
+# README's H200 section, session 7), so the merge kernel cost every layer ~23 us of each step.
 # The fused kernel's partials live in one zero-filled float32 scratch output (MLX fills it at
 # the launch: init_value), whose tail holds the per-head counters. False: the two kernels.
 MERGE_IN_KERNEL = True
