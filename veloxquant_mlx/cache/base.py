@@ -79,6 +79,9 @@ class CompressedKVCache(_BaseCache):
     # Set (per instance) by the attention dispatcher of veloxquant_mlx.integration when it hands
     # this cache its own attention; see update_and_fetch.
     _dispatcher = None
+    # Writes of the store so far (per instance from the first one on; see _store_written): a
+    # cache loaded by from_state has written none before its state.
+    store_writes = 0
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -613,7 +616,7 @@ class CompressedKVCache(_BaseCache):
         """Count a write of the store and drop the decode kernel's launch plan, which holds the
         store's arrays (kept, a plan would pin a grown store's old buffers until the next
         decode step, e.g. through a whole prefill)."""
-        self.store_writes = getattr(self, "store_writes", 0) + 1
+        self.store_writes += 1
         self.__dict__.pop("_fused_plan", None)
 
     def _ensure_capacity(self, tokens: int) -> None:
