@@ -33,7 +33,7 @@ def test_the_8b_shape_compiles_within_its_register_bound(monkeypatch, tmp_path, 
     for constant, value in constants.items():
         monkeypatch.setattr(fused_decode_codebook, constant, value)
     captured = test_kernels_nvcc._captured("kvquant", mx.bfloat16, 4, 128)
-    sources = {kernel.cuda_source(sig) for kernel, sig in captured if kernel.name == "vq_codebook_decode_partials"}
+    sources = {kernel.cuda_source(sig) for kernel, sig in captured if kernel.name == "vq_codebook_decode_partials_merged"}
     assert len(sources) == 1
     report = test_kernels_nvcc.compiled_without_spills(sources.pop(), tmp_path)
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
