@@ -175,3 +175,30 @@ def test_fused_attention_tiled_over_rows_on_the_cpu_is_the_same():
     a, _ = forward(whole, 5, 3)
     b, ref = forward(tiled, 5, 3)
     assert mx.allclose(a, b, atol=1e-5).item() and mx.allclose(b, ref, atol=1e-4).item()
+
+
+def test_decode_steps_write_their_positions_when_read():
+    # A decode step appends its token's K/V only; the positions of those tokens (contiguous up to
+    # offset - 1) are written when something reads them: an array mask, the state, an eviction.
+    # The store then holds what writing them at each step held.
+    config = KVCacheConfig(method="pyramidkv", pyramidkv_budget=24, pyramidkv_window=4)
+    cache = PyramidKVCache(config)
+    forward(cache, 64, 0)
+    kept = cache.store["positions"][:, :, : cache.n_kept]
+    for seed in range(1, 6):
+        forward(cache, 1, seed)
+    assert cache.positions_written == 24 < cache.n_kept == 29
+    cache.state  # a saved state holds every position
+    assert cache.positions_written == 29
+    state_positions = cache.store["positions"]
+    expected = mx.concatenate([kept, mx.broadcast_to(mx.arange(64, 69, dtype=mx.int32), (B, H, 5))], axis=-1)
+    assert mx.array_equal(state_positions[:, :, :29], expected).item()
+    # Two more steps, then a trim into them, then a chunk under an array mask: the same output
+    # as attention over the K/V the update returned.
+    forward(cache, 1, 7)
+    forward(cache, 1, 8)
+    assert cache.trim(1) == 1 and cache.positions_written == 29 and cache.n_kept == 30
+    ours, ref = forward(cache, 3, 9, array_mask=True)
+    assert mx.allclose(ours, ref, atol=1e-4).item()
+    positions = cache.store["positions"][:, :, : cache.n_kept]
+    assert mx.array_equal(positions[..., -6:], mx.broadcast_to(mx.arange(67, 73, dtype=mx.int32), (B, H, 6))).item()

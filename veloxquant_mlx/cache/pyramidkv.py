@@ -79,6 +79,11 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
         self.evicted_upto = 0  # prompt positions before this were subject to selection
         self.decoding = False  # a single-token step happened: no more selection
         self.attended = False  # attention() ran at least once (the dispatcher is installed)
+        # Kept tokens [0, positions_written) have their positions in the store; the rest, the
+        # decode steps' tokens since, are contiguous up to offset - 1 and written when read
+        # (_write_positions). Why: writing one position per step cost each layer an arange and a
+        # slice update (two launches) on a host-bound step (the H200, README: session 7).
+        self.positions_written = 0
         self._attach(coordinator)
 
     def _setup(self) -> None:
@@ -126,15 +131,30 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
                 )
         self._ensure_capacity(self.n_kept + L)
         n = self.n_kept
-        positions = mx.broadcast_to(
-            mx.arange(self.offset, self.offset + L, dtype=mx.int32), (self.batch_size, self.n_kv_heads, L)
-        )
         self.store["keys"][:, :, n : n + L] = keys
         self.store["values"][:, :, n : n + L] = values
-        self.store["positions"][:, :, n : n + L] = positions
+        if not (L == 1 and self.decoding):
+            self._write_positions()
+            positions = mx.broadcast_to(
+                mx.arange(self.offset, self.offset + L, dtype=mx.int32), (self.batch_size, self.n_kv_heads, L)
+            )
+            self.store["positions"][:, :, n : n + L] = positions
+            self.positions_written = n + L
         self.n_compressed += L
         self.offset += L
         return self._full_keys_values()
+
+    def _write_positions(self) -> None:
+        """Write the positions of kept tokens [positions_written, n_kept): the decode steps'
+        tokens, contiguous and ending at offset - 1."""
+        start, n = self.positions_written, self.n_kept
+        if start >= n:
+            return
+        first = self.offset - (n - start)
+        self.store["positions"][:, :, start:n] = mx.broadcast_to(
+            mx.arange(first, self.offset, dtype=mx.int32), (self.batch_size, self.n_kv_heads, n - start)
+        )
+        self.positions_written = n
 
     def _full_keys_values(self):
         n = self.n_kept
@@ -239,6 +259,7 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
         if L == 1 and first == self.offset - 1:
             return None
         query_pos = mx.arange(first, first + L, dtype=mx.int32)
+        self._write_positions()
         key_pos = self.store["positions"][:, :, :n]
         keep = key_pos[:, :, None, :] <= query_pos[None, None, :, None]
         return mx.tile(keep, (1, 1, rep, 1))
@@ -246,6 +267,7 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
     def _evict(self, probs: mx.array) -> None:
         """Keep the window and the layer's best k prompt tokens by the window's votes
         (probs: (B, H_kv, rep, observed queries, n_kept))."""
+        self._write_positions()
         n = self.n_kept
         window = min(self.window, n)
         votes = probs[..., : n - window].sum(axis=(2, 3))  # (B, H, n - window)
@@ -272,6 +294,7 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
         self._ensure_capacity(self.n_compressed)
         for name, array in kept.items():
             self.store[name][:, :, : self.n_compressed] = array
+        self.positions_written = self.n_compressed
         mx.eval(*self.store.values())
         self.evicted_upto = self.offset
 
@@ -304,6 +327,7 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
             )
         self.n_compressed -= n
         self.offset -= n
+        self.positions_written = min(self.positions_written, self.n_compressed)
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
@@ -327,6 +351,16 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
 
     def _decode(self):
         return self._full_keys_values()
+
+    @property
+    def state(self):
+        self._write_positions()  # a saved state holds every kept token's position
+        return CompressedKVCache.state.fget(self)
+
+    @state.setter
+    def state(self, v):
+        CompressedKVCache.state.fset(self, v)
+        self.positions_written = self.n_compressed
 
     def _meta_json(self) -> str:
         meta = json.loads(super()._meta_json())
