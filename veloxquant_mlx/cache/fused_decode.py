@@ -815,7 +815,14 @@ def planned_attend(cache, key, launch, queries, kernel):
     constant set between two steps (the CUDA emulation, bench --set) takes effect."""
     plan = cache.__dict__.get("_fused_plan")
     if plan is None or plan[0] != key:
-        plan = (key, launch())
+        built = launch()
+        if built is not None:
+            # The plan keeps no step's own arrays (the queries, the window): they would stay
+            # alive until the next plan.
+            inputs, shape, slots = built
+            inputs = [None if i in (0, *slots) else a for i, a in enumerate(inputs)]
+            built = (inputs, shape, slots)
+        plan = (key, built)
         cache.__dict__["_fused_plan"] = plan
     if plan[1] is None:
         return None
