@@ -133,20 +133,15 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
         n = self.n_kept
         self.store["keys"][:, :, n : n + L] = keys
         self.store["values"][:, :, n : n + L] = values
-        if not (L == 1 and self.decoding):
-            self._write_positions()
-            positions = mx.broadcast_to(
-                mx.arange(self.offset, self.offset + L, dtype=mx.int32), (self.batch_size, self.n_kv_heads, L)
-            )
-            self.store["positions"][:, :, n : n + L] = positions
-            self.positions_written = n + L
         self.n_compressed += L
         self.offset += L
+        if not (L == 1 and self.decoding):
+            self._write_positions()  # this chunk's (and any decode steps' before it)
         return self._full_keys_values()
 
     def _write_positions(self) -> None:
-        """Write the positions of kept tokens [positions_written, n_kept): the decode steps'
-        tokens, contiguous and ending at offset - 1."""
+        """Write the positions of kept tokens [positions_written, n_kept): the tokens appended
+        since the last write, contiguous and ending at offset - 1."""
         start, n = self.positions_written, self.n_kept
         if start >= n:
             return
