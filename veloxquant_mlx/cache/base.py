@@ -79,8 +79,9 @@ class CompressedKVCache(_BaseCache):
     # Set (per instance) by the attention dispatcher of veloxquant_mlx.integration when it hands
     # this cache its own attention; see update_and_fetch.
     _dispatcher = None
-    # Writes of the store so far (per instance from the first one on; see _store_written): a
-    # cache loaded by from_state has written none before its state.
+    # Writes of the store so far (a flush, a growth, a state load; per instance from the first
+    # one on, see _store_written): a decode kernel's launch plan, kept between steps, is valid
+    # while this has not moved.
     store_writes = 0
 
     def __init_subclass__(cls, **kwargs):
@@ -102,9 +103,6 @@ class CompressedKVCache(_BaseCache):
         self.window_keys: mx.array | None = None
         self.window_values: mx.array | None = None
         self.store: dict[str, mx.array] = {}
-        # Counts every write of the store (a flush, a growth, a state load): a decode kernel's
-        # launch plan, kept between steps, is valid while this has not moved.
-        self.store_writes = 0
         self.batch_size = 0
         self.n_kv_heads = 0
         self.head_dim = 0

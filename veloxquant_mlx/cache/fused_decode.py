@@ -586,23 +586,19 @@ class PartialsKernel:
                 source=_FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE, header=self.header)
         return self._fused
 
-    def partials(self, *, inputs, template, n_blocks: int, heads: int, rows: int, value_dim: int):
+    def partials(self, queries, *, inputs, template, n_blocks: int, heads: int, value_dim: int):
         """The split build's launch -> (part_o, part_m, part_l)."""
-        return self.split(
-            inputs=inputs, template=template, grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1),
-            threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
-            output_shapes=[(heads, n_blocks, rows, value_dim), (heads, n_blocks, rows), (heads, n_blocks, rows)],
-            output_dtypes=[mx.float32, mx.float32, mx.float32],
-        )
+        return split_launch(self.split, queries, inputs=inputs, template=template, n_blocks=n_blocks,
+                            heads=heads, value_dim=value_dim)
 
     def attend(self, queries, *, inputs, template, n_blocks: int, heads: int, value_dim: int):
         """The attention output (B, Hq, 1, DV) in the queries' dtype: one fused launch
         (MERGE_IN_KERNEL), else the split build and merge_partials."""
+        if not MERGE_IN_KERNEL:
+            return merge_partials(*self.partials(queries, inputs=inputs, template=template, n_blocks=n_blocks,
+                                                 heads=heads, value_dim=value_dim), queries)
         B, n_q_heads = queries.shape[:2]
         rows = n_q_heads * B // heads
-        if not MERGE_IN_KERNEL:
-            return merge_partials(*self.partials(inputs=inputs, template=template, n_blocks=n_blocks,
-                                                 heads=heads, rows=rows, value_dim=value_dim), queries)
         out, _ = self.fused(
             inputs=inputs, template=template, grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1),
             threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
@@ -610,6 +606,19 @@ class PartialsKernel:
             output_dtypes=[queries.dtype, mx.float32], init_value=0,
         )
         return out
+
+
+def split_launch(kernel, queries, *, inputs, template, n_blocks: int, heads: int, value_dim: int):
+    """A partials kernel as written (the shipped split build, or a variant of its source that
+    bench.kernel_probe times) on its grid of (n_blocks, heads) blocks -> (part_o, part_m,
+    part_l) (heads, n_blocks, rows, DV) / (heads, n_blocks, rows) in float32."""
+    rows = queries.shape[0] * queries.shape[1] // heads
+    return kernel(
+        inputs=inputs, template=template, grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1),
+        threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
+        output_shapes=[(heads, n_blocks, rows, value_dim), (heads, n_blocks, rows), (heads, n_blocks, rows)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
 
 
 def kernels_enabled() -> bool:
@@ -777,12 +786,7 @@ def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bi
     cache reading another layer's store passes that store's state)."""
     if not kernels_enabled():
         return None
-    # The launch's checks, split, meta and constants change only with the history (a flush, a
-    # growth) or the queries' shape: kept in a plan between two flushes, so a step only swaps
-    # in its queries and window. Why: the H200's decode step is host-bound (MERGE_IN_KERNEL's
-    # note), and rebuilding them took ~5 us of Python per layer and step on this machine's CPU.
-    key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale,
-           skip, group_size, key_bits, value_bits, plan_key,
+    key = (skip, group_size, key_bits, value_bits, plan_key,
            None if exact_prefix is None else (id(exact_prefix[0]), id(exact_prefix[1])))
 
     def launch():
@@ -799,12 +803,13 @@ def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bi
         )
         return inputs, shape, WINDOW_INPUTS
 
-    return planned_attend(cache, key, launch, queries, lambda: _kernels()[0])
+    return planned_attend(cache, queries, scale, key, launch, lambda: _kernels()[0])
 
 
-def planned_attend(cache, key, launch, queries, kernel):
-    """A decode step through a launch plan kept on `cache` between two changes of `key` (its
-    history, its store writes, the queries' shape...): `launch()` -> (inputs, {template,
+def planned_attend(cache, queries, scale: float, key, launch, kernel):
+    """A decode step through a launch plan kept on `cache` while its store writes, history
+    length and capacity, the queries' shape and dtype, the scale and the caller's `key` (what
+    else its launch depends on) are unchanged: `launch()` -> (inputs, {template,
     n_blocks, heads, value_dim}, window slots) or None (the kernel does not take this shape:
     the portable path, None here too), called when the key changed; each step swaps its queries
     (slot 0) and the cache's window (its slots, in the queries' dtype) into the plan's inputs.
@@ -813,6 +818,7 @@ def planned_attend(cache, key, launch, queries, kernel):
     machine's CPU (kivi 29 -> 18 us per layer-step with the kernels stubbed). `kernel()` gives
     the PartialsKernel, looked up at each step (not kept in the plan): a factory emptied or a
     constant set between two steps (the CUDA emulation, bench --set) takes effect."""
+    key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale, key)
     plan = cache.__dict__.get("_fused_plan")
     if plan is None or plan[0] != key:
         built = launch()
@@ -874,16 +880,8 @@ def affine_partials(
     if merged:
         return partials.attend(queries, inputs=inputs, **shape)
     if isinstance(partials, PartialsKernel):
-        return partials.partials(inputs=inputs, rows=queries.shape[1] // n_kv_heads, **shape)
-    BH, n_blocks, DV = shape["heads"], shape["n_blocks"], shape["value_dim"]
-    R = queries.shape[1] // n_kv_heads
-    return partials(
-        inputs=inputs, template=shape["template"],
-        grid=(32 * WARPS_PER_BLOCK * n_blocks, BH, 1),
-        threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
-        output_shapes=[(BH, n_blocks, R, DV), (BH, n_blocks, R), (BH, n_blocks, R)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
-    )
+        return partials.partials(queries, inputs=inputs, **shape)
+    return split_launch(partials, queries, inputs=inputs, **shape)
 
 
 # Where affine_launch's input list holds the window (keys, values): a step plan swaps them in.

@@ -687,9 +687,7 @@ def decode_step(cache, queries, scale: float):
     if not fused_decode.kernels_enabled():
         return None
     accumulators, park = MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS  # read at each call (probes set them)
-    # The plan (fused_decode.planned_attend) holds while the store is unwritten (store_writes).
-    key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale,
-           accumulators, park)
+    key = (accumulators, park)  # beside planned_attend's own (the store's writes, the history...)
 
     def launch():
         rows = queries.shape[1] // cache.n_kv_heads
@@ -708,7 +706,7 @@ def decode_step(cache, queries, scale: float):
         )
         return inputs, shape, WINDOW_INPUTS
 
-    return fused_decode.planned_attend(cache, key, launch, queries, lambda: _partials_kernel(accumulators, park))
+    return fused_decode.planned_attend(cache, queries, scale, key, launch, lambda: _partials_kernel(accumulators, park))
 
 
 def codebook_decode_attention(
@@ -738,7 +736,7 @@ def codebook_partials(
         bits=bits, n_kv_heads=n_kv_heads, meta_cache=meta_cache)
     if merged:
         return kernel.attend(queries, inputs=inputs, **shape)
-    return kernel.partials(inputs=inputs, rows=queries.shape[1] // n_kv_heads, **shape)
+    return kernel.partials(queries, inputs=inputs, **shape)
 
 
 # Where codebook_launch's input list holds the window (keys, values).

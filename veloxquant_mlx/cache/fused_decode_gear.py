@@ -332,8 +332,6 @@ def decode_step(cache, queries, scale: float):
     switched off, a shape supports() refuses): the cache then takes the portable path."""
     if not fused_decode.kernels_enabled():
         return None
-    # The plan (fused_decode.planned_attend) holds while the store is unwritten (store_writes).
-    key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale)
 
     def launch():
         rows = queries.shape[1] // cache.n_kv_heads
@@ -350,4 +348,5 @@ def decode_step(cache, queries, scale: float):
         )
         return inputs, shape, fused_decode.WINDOW_INPUTS
 
-    return fused_decode.planned_attend(cache, key, launch, queries, _partials_kernel)
+    # Planned on the store's writes and the history alone (fused_decode.planned_attend).
+    return fused_decode.planned_attend(cache, queries, scale, (), launch, _partials_kernel)

@@ -635,11 +635,10 @@ def decode_step(cache, queries, scale: float):
     partner whose directions no longer cover the history): the portable path then runs."""
     if cache.role == "plain" or not fused_decode.kernels_enabled():
         return None
-    # The plan (fused_decode.planned_attend) holds while this layer's store and, where the
-    # directions are the lower partner's, that store are unwritten (store_writes).
+    # The plan (fused_decode.planned_attend) holds while, where the directions are the lower
+    # partner's, that store is unwritten too (store_writes).
     lower = None if cache.owns_directions else cache._peer(cache.layer_index - 1)
-    key = (cache.role, cache.owns_directions, cache.store_writes, cache.n_compressed, cache.capacity,
-           None if lower is None else (id(lower), lower.store_writes), queries.shape, queries.dtype, scale)
+    key = (cache.role, cache.owns_directions, None if lower is None else (id(lower), lower.store_writes))
 
     def launch():
         rows = queries.shape[1] // cache.n_kv_heads
@@ -664,7 +663,7 @@ def decode_step(cache, queries, scale: float):
             direction_side=side,
         )
 
-    return fused_decode.planned_attend(cache, key, launch, queries, _partials_kernel)
+    return fused_decode.planned_attend(cache, queries, scale, key, launch, _partials_kernel)
 
 
 def merged_decode_attention(

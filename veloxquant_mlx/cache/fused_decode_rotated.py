@@ -596,10 +596,9 @@ def decode_step(cache, queries, scale: float):
         return None
     kb1, vb1 = cache.key_bits - 1, cache.value_bits - 1
     budget = MAX_VALUE_SUMS  # read at each call: a probe sets it to time another lane split
-    # The plan (fused_decode.planned_attend) holds while the store, the sink corrections, the
-    # key mean and the signs are the same objects (each is replaced, never written in place).
-    key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale,
-           id(cache.sink_deltas), id(cache.key_mean), id(cache._signs), budget)
+    # The plan (fused_decode.planned_attend) holds while the sink corrections, the key mean and
+    # the signs are the same objects too (each is replaced, never written in place).
+    key = (id(cache.sink_deltas), id(cache.key_mean), id(cache._signs), budget)
 
     def launch():
         rows = queries.shape[1] // cache.n_kv_heads
@@ -614,7 +613,7 @@ def decode_step(cache, queries, scale: float):
             n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
         )
 
-    return fused_decode.planned_attend(cache, key, launch, queries, lambda: _partials_kernel(budget))
+    return fused_decode.planned_attend(cache, queries, scale, key, launch, lambda: _partials_kernel(budget))
 
 
 # Where rotated_launch's input list holds the window (keys, values).
