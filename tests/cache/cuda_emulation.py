@@ -622,18 +622,10 @@ def merge(part_o, part_m, part_l) -> np.ndarray:
 def kernel_builders() -> list:
     """The lru-cached kernel factories of every veloxquant_mlx.cache.fused_* / *_kernel module (each
     builds its mx.fast.cuda_kernel objects once): emptied, they build anew with whatever
-    mx.fast.cuda_kernel is at the time."""
-    import importlib
-    import pkgutil
+    mx.fast.cuda_kernel is at the time (step_census's list, which empties them the same way)."""
+    from veloxquant_mlx.bench.step_census import kernel_factories
 
-    import veloxquant_mlx.cache as package
-
-    found = []
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.name.startswith("fused_") or info.name.endswith("_kernel"):
-            module = importlib.import_module(f"veloxquant_mlx.cache.{info.name}")
-            found += [f for f in vars(module).values() if callable(f) and hasattr(f, "cache_clear")]
-    return found
+    return kernel_factories()
 
 
 @contextmanager

@@ -190,7 +190,7 @@ def _dequantize_stand_in(recorder: KernelRecorder, original):
     return dequantize
 
 
-def _kernel_factories() -> list:
+def kernel_factories() -> list:
     """The lru-cached kernel factories of veloxquant_mlx.cache's fused_* / *_kernel modules:
     emptied, they build their kernels anew with whatever mx.fast.cuda_kernel is then."""
     import veloxquant_mlx.cache as package
@@ -209,7 +209,7 @@ def cuda_path(recorder: KernelRecorder):
     the default device for their Python-side branches), kernels built by `recorder`."""
     from veloxquant_mlx.cache import fused_decode, fused_encode_affine
 
-    factories = _kernel_factories()
+    factories = kernel_factories()
     saved = (mx.fast.cuda_kernel, mx.fast.scaled_dot_product_attention, mx.dequantize,
              mx.default_device, fused_decode.kernels_enabled, fused_encode_affine._kernels_enabled)
     gpu = mx.Device(mx.gpu, 0)
