@@ -60,6 +60,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from veloxquant_mlx.cache.kernel_name import base_name
+
 RUN_TIMEOUT_S = 120  # a deadlocked barrier (a shuffle not every lane calls) ends here
 # VQ_CUDA_EMULATION_SANITIZE=1: AddressSanitizer and UBSan in the program (slower to build and
 # run): a kernel reading or writing outside an input or output (each is its own allocation,
@@ -305,7 +307,9 @@ class EmulatedKernel:
             raise EmulationError(f"cuda_kernel {name!r}: at least one output is needed")
         if atomic_outputs:
             raise EmulationError(f"cuda_kernel {name!r}: atomic_outputs is not emulated")
-        self.name, self.source, self.header = name, source, header
+        # Named as our code writes it: the source digest that keys MLX's module cache
+        # (kernel_name.build_kernel) is no part of what a test asserts about.
+        self.name, self.source, self.header = base_name(name), source, header
         self.input_names, self.output_names = list(input_names), list(output_names)
         self.ensure_row_contiguous = ensure_row_contiguous
         self.calls = 0  # how often the kernel ran (a test checks that its path was taken)

@@ -145,9 +145,10 @@ def variant_kernel(mode: str):
     import mlx.core as mx
 
     from veloxquant_mlx.cache import fused_decode as fd
+    from veloxquant_mlx.cache.kernel_name import build_kernel
 
-    return mx.fast.cuda_kernel(
-        name=f"vq_probe_{mode}", input_names=list(fd.PARTIALS_INPUTS),
+    return build_kernel(
+        mx.fast.cuda_kernel, name=f"vq_probe_{mode}", input_names=list(fd.PARTIALS_INPUTS),
         output_names=["part_o", "part_m", "part_l"], source=variant_source(mode), header=fd._HEADER)
 
 

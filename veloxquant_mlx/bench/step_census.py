@@ -71,6 +71,8 @@ from collections import Counter
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache.kernel_name import base_name
+
 METHODS = ("fp16", "kivi", "xquant", "turboquant_rvq", "minicache", "gear", "kvquant", "pyramidkv")
 LLAMA_8B_ATTENTION = dict(heads=32, kv_heads=8, head_dim=128)
 KERNEL = "CustomKernel"
@@ -134,9 +136,9 @@ class KernelRecorder:
                  atomic_outputs=False):
         def launch(*, inputs, output_shapes, output_dtypes, **_):
             specs = [(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
-            return self.record(f"{KERNEL}:{name}", specs, inputs)
+            return self.record(f"{KERNEL}:{base_name(name)}", specs, inputs)
 
-        launch.kernel_name = name
+        launch.kernel_name = base_name(name)
         return launch
 
     def record(self, label: str, specs, inputs) -> list:

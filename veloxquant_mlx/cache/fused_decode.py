@@ -41,6 +41,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
 ENV_SWITCH = "VELOXQUANT_CUDA_KERNELS"
@@ -573,7 +574,8 @@ class PartialsKernel:
     @property
     def split(self):
         if self._split is None:
-            self._split = mx.fast.cuda_kernel(
+            self._split = build_kernel(
+                mx.fast.cuda_kernel,
                 name=self.name, input_names=self.input_names,
                 output_names=["part_o", "part_m", "part_l"], source=self.source, header=self.header)
         return self._split
@@ -581,7 +583,8 @@ class PartialsKernel:
     @property
     def fused(self):
         if self._fused is None:
-            self._fused = mx.fast.cuda_kernel(
+            self._fused = build_kernel(
+                mx.fast.cuda_kernel,
                 name=self.name + "_merged", input_names=self.input_names, output_names=["out", "scratch"],
                 source=_FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE, header=self.header)
         return self._fused
@@ -649,7 +652,8 @@ PARTIALS_INPUTS = ("q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "sk", "s
 @lru_cache(maxsize=None)
 def _kernels():
     partials = PartialsKernel("vq_affine_decode_partials", PARTIALS_INPUTS, _PARTIALS, _HEADER)
-    merge = mx.fast.cuda_kernel(
+    merge = build_kernel(
+        mx.fast.cuda_kernel,
         name="vq_affine_decode_merge",
         input_names=["part_o", "part_m", "part_l"],
         output_names=["out"],

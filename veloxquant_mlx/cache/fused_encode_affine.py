@@ -91,6 +91,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -243,7 +244,8 @@ def _kernel():
 
 @lru_cache(maxsize=None)
 def _kernel_for(factory):
-    return factory(
+    return build_kernel(
+        factory,
         name="vq_affine_encode_kv",
         input_names=["keys", "values"],
         output_names=list(OUTPUTS),

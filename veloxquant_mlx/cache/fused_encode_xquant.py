@@ -68,6 +68,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
 SUPPORTED_BITS = (2, 3, 4)
@@ -274,10 +275,10 @@ def _kernels_for(factory):
     """(leader kernel, follower kernel), built once per kernel factory: keyed by
     mx.fast.cuda_kernel itself, so a kernel built while a test stands the CPU emulation in for
     it is never served after the real factory is back (as fused_prefill_affine._kernel)."""
-    leader = factory(name="vq_xquant_encode_kv", input_names=["keys", "values", "calib"],
-                     output_names=list(LEADER_OUTPUTS), source=_LEADER, header=_HEADER)
-    follower = factory(name="vq_xquant_fit_kv", input_names=["keys", "values", "lk", "lv", "meta"],
-                       output_names=list(FOLLOWER_OUTPUTS), source=_FOLLOWER, header=_HEADER)
+    leader = build_kernel(factory, name="vq_xquant_encode_kv", input_names=["keys", "values", "calib"],
+                          output_names=list(LEADER_OUTPUTS), source=_LEADER, header=_HEADER)
+    follower = build_kernel(factory, name="vq_xquant_fit_kv", input_names=["keys", "values", "lk", "lv", "meta"],
+                            output_names=list(FOLLOWER_OUTPUTS), source=_FOLLOWER, header=_HEADER)
     return leader, follower
 
 

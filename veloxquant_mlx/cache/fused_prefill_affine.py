@@ -79,6 +79,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -226,7 +227,8 @@ def _kernel():
 
 @lru_cache(maxsize=None)
 def _kernel_for(factory):
-    return factory(
+    return build_kernel(
+        factory,
         name="vq_affine_prefill_kv",
         input_names=list(INPUTS),
         output_names=["keys", "values"],

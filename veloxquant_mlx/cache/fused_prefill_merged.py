@@ -64,6 +64,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
 TILE = 64  # output positions per block: whole MiniCache blocks of 32
@@ -213,7 +214,8 @@ def _kernel():
 
 @lru_cache(maxsize=None)
 def _kernel_for(factory):
-    return factory(
+    return build_kernel(
+        factory,
         name="vq_merged_prefill_kv",
         input_names=list(INPUTS),
         output_names=["keys", "values"],

@@ -52,6 +52,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.kernel_name import build_kernel
 
 # False: the MLX ops instead, whatever the backend (for an A/B on the GPU: the measurement
 # modules' `--set gear_encode_kernel.ENABLED=0`).
@@ -145,7 +146,8 @@ def _floor_constant() -> str:
 @lru_cache(maxsize=None)
 def _normalize_kernel(later: int, batched: bool):
     products = (["p"] if later else []) if batched else [f"p{i}" for i in range(later)]
-    return mx.fast.cuda_kernel(
+    return build_kernel(
+        mx.fast.cuda_kernel,
         name=f"vq_gear_gs_normalize_{later}" + ("_batched" if batched and later else ""),
         input_names=["w", "norm_sum"],
         output_names=["out", *products],
@@ -156,7 +158,8 @@ def _normalize_kernel(later: int, batched: bool):
 
 @lru_cache(maxsize=None)
 def _project_kernel(later: int, batched: bool):
-    return mx.fast.cuda_kernel(
+    return build_kernel(
+        mx.fast.cuda_kernel,
         name=f"vq_gear_gs_project_{later}" + ("_batched" if batched and later else ""),
         input_names=["w", *(["t"] if batched else [f"t{i}" for i in range(later)])],
         output_names=["out", "q"],
@@ -228,7 +231,8 @@ _SPARSE_SOURCE = r"""
 
 @lru_cache(maxsize=None)
 def _sparse_kernel():
-    return mx.fast.cuda_kernel(
+    return build_kernel(
+        mx.fast.cuda_kernel,
         name="vq_gear_sparse_part",
         input_names=["blocks", "approx", "low", "index"],
         output_names=["values", "positions"],

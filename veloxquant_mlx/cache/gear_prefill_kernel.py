@@ -75,6 +75,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.kernel_name import build_kernel
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 TILE = 32  # positions per block: a whole number of 32-token key words at every width
@@ -268,7 +269,8 @@ def _kernel(sparse_blocks_from: str):
 
 @lru_cache(maxsize=None)
 def _kernel_for(factory, sparse_blocks_from: str):
-    return factory(
+    return build_kernel(
+        factory,
         name="vq_gear_prefill_kv",
         input_names=list(INPUTS),
         output_names=["keys", "values"],

@@ -54,6 +54,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.kernel_name import build_kernel
 
 # False: the MLX ops instead, whatever the backend (for an A/B on the GPU: the measurement
 # modules' `--set kvquant_encode_kernel.ENABLED=0`).
@@ -164,7 +165,8 @@ _ENCODE_SOURCE = _HOLES + r"""
 
 @lru_cache(maxsize=None)
 def _masked_kernel():
-    return mx.fast.cuda_kernel(
+    return build_kernel(
+        mx.fast.cuda_kernel,
         name="vq_kvquant_encode_masked",
         input_names=["blocks", "ranking"],
         output_names=["masked"],
@@ -178,7 +180,8 @@ def _encode_kernel(min_scale: float):
     # The smallest scale as an exact hexadecimal float literal (template values are integers
     # and types only).
     constant = f"  constexpr float MIN_SCALE = {float(min_scale).hex()}f;\n"
-    return mx.fast.cuda_kernel(
+    return build_kernel(
+        mx.fast.cuda_kernel,
         name="vq_kvquant_block_encode",
         input_names=["blocks", "ranking", "kept", "codebook", "meta"],
         output_names=["codes", "zero", "scale", "positions", "exact"],

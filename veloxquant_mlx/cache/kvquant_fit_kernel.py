@@ -35,6 +35,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.cache.kvquant_encode_kernel import _ROUNDING
 
 # False: the MLX ops instead, whatever the backend (for an A/B on the GPU: the measurement
@@ -106,7 +107,8 @@ _UPDATE = r"""
 
 @lru_cache(maxsize=None)
 def _product_kernel():
-    return mx.fast.cuda_kernel(
+    return build_kernel(
+        mx.fast.cuda_kernel,
         name="vq_kvquant_fit_product",
         input_names=["x", "levels", "meta"],
         output_names=["product"],
@@ -117,7 +119,8 @@ def _product_kernel():
 
 @lru_cache(maxsize=None)
 def _update_kernel():
-    return mx.fast.cuda_kernel(
+    return build_kernel(
+        mx.fast.cuda_kernel,
         name="vq_kvquant_fit_update",
         input_names=["x", "levels", "sums", "meta"],
         output_names=["out"],

@@ -32,6 +32,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.kernel_name import build_kernel
 
 THREADS = 256
 
@@ -87,7 +88,8 @@ _SOURCE = r"""
 
 @lru_cache(maxsize=None)
 def _kernel():
-    return mx.fast.cuda_kernel(
+    return build_kernel(
+        mx.fast.cuda_kernel,
         name="vq_kvquant_history_decode",
         input_names=["codes", "scale", "zero", "codebook", "positions", "exact", "sink", "meta"],
         output_names=["out"],

@@ -94,6 +94,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.fused_decode_rotated import store_arrays
+from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
 THREADS = 256  # 8 warps: 8 tokens per block
@@ -258,7 +259,8 @@ def _kernel():
 
 @lru_cache(maxsize=None)
 def _kernel_for(factory):
-    return factory(
+    return build_kernel(
+        factory,
         name="vq_rvq_prefill_kv",
         input_names=list(INPUTS),
         output_names=["keys", "values"],

@@ -1,0 +1,33 @@
+"""Kernels built under a name that carries a digest of their source.
+
+Why: MLX's CUDA backend keys a custom kernel's compiled module by its name and template
+arguments alone (custom_kernel.cpp: "custom_kernel_" + name + the template values), in memory
+for the process and on disk in MLX_PTX_CACHE_DIR (by default <tmp>/mlx/<mlx version>/ptx, kept
+across processes and across upgrades of this package). A kernel whose source differs under the
+same name (another version of ours, a source built from arguments such as gear's prefill
+kernel's block-count input or kvquant's MIN_SCALE, the merge-fused and split builds) would run
+the binary compiled first, with the parameter list of another source."""
+from __future__ import annotations
+
+import hashlib
+
+# Between the name given and the digest; base_name() cuts there.
+DIGEST_MARK = "__src"
+
+
+def source_keyed_name(name: str, source: str, header: str = "") -> str:
+    """`name` with a digest of the header and source appended: equal sources share a name,
+    and so MLX's cached module, different ones do not."""
+    digest = hashlib.sha256(f"{header}\0{source}".encode()).hexdigest()[:12]
+    return f"{name}{DIGEST_MARK}{digest}"
+
+
+def base_name(name: str) -> str:
+    """The name as written in our code, without the digest (what tests and reports name)."""
+    return name.split(DIGEST_MARK, 1)[0]
+
+
+def build_kernel(factory, *, name: str, source: str, header: str = "", **arguments):
+    """factory (mx.fast.cuda_kernel, or a test's stand-in for it) called under the
+    source-keyed name; the other arguments pass through."""
+    return factory(name=source_keyed_name(name, source, header), source=source, header=header, **arguments)
