@@ -8,8 +8,12 @@ records it per round as host_ms), so what a cache adds per layer and step is hos
 Python, and each op and kernel call it builds and MLX launches. This times, 2000 calls each:
 `build` (the Python call that makes the lazy node) and `eval` (mx.eval of the 2000 independent
 nodes: MLX's encoding and launch of each), for a built-in op on small arrays (mx.add,
-mx.concatenate) and for a trivial custom kernel with a partials kernel's interface (12 inputs,
-3 outputs, 9 template constants). Medians of 5 rounds, the first untimed.
+mx.concatenate of a 128-token window and one token, a one-token slice write into a window buffer
+as mlx-lm's KVCache does, an int32 array made from a Python list as a kernel's `meta`) and for a
+trivial custom kernel with a partials kernel's interface (12 inputs, 3 outputs, 9 template
+constants): as is, with `init_value` (MLX fills every output first), with one output, and with
+the shared header of our decode kernels (MLX rebuilds the whole source string per call).
+Medians of 5 rounds, the first untimed.
 """
 
 from __future__ import annotations
@@ -26,15 +30,34 @@ ROUNDS = 5
 _SOURCE = "  const int i = threadIdx.x + blockIdx.x * blockDim.x; if (i < 1024) out[i] = x0[i] + (float)N;"
 
 
-def _custom_call():
-    kernel = mx.fast.cuda_kernel(name="vq_launch_cost", input_names=[f"x{i}" for i in range(12)],
-                                 output_names=["out", "o2", "o3"], source=_SOURCE)
+def _custom_call(*, outputs: int = 3, header: str = "", **launch):
+    """A call of the trivial kernel (`outputs` of its three; `header` prepended; `launch`: more
+    of the call's keywords, e.g. init_value)."""
+    names = ["out", "o2", "o3"][:outputs]
+    kernel = mx.fast.cuda_kernel(name=f"vq_launch_cost_{outputs}_{len(header)}", input_names=[f"x{i}" for i in range(12)],
+                                 output_names=names, source=_SOURCE, header=header)
     xs = [mx.zeros((1024,), mx.float32) for _ in range(12)]
     mx.eval(xs)
     template = [("N", 3), ("D", 128), ("R", 4), ("G", 32), ("KB", 2), ("VB", 2), ("LPT", 8),
                 ("QT", mx.bfloat16), ("ST", mx.bfloat16)]
+    shapes = [(1024,), (8, 4), (8, 4)][:outputs]
     return lambda: kernel(inputs=xs, template=template, grid=(1024, 1, 1), threadgroup=(256, 1, 1),
-                          output_shapes=[(1024,), (8, 4), (8, 4)], output_dtypes=[mx.float32] * 3)
+                          output_shapes=shapes, output_dtypes=[mx.float32] * outputs, **launch)
+
+
+def _window_write():
+    """A one-token write at the next slot of a window buffer (mlx-lm KVCache's update): each
+    call's node takes the last one's buffer, so MLX writes in place as in a decode."""
+    buffer = [mx.zeros((1, 8, CALLS + 1, 128), mx.bfloat16)]
+    token = mx.zeros((1, 8, 1, 128), mx.bfloat16)
+    mx.eval(buffer[0], token)
+    at = [0]
+
+    def write():
+        at[0] = at[0] % CALLS + 1
+        buffer[0][:, :, at[0] - 1:at[0], :] = token
+        return buffer[0]
+    return write
 
 
 def time_calls(make) -> dict:
@@ -56,12 +79,19 @@ def time_calls(make) -> dict:
 def run() -> dict:
     a = mx.zeros((1, 8, 1, 128), mx.bfloat16)
     b = mx.zeros((1, 8, 1, 128), mx.bfloat16)
-    mx.eval(a, b)
-    cases = {"add": lambda: mx.add(a, b), "concatenate": lambda: mx.concatenate([a, b], axis=2)}
+    window = mx.zeros((1, 8, 128, 128), mx.bfloat16)
+    mx.eval(a, b, window)
+    cases = {"add": lambda: mx.add(a, b), "concatenate": lambda: mx.concatenate([window, b], axis=2),
+             "window_write": _window_write(), "meta_from_list": lambda: mx.array([3, 128, 0, 7], dtype=mx.int32)}
     if mx.default_device() == mx.gpu and getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
-        call = _custom_call()
-        mx.eval(call())  # its JIT compile, untimed
-        cases["cuda_kernel"] = call
+        from veloxquant_mlx.cache.fused_decode import _HEADER
+
+        variants = {"cuda_kernel": _custom_call(), "cuda_kernel_init_value": _custom_call(init_value=0),
+                    "cuda_kernel_one_output": _custom_call(outputs=1),
+                    "cuda_kernel_decode_header": _custom_call(header=_HEADER)}
+        for name, call in variants.items():
+            mx.eval(call())  # its JIT compile, untimed
+            cases[name] = call
     return {name: time_calls(make) for name, make in cases.items()}
 
 
