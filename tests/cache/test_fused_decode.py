@@ -237,7 +237,9 @@ def test_a_launch_plan_serves_the_steps_until_the_store_changes(monkeypatch):
         assert cache._fused_decode(q_heads, 0.5) == "kernel output"
     assert seen["launches"] == 1 and len(seen["steps"]) == 3
     queries, inputs, shape = seen["steps"][-1]
+    state = shape.pop("state")
     assert queries is q_heads and inputs[0] is q_heads and shape == {"n_blocks": 3}
+    assert state is cache._fused_launch  # one FusedLaunchState per cache, across its plans
     assert mx.array_equal(inputs[7], cache.window_keys).item() and mx.array_equal(inputs[8], cache.window_values).item()
     assert inputs[1:7] == [f"input {i}" for i in range(1, 7)] and inputs[9:] == [f"input {i}" for i in range(9, 12)]
     assert cache._fused_decode(q_heads.astype(mx.float16), 0.5) == "kernel output"  # other queries: a new plan
@@ -326,3 +328,31 @@ def test_history_blocks_split_and_their_limit(monkeypatch):
     monkeypatch.setattr(fused_decode, "MAX_BLOCKS", 3)
     with pytest.raises(QuantizerConfigError, match="k: 1100 history tokens need 4 blocks, more than the merge kernel's 3"):
         fused_decode.history_blocks(1100, 2, "k")
+
+
+def test_fused_launches_of_one_cache_share_counters_and_follow_each_other(monkeypatch):
+    # The merge-fused kernel counts its blocks in counters that outlive the launch (it leaves
+    # them at zero); a later launch takes the last one's output as an input, so two launches
+    # in one evaluated graph cannot overlap on the counters. No output is zero-filled.
+    calls = []
+
+    def factory(*, name, input_names, output_names, source, header="", **_):
+        def launch(*, inputs, output_shapes, output_dtypes, **launch_args):
+            calls.append((input_names, inputs, launch_args))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+        return launch
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", factory, raising=False)
+    monkeypatch.setattr(fused_decode, "MERGE_IN_KERNEL", True)
+    kernel = fused_decode.PartialsKernel("vq_test_partials", ["q", "meta"], "", "")
+    queries = mx.zeros((1, 8, 1, 16), mx.bfloat16)
+    state = fused_decode.FusedLaunchState()
+    shape = dict(template=[("R", 4), ("DV", 16)], n_blocks=3, heads=2, value_dim=16)
+    first = kernel.attend(queries, inputs=[queries, "meta"], state=state, **shape)
+    second = kernel.attend(queries, inputs=[queries, "meta"], state=state, **shape)
+    (names, a, args_a), (_, b, _) = calls
+    assert names == ["q", "meta", "counts", "after"] and "init_value" not in args_a
+    assert a[2] is b[2] is state.counts and state.counts.shape == (2,) and state.counts.dtype == mx.int32
+    assert a[3] is queries and b[3] is first and state.last_out is second
+    kernel.attend(queries, inputs=[queries, "meta"], state=state, **{**shape, "heads": 4})
+    assert calls[-1][1][2] is state.counts and state.counts.shape == (4,)  # other heads: new counters

@@ -37,7 +37,10 @@ def _program(D, DV, R, S, DB, QT, RT, PV=1, fused=False) -> str:
         params.append(f"const {_C_TYPES[dtypes[name]]}* {name}")
         if f"{name}_shape" in source:
             params.append(f"const int32_t* {name}_shape")
-    params += [f"{_C_TYPES[QT]}* out", "float* scratch"] if fused else ["float* part_o", "float* part_m", "float* part_l"]
+    if fused:  # the counters and the launch to follow (FusedLaunchState), then the outputs
+        params += ["const int32_t* counts", f"const {_C_TYPES[QT]}* after", f"{_C_TYPES[QT]}* out", "float* scratch"]
+    else:
+        params += ["float* part_o", "float* part_m", "float* part_l"]
     template = dict(D=D, DV=DV, R=R, PV=PV, S=S, DB=DB, QT=QT, DT=DT, ST="f16", MT="f16", RT=RT)
     constants = [f"  using {k} = {_C_TYPES[v]};" if isinstance(v, str) else f"  constexpr int {k} = {v};"
                  for k, v in template.items()]

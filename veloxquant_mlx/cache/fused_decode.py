@@ -101,8 +101,9 @@ __device__ __forceinline__ float vq_u2f(unsigned small) {
 // The merge of one (batch*kv-head)'s block partials into its R output rows (flash-decoding's
 // second pass), done inside the partials kernel by the block that finishes last: every block,
 // its partial written, fences it and counts itself in (counts[bh], zero at launch); the block
-// that brings the count to n_blocks reads every block's partial (__ldcg: from L2, never a stale
-// L1 line) and writes out[(bh * R + r) * DV + c] = sum_b e_b o_b / sum_b e_b l_b, e_b =
+// that brings the count to n_blocks sets it back to zero (for the next launch: the counters
+// outlive the launch, FusedLaunchState), reads every block's partial (__ldcg: from L2, never a
+// stale L1 line) and writes out[(bh * R + r) * DV + c] = sum_b e_b o_b / sum_b e_b l_b, e_b =
 // exp(m_b - max m). Called by every thread of the block, after its last write of the partials.
 template <int R, int DV, typename OT>
 __device__ __noinline__ void vq_merge_if_last(const float* part_o, const float* part_m,
@@ -111,7 +112,10 @@ __device__ __noinline__ void vq_merge_if_last(const float* part_o, const float* 
   __shared__ int vq_last;
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) vq_last = atomicAdd(counts + bh, 1) == n_blocks - 1;
+  if (threadIdx.x == 0) {
+    vq_last = atomicAdd(counts + bh, 1) == n_blocks - 1;
+    if (vq_last) counts[bh] = 0;  // every other block of bh has counted in
+  }
   __syncthreads();
   if (!vq_last) return;
   __threadfence();
@@ -531,8 +535,10 @@ _MERGE = r"""
 # results/gpu_speed_h200_s7_32k_host.json), and one mx.fast.cuda_kernel call costs the host
 # ~23 us there (12 us to build, 11 us to launch; a built-in op ~4.5 us: mx.add 1.1 + 3.5; the
 # README's H200 section, session 7), so the merge kernel cost every layer ~23 us of each step.
-# The fused kernel's partials live in one zero-filled float32 scratch output (MLX fills it at
-# the launch: init_value), whose tail holds the per-head counters. False: the two kernels.
+# The partials live in a float32 scratch output; the per-head counters in an input that
+# outlives the launch (FusedLaunchState), not in a zero-filled output: MLX fills every output of
+# a launch given init_value, one more kernel each (results/launch_cost_h200_s8.json: a call's
+# launch 11.9 us, 23.8 us with init_value). False: the two kernels.
 MERGE_IN_KERNEL = True
 
 # Put before / after a partials kernel's source to fuse the merge in: the source writes part_o /
@@ -540,24 +546,49 @@ MERGE_IN_KERNEL = True
 # (grid: x = n_blocks blocks, y = BH), and ends with its block partial written.
 # Macros, not pointer variables: computed where used (the end), so no register holds them
 # through the kernel's loops (as variables: 106 registers against 96, ptxas sm_90, kivi's 8B shape).
+# `counts` is an input (MLX declares it const): the kernel counts in it and leaves it at zero.
 _FUSED_PROLOGUE = r"""
 #define part_o (scratch)
 #define part_m (scratch + (size_t)gridDim.y * gridDim.x * R * DV)
 #define part_l (scratch + (size_t)gridDim.y * gridDim.x * R * (DV + 1))
 """
 _FUSED_EPILOGUE = r"""
-  vq_merge_if_last<R, DV>(part_o, part_m, part_l,
-                          reinterpret_cast<int*>(scratch + (size_t)gridDim.y * gridDim.x * R * (DV + 2)),
-                          out, blockIdx.y, gridDim.x);
+  vq_merge_if_last<R, DV>(part_o, part_m, part_l, const_cast<int*>(counts), out, blockIdx.y, gridDim.x);
 #undef part_o
 #undef part_m
 #undef part_l
 """
 
+# The fused build's inputs beyond the partials kernel's own: the counters, and the launch this
+# one must follow (FusedLaunchState.after), which the kernel never reads.
+FUSED_EXTRA_INPUTS = ("counts", "after")
+
+
+class FusedLaunchState:
+    """What successive fused launches of one cache share: the per-head counters (int32, left at
+    zero by every launch) and the last launch's output.
+    Why the output: two launches sharing counters must not overlap. A later launch takes the
+    last one's output as an input it never reads (`after`), so MLX orders the two within one
+    evaluated graph as it orders any producer and consumer (its CUDA graphs run nodes without a
+    path between them concurrently); launches in different evaluations run in stream order."""
+
+    def __init__(self):
+        self.counts = None
+        self.last_out = None
+
+    def inputs(self, heads: int, queries) -> list:
+        """[counts, after] for a launch over `heads` (batch * kv heads) blocks' rows."""
+        if self.counts is None or self.counts.shape[0] != heads:
+            self.counts = mx.zeros((heads,), dtype=mx.int32)
+        after = self.last_out
+        if after is None or after.dtype != queries.dtype:
+            after = queries  # nothing to follow: an input already there, of the same dtype
+        return [self.counts, after]
+
 
 def scratch_floats(heads: int, n_blocks: int, rows: int, value_dim: int) -> int:
-    """Floats of the fused kernel's scratch: the partials (o, m, l) and one counter per head."""
-    return heads * n_blocks * rows * (value_dim + 2) + heads
+    """Floats of the fused kernel's scratch: the partials (o, m, l)."""
+    return heads * n_blocks * rows * (value_dim + 2)
 
 
 class PartialsKernel:
@@ -585,7 +616,8 @@ class PartialsKernel:
         if self._fused is None:
             self._fused = build_kernel(
                 mx.fast.cuda_kernel,
-                name=self.name + "_merged", input_names=self.input_names, output_names=["out", "scratch"],
+                name=self.name + "_merged", input_names=[*self.input_names, *FUSED_EXTRA_INPUTS],
+                output_names=["out", "scratch"],
                 source=_FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE, header=self.header)
         return self._fused
 
@@ -594,20 +626,24 @@ class PartialsKernel:
         return split_launch(self.split, queries, inputs=inputs, template=template, n_blocks=n_blocks,
                             heads=heads, value_dim=value_dim)
 
-    def attend(self, queries, *, inputs, template, n_blocks: int, heads: int, value_dim: int):
+    def attend(self, queries, *, inputs, template, n_blocks: int, heads: int, value_dim: int,
+               state: FusedLaunchState | None = None):
         """The attention output (B, Hq, 1, DV) in the queries' dtype: one fused launch
-        (MERGE_IN_KERNEL), else the split build and merge_partials."""
+        (MERGE_IN_KERNEL), else the split build and merge_partials. `state`: the cache's
+        FusedLaunchState (None: one for this launch alone)."""
         if not MERGE_IN_KERNEL:
             return merge_partials(*self.partials(queries, inputs=inputs, template=template, n_blocks=n_blocks,
                                                  heads=heads, value_dim=value_dim), queries)
         B, n_q_heads = queries.shape[:2]
         rows = n_q_heads * B // heads
+        state = FusedLaunchState() if state is None else state
         out, _ = self.fused(
-            inputs=inputs, template=template, grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1),
-            threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
+            inputs=[*inputs, *state.inputs(heads, queries)], template=template,
+            grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1), threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
             output_shapes=[(B, n_q_heads, 1, value_dim), (scratch_floats(heads, n_blocks, rows, value_dim),)],
-            output_dtypes=[queries.dtype, mx.float32], init_value=0,
+            output_dtypes=[queries.dtype, mx.float32],
         )
+        state.last_out = out
         return out
 
 
@@ -841,7 +877,8 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
     inputs[0] = queries
     inputs[keys_slot] = cache.window_keys.astype(queries.dtype)
     inputs[values_slot] = cache.window_values.astype(queries.dtype)
-    return kernel().attend(queries, inputs=inputs, **shape)
+    state = cache.__dict__.setdefault("_fused_launch", FusedLaunchState())
+    return kernel().attend(queries, inputs=inputs, state=state, **shape)
 
 
 def affine_decode_attention(
