@@ -66,3 +66,21 @@ def test_trim_and_state_round_trip_keep_every_token():
     assert mx.array_equal(loaded.window_keys, cache.window_keys).item()
     loaded.update_and_fetch(*_kv(1, 5))
     assert loaded.offset == 255 and loaded.window_values.shape[2] == 255
+
+
+def test_a_window_read_is_one_view_until_the_window_changes():
+    # Reads between two writes share one view (each read was a slice op of its own); a write
+    # drops it, so the next read sees the new token and no view of ours holds the old buffer.
+    cache = _plain()
+    k, v = _kv(40, 1)
+    cache.update_and_fetch(k, v)
+    first = cache.window_keys
+    assert cache.window_keys is first and cache.window_values is cache.window_values
+    k1, v1 = _kv(1, 2)
+    cache.update_and_fetch(k1, v1)
+    assert "_window_view_k" not in cache.__dict__ or cache.__dict__["_window_view_k"] is not first
+    keys = cache.window_keys
+    assert keys is not first and keys.shape[2] == 41
+    assert mx.array_equal(keys, mx.concatenate([k, k1], axis=2)).item()
+    cache.window_keys = k  # an assignment (trim, a state load) replaces the view too
+    assert cache.window_keys.shape[2] == 40 and mx.array_equal(cache.window_keys, k).item()

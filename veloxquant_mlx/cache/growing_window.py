@@ -28,23 +28,37 @@ class GrowingWindowMixin:
 
     # Keys and values each keep their own filled length: the base assigns them one after the
     # other (keys first), and reads the values' old length while doing so.
+    # The filled part's view is made once per window change and kept until the next one (a step
+    # reads the window ~7 times, if only to test it for None: each read was a slice op, ~1 us of
+    # host each); _append_in_place drops the views before it writes, so that none of ours holds
+    # the buffer and MLX can write the slice in place.
     @property
     def window_keys(self):
-        return _filled(self.__dict__.get("_window_k"), self.__dict__.get("_window_nk", 0))
+        view = self.__dict__.get("_window_view_k", _UNSET)
+        if view is _UNSET:
+            view = _filled(self.__dict__.get("_window_k"), self.__dict__.get("_window_nk", 0))
+            self.__dict__["_window_view_k"] = view
+        return view
 
     @window_keys.setter
     def window_keys(self, array):
         self.__dict__["_window_k"] = array
         self.__dict__["_window_nk"] = 0 if array is None else array.shape[2]
+        self.__dict__.pop("_window_view_k", None)
 
     @property
     def window_values(self):
-        return _filled(self.__dict__.get("_window_v"), self.__dict__.get("_window_nv", 0))
+        view = self.__dict__.get("_window_view_v", _UNSET)
+        if view is _UNSET:
+            view = _filled(self.__dict__.get("_window_v"), self.__dict__.get("_window_nv", 0))
+            self.__dict__["_window_view_v"] = view
+        return view
 
     @window_values.setter
     def window_values(self, array):
         self.__dict__["_window_v"] = array
         self.__dict__["_window_nv"] = 0 if array is None else array.shape[2]
+        self.__dict__.pop("_window_view_v", None)
 
     @property
     def nbytes(self) -> int:
@@ -61,6 +75,8 @@ class GrowingWindowMixin:
     def _append_in_place(self, keys: mx.array, values: mx.array) -> None:
         """Write keys / values (B, H, L, D) after the filled part, growing the buffer first
         when it lacks room."""
+        self.__dict__.pop("_window_view_k", None)
+        self.__dict__.pop("_window_view_v", None)
         n, L = self._window_length(), keys.shape[2]
         buf_k, buf_v = self.__dict__.get("_window_k"), self.__dict__.get("_window_v")
         if buf_k is None or n + L > buf_k.shape[2] or buf_k.dtype != keys.dtype:
@@ -86,6 +102,9 @@ class GrowingWindowMixin:
         return mx.fast.scaled_dot_product_attention(
             queries, keys.astype(queries.dtype), values.astype(queries.dtype), scale=scale, mask=mask
         )
+
+
+_UNSET = object()
 
 
 def _filled(buffer, n: int):
