@@ -10,6 +10,7 @@ which is how GPU results (the device has no matplotlib) get their plots here.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import platform
@@ -68,6 +69,29 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def _package_changed_since_commit() -> bool | None:
+    """True when the package's files differ from the commit git_commit names (a copy of the tree
+    whose .git is older than its files, as the device machine's, or uncommitted edits)."""
+    package = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(package)], capture_output=True,
+                             timeout=10, cwd=package)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {0: False, 1: True}.get(out.returncode)
+
+
+def source_digest(package: Path | None = None) -> str:
+    """sha256 (12 hex digits) over the package's .py files (`package`: this one when None),
+    path and content, in path order: names the code a result ran, whether or not the tree it
+    ran from had git history."""
+    package = Path(__file__).resolve().parents[1] if package is None else package
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def machine_info() -> dict:
     try:
         import mlx_lm
@@ -91,6 +115,8 @@ def machine_info() -> dict:
         "ld_preload": os.environ.get("LD_PRELOAD") or None,
         "load_average_at_start": load,
         "git_commit": _git_commit(),
+        "package_changed_since_commit": _package_changed_since_commit(),
+        "source_digest": source_digest(),
     }
 
 
