@@ -22,12 +22,12 @@ import json
 import os
 import re
 import statistics
-import sys
 import time
 from collections import Counter
 
 import mlx.core as mx
 
+from tests.cache.bench_output import bench_header, emit
 from tests.cache.encoder_reference import ReferenceGEARCache, ReferenceKVQuantCache
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import gear_lowrank
@@ -118,19 +118,12 @@ def main(argv=None) -> None:
                 rows[case]["speedup_of_medians"] = round(ref / cur, 2)
                 print(case, json.dumps(rows[case]), flush=True)
     result = {
-        "command": "python -m tests.cache.bench_encoders " + " ".join(sys.argv[1:] if argv is None else argv),
-        "ld_preload": os.environ.get("LD_PRELOAD"),
-        "mlx": mx.__version__,
-        "device": str(mx.default_device()),
+        **bench_header("tests.cache.bench_encoders", argv),
         "load_average_before_after": [load_before, os.getloadavg()],
         "settings": vars(args),
         "rows": rows,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

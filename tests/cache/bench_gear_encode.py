@@ -27,14 +27,13 @@ then `--flushes` decode flushes of one cache.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections import Counter
 from contextlib import contextmanager
 
 import mlx.core as mx
 
 from tests.cache.bench_kvquant_encode import _graph, _nothing, _stand_in_kernels, chunk_counts
+from tests.cache.bench_output import bench_header, emit
 from tests.cache.test_encoder_identity import _kv
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import gear_encode_kernel, gear_encoder, gear_lowrank
@@ -189,16 +188,11 @@ def main(argv=None) -> None:
         for path in PATHS:
             rows[f"{dtype_name} traces per flush ({path})"] = traces(keys, values, args.chunks, args.flushes, path)
     result = {
-        "command": "python -m tests.cache.bench_gear_encode " + " ".join(sys.argv[1:] if argv is None else argv),
-        "mlx": mx.__version__,
+        **bench_header("tests.cache.bench_gear_encode", argv),
         "settings": vars(args),
         "rows": rows,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ import json
 import os
 import re
 import statistics
-import sys
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -44,6 +43,7 @@ import mlx.core as mx
 from tests.cache.test_encoder_identity import _kv
 from veloxquant_mlx import KVCacheConfig
 from tests.cache import cuda_emulation
+from tests.cache.bench_output import bench_header, emit
 from veloxquant_mlx.cache import fused_decode, kvquant, nonuniform_codebook
 from veloxquant_mlx.cache.kvquant import KVQuantCache
 
@@ -266,19 +266,12 @@ def main(argv=None) -> None:
             rows[f"{dtype_name} traces per chunk ({path})"] = traces(keys, values, args.chunks, path)
             rows[f"{dtype_name} whole later prefill chunk ({path})"] = whole_chunk(keys, values, path)
     result = {
-        "command": "python -m tests.cache.bench_kvquant_encode " + " ".join(sys.argv[1:] if argv is None else argv),
-        "ld_preload": os.environ.get("LD_PRELOAD"),
-        "mlx": mx.__version__,
-        "device": str(mx.default_device()),
+        **bench_header("tests.cache.bench_kvquant_encode", argv),
         "load_average_before_after": [load_before, os.getloadavg()],
         "settings": vars(args),
         "rows": rows,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import re
 import statistics
@@ -92,6 +91,7 @@ def _counting_eval(*args):
 mx.compile = _counting_compile
 mx.eval = _counting_eval
 
+from tests.cache.bench_output import bench_header, emit  # noqa: E402
 from veloxquant_mlx.cache.kvquant import KVQuantCache  # noqa: E402
 from veloxquant_mlx.config import KVCacheConfig  # noqa: E402
 
@@ -266,13 +266,8 @@ def main(argv=None) -> None:
     else:
         result = {"tokens": args.tokens, "chunk": args.chunk, "fills": args.fills,
                   "per_chunk": prefill_probe(args.tokens, args.chunk, args.dtypes.split(","), args.fills)}
-    result["command"] = "python -m tests.cache.bench_kvquant_prefill " + " ".join(argv if argv is not None else sys.argv[1:])
-    result["load_average"] = os.getloadavg()
-    text = json.dumps(result, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    result.update(bench_header("tests.cache.bench_kvquant_prefill", argv), load_average=os.getloadavg())
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

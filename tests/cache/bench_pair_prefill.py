@@ -45,6 +45,7 @@ from collections import Counter
 import mlx.core as mx
 
 from tests.cache.bench_encoders import VIEW_PRIMITIVES
+from tests.cache.bench_output import bench_header, emit
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.bench.prefill_peak import flash_stand_in
 from veloxquant_mlx.cache.registry import cache_class
@@ -218,8 +219,7 @@ def main(argv=None) -> None:
     global LABELS_WANTED
     LABELS_WANTED = args.labels
     load = os.getloadavg()
-    result = {"command": "python -m tests.cache.bench_pair_prefill " + " ".join(sys.argv[1:] if argv is None else argv),
-              "ld_preload": os.environ.get("LD_PRELOAD"), "mlx": mx.__version__,
+    result = {**bench_header("tests.cache.bench_pair_prefill", argv),
               "shape": {"batch": B, "kv_heads": H, "q_heads": HQ, "head_dim": D, "chunk": CHUNK, "dtype": "bfloat16"},
               "rows": {}}
     emulation = contextlib.nullcontext()
@@ -245,11 +245,7 @@ def main(argv=None) -> None:
                 result["rows"].setdefault(method, []).append(row)
                 print(method, json.dumps(row), flush=True)
     result["load_average_before_after"] = [load, os.getloadavg()]
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -29,12 +29,12 @@ import json
 import os
 import re
 import statistics
-import sys
 import time
 from collections import Counter
 
 import mlx.core as mx
 
+from tests.cache.bench_output import bench_header, emit
 from tests.cache.turboquant_rvq_reference import ReferenceTurboQuantRVQCache
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import turboquant_rvq
@@ -190,20 +190,12 @@ def main(argv=None) -> None:
                 "compiled": _graph_size([cache._compiled_decode_range(0, stop, 0)]),
             }
     result = {
-        "command": "python -m tests.cache.bench_turboquant_rvq_encoder "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "ld_preload": os.environ.get("LD_PRELOAD"),
-        "mlx": mx.__version__,
-        "device": str(mx.default_device()),
+        **bench_header("tests.cache.bench_turboquant_rvq_encoder", argv),
         "load_average_before_after": [load_before, os.getloadavg()],
         "settings": vars(args),
         "rows": rows,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
 
 
 def _finish(rows, case):
