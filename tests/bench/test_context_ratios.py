@@ -81,3 +81,29 @@ def test_an_interleaved_file_gives_the_median_of_the_paired_round_ratios(tmp_pat
     assert row["decode_vs_fp16"] == pytest.approx(1.0)
     assert row["decode_ratio_basis"] == "paired interleaved rounds"
     assert row["prefill_time_vs_fp16"] == pytest.approx(0.5 / 0.4)
+
+
+def test_a_cold_prefill_never_replaces_a_warm_one_while_the_newer_decode_wins(tmp_path):
+    # An older file with two prefill repeats each, a newer interleaved one with one cold repeat:
+    # decode from the newer (paired rounds), prefill kept from the older; a warm newer one wins.
+    def rounds(*medians):
+        return {"rounds": [{"round": i, "intervals_ms": [m, m]} for i, m in enumerate(medians)]}
+
+    old = _file(tmp_path, "old.json", [
+        {"spec": "fp16", "context": 32768, "runs": [_run(400, 0.4), _run(400, 0.36)]},
+        {"spec": "kivi", "context": 32768, "runs": [_run(320, 0.6), _run(330, 0.5)]},
+    ])
+    new = _file(tmp_path, "new.json", [
+        {"spec": "fp16", "context": 32768, "runs": [{"prefill_s": 1.1}], "interleaved": rounds(2.0, 2.0)},
+        {"spec": "kivi", "context": 32768, "runs": [{"prefill_s": 1.8}], "interleaved": rounds(2.2, 2.2)},
+    ])
+    (row,) = context_ratios.collect([old, new])
+    assert row["source"] == new and row["decode_vs_fp16"] == pytest.approx(2.0 / 2.2)
+    assert row["prefill_source"] == old and row["prefill_time_vs_fp16"] == pytest.approx(0.5 / 0.36)
+    assert row["prefill_warm"]
+    warm_new = _file(tmp_path, "warm.json", [
+        {"spec": "fp16", "context": 32768, "runs": [_run(500, 0.3), _run(500, 0.3)]},
+        {"spec": "kivi", "context": 32768, "runs": [_run(450, 0.33), _run(450, 0.36)]},
+    ])
+    (row,) = context_ratios.collect([old, new, warm_new])
+    assert row["prefill_source"] == warm_new and row["prefill_time_vs_fp16"] == pytest.approx(1.1)

@@ -16,8 +16,10 @@ with warm repeats):
     `--interleave` file: the median of the per-round ratios to fp16);
   - prefill: the fastest repeat's seconds, against fp16's fastest (the first repeat of each spec
     at a new context pays the compiles of its shapes).
-Where two files hold the same (spec, context), the later file on the command line wins; the
-table says which file each ratio comes from and how many repeats it had.
+Where two files hold the same (spec, context), the later file on the command line wins, but a
+prefill of one cold repeat (spec or fp16; its compiles included) never replaces a warm one (at
+least two repeats each): the decode ratio can come from a newer file than the prefill ratio.
+The table says which file each ratio comes from and how many repeats it had.
 """
 
 from __future__ import annotations
@@ -56,12 +58,19 @@ def ratios_of_file(result: dict, source: str) -> dict[tuple[str, int], dict]:
             "decode_ratio_basis": "paired interleaved rounds" if paired else "decode figures (median of repeats)",
             "prefill_s": figure["prefill_s"], "fp16_prefill_s": fp16["prefill_s"],
             "prefill_time_vs_fp16": figure["prefill_s"] / fp16["prefill_s"],
+            "prefill_source": source,
+            "prefill_warm": len(figure["prefill_repeats_s"]) >= 2 and len(fp16["prefill_repeats_s"]) >= 2,
         }
     return out
 
 
+# What a row's prefill ratio is made of: kept together when an older file's warm prefill stays.
+PREFILL_FIELDS = ("prefill_s", "fp16_prefill_s", "prefill_time_vs_fp16", "prefill_source", "prefill_warm")
+
+
 def collect(paths: list[str]) -> list[dict]:
-    """Rows of every file, the later file winning a (spec, context) both hold."""
+    """Rows of every file, the later file winning a (spec, context) both hold; its prefill only
+    where it is warm or the earlier one was not."""
     merged: dict[tuple[str, int], dict] = {}
     for path in paths:
         try:
@@ -70,8 +79,18 @@ def collect(paths: list[str]) -> list[dict]:
             raise SystemExit(f"context_ratios: cannot read {path}: {exc}") from None
         if "cases" not in result:
             raise SystemExit(f"context_ratios: {path} is not a bench.gpu_speed result (no 'cases')")
-        merged.update(ratios_of_file(result, path))
+        for key, row in ratios_of_file(result, path).items():
+            earlier = merged.get(key)
+            if earlier is not None and earlier["prefill_warm"] and not row["prefill_warm"]:
+                row.update({field: earlier[field] for field in PREFILL_FIELDS})
+            merged[key] = row
     return sorted(merged.values(), key=lambda row: (row["spec"], row["context"]))
+
+
+def _warm(row: dict, panel: str) -> bool:
+    if panel == "prefill":
+        return row["prefill_warm"]
+    return row["repeats"] >= 2 and row["fp16_repeats"] >= 2 or row["decode_ratio_basis"] == "paired interleaved rounds"
 
 
 def plot(rows: list[dict], path: Path) -> Path:
@@ -86,13 +105,16 @@ def plot(rows: list[dict], path: Path) -> Path:
     for ax, (key, title, target) in zip(axes, panels):
         for spec in sorted({row["spec"] for row in rows}):
             mine = [row for row in rows if row["spec"] == spec]
-            (line,) = ax.plot([row["context"] for row in mine], [row[key] for row in mine], label=spec)
-            # Filled: at least two repeats (a warm one); hollow: one cold repeat (its prefill
-            # includes the context's JIT compiles, its decode is one median of tokens).
-            for row in mine:
-                warm = row["repeats"] >= 2 and row["fp16_repeats"] >= 2
+            # Filled and joined: a warm figure (prefill: two repeats or more of the spec and of
+            # fp16; decode: that, or paired interleaved rounds); hollow and not joined: one cold
+            # repeat (its prefill includes the context's JIT compiles, its decode is one median
+            # of tokens), which a line through it would make read like a trend.
+            warm = [_warm(row, target) for row in mine]
+            (line,) = ax.plot([r["context"] for r, w in zip(mine, warm) if w],
+                              [r[key] for r, w in zip(mine, warm) if w], label=spec)
+            for row, is_warm in zip(mine, warm):
                 ax.plot([row["context"]], [row[key]], marker="o", color=line.get_color(),
-                        markerfacecolor=line.get_color() if warm else "none")
+                        markerfacecolor=line.get_color() if is_warm else "none")
         ax.axhline(1.0, color="black", linewidth=0.8)
         for context, level in TARGET_LINES[target]:
             ax.plot([context], [level], marker="_", markersize=30, color="red")
@@ -101,7 +123,8 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("H200, 8B-shaped llama (8 layers, bf16); red marks: issue 5's targets; hollow: one cold repeat", fontsize=10)
+    fig.suptitle("H200, 8B-shaped llama (8 layers, bf16); red marks: issue 5's targets; hollow, not joined: one cold "
+                 "repeat (decode: not interleaved)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -121,10 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.write_text(json.dumps({"command": "python -m veloxquant_mlx.bench.context_ratios " + " ".join(argv or sys.argv[1:]),
                                "rows": rows}, indent=1) + "\n")
-    print(f"{'spec':<16} {'context':>7}  decode vs fp16  prefill vs fp16  repeats  source")
+    print(f"{'spec':<16} {'context':>7}  decode vs fp16  prefill vs fp16  repeats  source (prefill's if other)")
     for row in rows:
+        prefill_from = "" if row["prefill_source"] == row["source"] else f" (prefill: {row['prefill_source']})"
         print(f"{row['spec']:<16} {row['context']:>7}  {row['decode_vs_fp16']:>13.2f}x  "
-              f"{row['prefill_time_vs_fp16']:>14.2f}x  {row['repeats']:>7}  {row['source']}")
+              f"{row['prefill_time_vs_fp16']:>14.2f}x  {row['repeats']:>7}  {row['source']}{prefill_from}")
     if not args.no_plot:
         print("plot:", plot(rows, out.with_suffix(".png")))
     return 0
