@@ -171,9 +171,9 @@ __device__ __forceinline__ void vq_block_partial(const float* ps, int ps_stride,
 """
 
 # Kernel 1: partials. The window: wk, wv (B, H, C, D / DV) its buffers, C >= W slots per head,
-# and wn (W,) its length W, in the shape alone (window_inputs). Template constants: D, DV (key /
-# value head dims), R (query rows per kv head), G (group), KB, VB (bits), LPT (lanes per value
-# token, lanes_per_token), QT (query dtype: also the window's), ST (side-data dtype).
+# and wn (W,) its length W, in the shape alone (window_count). Template constants: D, DV (key / value head dims), R (query rows per kv
+# head), G (group), KB, VB (bits), LPT (lanes per value token, lanes_per_token), QT (query
+# dtype: also the window's), ST (side-data dtype).
 # meta = [n_valid, tokens per block, blocks over the history, scale as float bits, n_skip,
 # n_sink]: history tokens [0, n_skip) are ignored (a cache that reads them exactly, e.g. KIVI's
 # attention sink, hands them in as sk / sv); sk, sv (B, H, n_sink, D / DV) in the queries' dtype
@@ -879,8 +879,9 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
     inputs[0] = queries
     # The window's buffers whole (their slack unread) and its length: no copy of a view.
     buffer_k, buffer_v, n_window = cache.window_buffers()
-    inputs[keys_slot], inputs[values_slot], inputs[count_slot] = window_inputs(
-        buffer_k, buffer_v, n_window, queries.dtype)
+    inputs[keys_slot] = buffer_k.astype(queries.dtype)
+    inputs[values_slot] = buffer_v.astype(queries.dtype)
+    inputs[count_slot] = window_count(n_window)
     state = cache.__dict__.setdefault("_fused_launch", FusedLaunchState())
     return kernel().attend(queries, inputs=inputs, state=state, **shape)
 
@@ -929,7 +930,7 @@ def affine_partials(
     return split_launch(partials, queries, inputs=inputs, **shape)
 
 
-# Where affine_launch's input list holds the window (keys, values, length): a step plan swaps
+# Where affine_launch's input list holds the window (keys, values, count): a step plan swaps
 # them in.
 WINDOW_INPUTS = (PARTIALS_INPUTS.index("wk"), PARTIALS_INPUTS.index("wv"), PARTIALS_INPUTS.index("wn"))
 
@@ -953,7 +954,7 @@ def affine_launch(
     sink_keys, sink_values, n_sink = _sink_inputs(sink, queries, window_keys, window_values, DV)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip, n_sink)
     inputs = [queries, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
-              *window_inputs(window_keys, window_values, window_keys.shape[2], dtype),
+              window_keys.astype(dtype), window_values.astype(dtype), window_count(window_keys.shape[2]),
               sink_keys, sink_values, meta, *extra_inputs]
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                 ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits, R)), ("QT", dtype),
@@ -963,13 +964,6 @@ def affine_launch(
 
 
 _COUNTS: list = [None]  # the int8 array window_count takes its prefixes of, grown on demand
-
-
-def window_inputs(keys, values, n: int, dtype) -> list:
-    """[wk, wv, wn] of a decode kernel: the window's keys / values (B, H, C, D / DV) in `dtype`,
-    C >= n slots per head (a cache's buffers whole, or the window itself with C = n), and its
-    length n as window_count's array."""
-    return [keys.astype(dtype), values.astype(dtype), window_count(n)]
 
 
 def window_count(n: int) -> mx.array:

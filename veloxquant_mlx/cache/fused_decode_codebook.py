@@ -740,7 +740,7 @@ def codebook_partials(
     return kernel.partials(queries, inputs=inputs, **shape)
 
 
-# Where codebook_launch's input list holds the window (keys, values, length).
+# Where codebook_launch's input list holds the window (keys, values).
 WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"), _INPUTS.index("wn"))
 
 
@@ -780,7 +780,7 @@ def codebook_launch(
     inputs = [queries, store["key_codes"], store["key_scale"], store["key_zero"],
               _as(store["key_codebook"], mx.float32), store["value_codes"], store["value_scale"],
               store["value_zero"], _as(store["value_codebook"], mx.float32), *outliers,
-              *fused_decode.window_inputs(window_keys, window_values, window_keys.shape[2], dtype),
+              _as(window_keys, dtype), _as(window_values, dtype), fused_decode.window_count(window_keys.shape[2]),
               sink_keys, sink_values, meta]
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
                 ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]), ("PARK", park),

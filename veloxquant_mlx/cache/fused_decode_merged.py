@@ -682,7 +682,7 @@ def merged_decode_attention(
     return _partials_kernel().attend(queries, inputs=inputs, **shape)
 
 
-# Where merged_launch's input list holds the window (keys, values, length).
+# Where merged_launch's input list holds the window (keys, values).
 WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"), _INPUTS.index("wn"))
 
 
@@ -729,7 +729,8 @@ def merged_launch(
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale))
     dtype = queries.dtype
     inputs = [queries, dir_k, dir_v, *direction_side, mag_k, mag_v, *retained,
-              *fused_decode.window_inputs(window_keys, window_values, window_keys.shape[2], dtype), meta]
+              window_keys.astype(dtype), window_values.astype(dtype),
+              fused_decode.window_count(window_keys.shape[2]), meta]
     template = [("D", D), ("DV", DV), ("R", R), ("PV", int(PREFETCH_FIRST_VALUES and R <= PREFETCH_MAX_ROWS)),
                 ("S", slots), ("DB", direction_bits or 0), ("QT", dtype), ("DT", dir_k.dtype),
                 ("ST", direction_side[0].dtype), ("MT", mag_k.dtype), ("RT", retained[0].dtype)]

@@ -618,7 +618,7 @@ def decode_step(cache, queries, scale: float):
     return fused_decode.planned_attend(cache, queries, scale, key, launch, lambda: _partials_kernel(budget))
 
 
-# Where rotated_launch's input list holds the window (keys, values, length).
+# Where rotated_launch's input list holds the window (keys, values).
 WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"), _INPUTS.index("wn"))
 
 
@@ -647,8 +647,8 @@ def rotated_launch(
     dtype = queries.dtype
     budget = MAX_VALUE_SUMS  # read at each call: a probe sets it to time another lane split
     inputs = [queries, key_signs, value_signs, key_mean.astype(dtype), *stores,
-              *fused_decode.window_inputs(window_keys, window_values, window_keys.shape[2], dtype),
-              sk, sv, meta]
+              window_keys.astype(dtype), window_values.astype(dtype),
+              fused_decode.window_count(window_keys.shape[2]), sk, sv, meta]
     shape = {"template": [("D", D), ("DV", DV), ("R", R), ("KB1", key_stage1_bits),
                           ("VB1", value_stage1_bits), ("KG", key_group), ("VG", value_group), ("QT", dtype),
                           ("VQ_MAX_VALUE_SUMS", budget)],

@@ -73,8 +73,8 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode_merged, fused_prefill_merged
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
-from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
 from veloxquant_mlx.cache.growing_window import GrowingWindowMixin
+from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
 from veloxquant_mlx.errors import QuantizerConfigError
 
 BLOCK = 32
