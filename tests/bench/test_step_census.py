@@ -65,8 +65,7 @@ def test_recorder_stands_in_for_launches_and_fused_ops():
 
 def test_census_command_end_to_end(tmp_path):
     """The command on a small history: fp16's step is mlx-lm's (2 slice writes, the fused
-    attention), kivi's one kernel and, as fp16's, the token's two slice writes into the window
-    (the slices: the window's count and its two filled views, all views), xquant's follower
+    attention), kivi's two kernels and the window's two concatenations, xquant's follower
     builds what its leader builds; the JSON carries the ratios to fp16. In a subprocess: the
     census leaves mx.compile traces made under its stand-ins behind."""
     out = tmp_path / "census.json"
@@ -82,7 +81,7 @@ def test_census_command_end_to_end(tmp_path):
     fp16 = methods["fp16"]["layers"][0]["typical_step"]
     assert fp16 == {"ScaledDotProductAttention": 1, "Slice": 2, "SliceUpdate": 2}
     kivi = methods["kivi"]["layers"][0]["typical_step"]
-    assert kivi == {"SliceUpdate": 2, "Slice": 3, "CustomKernel:vq_affine_decode_partials_merged": 1}
+    assert kivi == {"Concatenate": 2, "CustomKernel:vq_affine_decode_partials_merged": 1}
     leader, follower = (layer["typical_step"] for layer in methods["xquant"]["layers"])
     assert leader == follower
     for r in methods.values():

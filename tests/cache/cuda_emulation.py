@@ -569,10 +569,8 @@ def _build(program: str) -> Path:
 # ---- the interface of the rotated kernel's test (test_fused_decode_rotated.py) ----
 
 NAMES = ["q", "ksg", "vsg", "kmean", "kc1", "ks1", "kz1", "kc2", "km2",
-         "vc1", "vs1", "vz1", "vc2", "vm2", "wk", "wv", "wn", "sk", "sv"]
+         "vc1", "vs1", "vz1", "vc2", "vm2", "wk", "wv", "sk", "sv"]
 CODE_INPUTS = {"kc1", "kc2", "vc1", "vc2"}
-# What a test hands run_partials: every input but the window's count (wn: made here, from wk).
-ARRAY_NAMES = [n for n in NAMES if n != "wn"]
 _ROTATED_TEMPLATE = ("D", "DV", "R", "KB1", "VB1", "KG", "VG")
 
 
@@ -586,7 +584,7 @@ def _rotated_kernel() -> EmulatedKernel:
 
 def _rotated_signature(cfg, ndims) -> _Signature:
     template = tuple(zip(_ROTATED_TEMPLATE, cfg)) + (("QT", mx.float32),)
-    dtypes = tuple(mx.uint32 if n in CODE_INPUTS else mx.int8 if n == "wn" else mx.float32 for n in NAMES) + (mx.int32,)
+    dtypes = tuple(mx.uint32 if n in CODE_INPUTS else mx.float32 for n in NAMES) + (mx.int32,)
     return _Signature(template, dtypes, tuple(ndims), (mx.float32,) * 3)
 
 
@@ -596,20 +594,18 @@ def compiled(configs: tuple[tuple[int, ...], ...]):
     kernel = _rotated_kernel()
     # Ranks as decode_step hands them: q (B, Hq, 1, D) ... the sink's dummies; only the inputs
     # whose *_shape the source reads (wk, kc2) need a rank > 0 to be declared.
-    ndims = tuple(1 if n == "wn" else 4 for n in NAMES) + (1,)
+    ndims = (4,) * len(NAMES) + (1,)
     prebuild_captured([(kernel, _rotated_signature(c, ndims)) for c in configs])
     return kernel
 
 
 def run_partials(lib, cfg, arrays: list[np.ndarray], meta: np.ndarray, wk_shape, kc2_shape,
                  n_blocks: int, BH: int, R: int, DV: int):
-    """(part_o, part_m, part_l) of the emulated rotated partials kernel for the inputs in
-    ARRAY_NAMES order (float32; codes uint32), as numpy arrays; the window's count wn is the
-    whole window (wk's own length)."""
-    given = {n: mx.array(np.ascontiguousarray(a, dtype=np.uint32 if n in CODE_INPUTS else np.float32))
-             for n, a in zip(ARRAY_NAMES, arrays)}
-    given["wn"] = mx.zeros((given["wk"].shape[2],), dtype=mx.int8)
-    inputs = [given[n] for n in NAMES] + [mx.array(np.asarray(meta, dtype=np.int32))]
+    """(part_o, part_m, part_l) of the emulated rotated partials kernel for the inputs in NAMES
+    order (float32; codes uint32), as numpy arrays."""
+    arrays = [np.ascontiguousarray(a, dtype=np.uint32 if n in CODE_INPUTS else np.float32)
+              for n, a in zip(NAMES, arrays)]
+    inputs = [mx.array(a) for a in arrays] + [mx.array(np.asarray(meta, dtype=np.int32))]
     # The kernel reads only wk_shape and kc2_shape; they must be the arrays' own shapes.
     assert tuple(inputs[NAMES.index("wk")].shape) == tuple(wk_shape)
     assert tuple(inputs[NAMES.index("kc2")].shape) == tuple(kc2_shape)

@@ -233,10 +233,7 @@ def test_kivis_default_sink_is_attended_through_the_partials_kernels_sink_inputs
     inputs = dict(zip(fused_decode.PARTIALS_INPUTS, next(k for k in made if k.launches).launches[0]))
     assert mx.array_equal(inputs["sk"], cache.sink_keys).item() and inputs["sk"].shape == (1, 2, 1, 128)
     assert mx.array_equal(inputs["sv"], cache.sink_values).item()
-    n = cache.window_keys.shape[2]  # the window: its buffers whole, its length in wn's shape
-    assert inputs["wn"].shape == (n,) and inputs["wk"].shape[2] >= n
-    assert mx.array_equal(inputs["wk"][:, :, :n], cache.window_keys).item()
-    assert mx.array_equal(inputs["wv"][:, :, :n], cache.window_values).item()
+    assert mx.array_equal(inputs["wk"], cache.window_keys).item() and mx.array_equal(inputs["wv"], cache.window_values).item()
     assert inputs["meta"].tolist()[4:] == [1, 1]  # n_skip, n_sink
     got = np.array(got.astype(mx.float32))
     print(f"kivi default {dtype}: max |kernel - portable| = {np.abs(got - expected).max():.2e}")

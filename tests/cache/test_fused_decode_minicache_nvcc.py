@@ -22,14 +22,13 @@ from veloxquant_mlx.cache import fused_decode, fused_decode_merged
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (CUDA toolkit) to compile the kernel for sm_90")
 
-_C_TYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "u32": "uint32_t", "i32": "int32_t",
-            "i8": "int8_t"}
+_C_TYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "u32": "uint32_t", "i32": "int32_t"}
 
 
 def _program(D, DV, R, S, DB, QT, RT, PV=1, fused=False) -> str:
     DT = "u32" if DB else "f16"
     dtypes = dict(q=QT, dk=DT, dv=DT, dks="f16", dkb="f16", dvs="f16", dvb="f16", mk="f16", mv="f16",
-                  rk=RT, rv=RT, pk="i32", pv="i32", wk=QT, wv=QT, wn="i8", meta="i32")
+                  rk=RT, rv=RT, pk="i32", pv="i32", wk=QT, wv=QT, meta="i32")
     source = fused_decode_merged._PARTIALS
     if fused:  # the merge fused in (fused_decode.MERGE_IN_KERNEL): outputs the attention and the scratch
         source = fused_decode._FUSED_PROLOGUE + source + fused_decode._FUSED_EPILOGUE

@@ -253,10 +253,13 @@ def counting_syncs():
 # ---- the caches and one step ----------------------------------------------------------------
 def state_arrays(cache) -> list:
     """The arrays a cache carries to its next step (window and store; fp16's keys / values).
-    The window is its filled part: the view a cache keeps between two writes
-    (cache/growing_window.py), so reading it makes no node of the census's own."""
+    A growing window (cache/growing_window.py) is its buffers: its window_keys property would
+    make a new slice at each read, a node of the census's own."""
     if hasattr(cache, "store"):
-        arrays = [cache.window_keys, cache.window_values, *cache.store.values()]
+        window = [cache.__dict__.get("_window_k"), cache.__dict__.get("_window_v")]
+        if window[0] is None:
+            window = [cache.window_keys, cache.window_values]
+        arrays = [*window, *cache.store.values()]
     else:
         arrays = [getattr(cache, "keys", None), getattr(cache, "values", None)]
     return [a for a in arrays if isinstance(a, mx.array)]

@@ -30,7 +30,6 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_lm_cache
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
 
-from veloxquant_mlx.cache.growing_window import GrowingWindowMixin
 from veloxquant_mlx.config.kv_cache_config import KVCacheConfig
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -74,7 +73,7 @@ def register_with_mlx_lm(cls: type) -> None:
     setattr(mlx_lm_cache, cls.__name__, cls)
 
 
-class CompressedKVCache(GrowingWindowMixin, _BaseCache):
+class CompressedKVCache(_BaseCache):
     method: ClassVar[str] = ""
     step: ClassVar[int] = 256
     # Set (per instance) by the attention dispatcher of veloxquant_mlx.integration when it hands
@@ -155,15 +154,8 @@ class CompressedKVCache(GrowingWindowMixin, _BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self._validate_input(keys, values)
         self._flush()
-        if not self._has_window():
+        if self.window_keys is None:
             self.window_keys, self.window_values = keys, values
-        elif keys.shape[2] == 1:
-            # A decode step writes its token into the window's buffer in place (growing it by
-            # window_step when full), as mlx-lm's KVCache does: one small copy, where a
-            # concatenation copied the whole window twice (two copy kernels per layer and step
-            # on CUDA; results/launch_cost_h200_s8.json: 1.43 + 7.50 us of host per
-            # concatenation, 1.96 + 2.46 per slice write). A prefill chunk concatenates.
-            self._append_in_place(keys, values)
         else:
             self.window_keys = mx.concatenate([self.window_keys, keys], axis=2)
             self.window_values = mx.concatenate([self.window_values, values], axis=2)
@@ -202,7 +194,7 @@ class CompressedKVCache(GrowingWindowMixin, _BaseCache):
             )
         B, n_q_heads, L, D = queries.shape
         rep = self._gqa_repeats(n_q_heads)
-        if L == 1 and self.n_compressed and self._has_window() and not isinstance(mask, mx.array):
+        if L == 1 and self.n_compressed and self.window_keys is not None and not isinstance(mask, mx.array):
             out = self._fused_decode(queries, scale)
             if out is not None:
                 self._flush()
@@ -304,6 +296,9 @@ class CompressedKVCache(GrowingWindowMixin, _BaseCache):
                 "heads must be a multiple of the kv heads"
             )
         return n_q_heads // self.n_kv_heads
+
+    def _window_length(self) -> int:
+        return 0 if self.window_keys is None else self.window_keys.shape[2]
 
     def _slack_keep(self) -> mx.array | None:
         """(capacity,) True for the filled columns of the compressed form; None without slack.
@@ -434,8 +429,6 @@ class CompressedKVCache(GrowingWindowMixin, _BaseCache):
 
     @property
     def nbytes(self) -> int:
-        # The store and the window's filled part: a compressing layer's window buffer has at
-        # most window_step tokens of slack, gone at each flush; a loaded state holds none.
         total = sum(a.nbytes for a in self.store.values())
         if self.window_keys is not None:
             total += self.window_keys.nbytes + self.window_values.nbytes
@@ -590,8 +583,9 @@ class CompressedKVCache(GrowingWindowMixin, _BaseCache):
 
     def _flush(self) -> None:
         """Encode whole blocks of the window beyond the exact residual into the store."""
-        # Its length, not the window: reading window_keys makes a view (an op) per step.
-        n_window = self._window_length()
+        if self.window_keys is None:
+            return
+        n_window = self.window_keys.shape[2]
         n = ((n_window - self.residual_length) // self.block_size) * self.block_size
         if n <= 0:
             return

@@ -170,8 +170,7 @@ __device__ __forceinline__ void vq_block_partial(const float* ps, int ps_stride,
 }
 """
 
-# Kernel 1: partials. The window: wk, wv (B, H, C, D / DV) its buffers, C >= W slots per head,
-# and wn (W,) its length W, in the shape alone (window_count). Template constants: D, DV (key / value head dims), R (query rows per kv
+# Kernel 1: partials. Template constants: D, DV (key / value head dims), R (query rows per kv
 # head), G (group), KB, VB (bits), LPT (lanes per value token, lanes_per_token), QT (query
 # dtype: also the window's), ST (side-data dtype).
 # meta = [n_valid, tokens per block, blocks over the history, scale as float bits, n_skip,
@@ -230,8 +229,7 @@ _PARTIALS_TEMPLATE = r"""
   const int n_skip = meta[4];
   const int n_sink = meta[5];
   const bool window = blockIdx.x >= n_hist_blocks;
-  const int n_window = wn_shape[0];  // the window's tokens (window_count); wk / wv hold
-                                     // wk_shape[2] >= n_window slots per head (a growing buffer)
+  const int n_window = wk_shape[2];
   const int cap = vc_shape[2];
   const int wk_words = kc_shape[3];
   const int gk = ks_shape[3];
@@ -259,8 +257,8 @@ _PARTIALS_TEMPLATE = r"""
   const uint32_t* vc_bh = vc + (size_t)bh * cap * WV;
   const ST* vs_bh = vs + (size_t)bh * cap * GV;
   const ST* vz_bh = vz + (size_t)bh * cap * GV;
-  const QT* wk_bh = wk + (size_t)bh * wk_shape[2] * D;
-  const QT* wv_bh = wv + (size_t)bh * wk_shape[2] * DV;
+  const QT* wk_bh = wk + (size_t)bh * n_window * D;
+  const QT* wv_bh = wv + (size_t)bh * n_window * DV;
   // The exact block's token t: sink row t below n_sink, else window row t - n_sink; at R = 4
   // written as a base chosen per token plus t rows (the window's base moved back by n_sink rows,
   // never read there), at other R as whole row pointers selected. Why: ptxas's register counts
@@ -684,7 +682,7 @@ def _on_cuda() -> bool:
 
 
 # Kernel 1's inputs, in launch order (a kernel built on it by partials_source appends its own).
-PARTIALS_INPUTS = ("q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "wn", "sk", "sv", "meta")
+PARTIALS_INPUTS = ("q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "sk", "sv", "meta")
 
 
 @lru_cache(maxsize=None)
@@ -874,14 +872,11 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
         cache.__dict__["_fused_plan"] = plan
     if plan[1] is None:
         return None
-    inputs, shape, (keys_slot, values_slot, count_slot) = plan[1]
+    inputs, shape, (keys_slot, values_slot) = plan[1]
     inputs = list(inputs)
     inputs[0] = queries
-    # The window's buffers whole (their slack unread) and its length: no copy of a view.
-    buffer_k, buffer_v, n_window = cache.window_buffers()
-    inputs[keys_slot] = buffer_k.astype(queries.dtype)
-    inputs[values_slot] = buffer_v.astype(queries.dtype)
-    inputs[count_slot] = window_count(n_window)
+    inputs[keys_slot] = cache.window_keys.astype(queries.dtype)
+    inputs[values_slot] = cache.window_values.astype(queries.dtype)
     state = cache.__dict__.setdefault("_fused_launch", FusedLaunchState())
     return kernel().attend(queries, inputs=inputs, state=state, **shape)
 
@@ -930,9 +925,8 @@ def affine_partials(
     return split_launch(partials, queries, inputs=inputs, **shape)
 
 
-# Where affine_launch's input list holds the window (keys, values, count): a step plan swaps
-# them in.
-WINDOW_INPUTS = (PARTIALS_INPUTS.index("wk"), PARTIALS_INPUTS.index("wv"), PARTIALS_INPUTS.index("wn"))
+# Where affine_launch's input list holds the window (keys, values): a step plan swaps them in.
+WINDOW_INPUTS = (PARTIALS_INPUTS.index("wk"), PARTIALS_INPUTS.index("wv"))
 
 
 def affine_launch(
@@ -954,30 +948,13 @@ def affine_launch(
     sink_keys, sink_values, n_sink = _sink_inputs(sink, queries, window_keys, window_values, DV)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip, n_sink)
     inputs = [queries, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
-              window_keys.astype(dtype), window_values.astype(dtype), window_count(window_keys.shape[2]),
-              sink_keys, sink_values, meta, *extra_inputs]
+              window_keys.astype(dtype), window_values.astype(dtype), sink_keys, sink_values,
+              meta, *extra_inputs]
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                 ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits, R)), ("QT", dtype),
                 ("ST", side), *extra_template]
     kernel = _kernels()[0] if kernel is None else kernel
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
-
-
-_COUNTS: list = [None]  # the int8 array window_count takes its prefixes of, grown on demand
-
-
-def window_count(n: int) -> mx.array:
-    """An int8 array of n elements whose shape alone tells a decode kernel how many tokens its
-    window holds (`wn_shape[0]`; the kernels never read its contents): a prefix of one array
-    kept for the process, so a view, contiguous and built without a launch.
-    Why: a cache writes its decode tokens into a window buffer with slack (growing_window.py),
-    and the kernels read that buffer whole (`wk_shape[2]` slots per head); its filled part as a
-    (B, H, n, D) view is not contiguous, and MLX would copy it for the kernel at every step."""
-    counts = _COUNTS[0]
-    if counts is None or counts.shape[0] < n:
-        counts = mx.zeros((max(n, 4096, 0 if counts is None else 2 * counts.shape[0]),), dtype=mx.int8)
-        _COUNTS[0] = counts
-    return counts[:n]
 
 
 @lru_cache(maxsize=None)

@@ -19,8 +19,7 @@ What one paired layer reads per KV head (minicache.py's store; MiniCache, arXiv 
   * rk, rv (B, H, cap / 32 * S, D / DV), pk, pv (B, H, cap / 32 * S) int32: per block of 32
     tokens S retained slots, the layer's exact vector and its absolute position (-1: unused);
     keys and values choose their slots separately;
-  * wk, wv (B, H, C, D / DV): the exact window (the newest tokens, not merged yet) in its
-    buffers of C >= W slots per head; wn (W,): its length W, in the shape alone.
+  * wk, wv (B, H, W, D / DV): the exact window (the newest tokens, not merged yet).
 Attention over it:
   score_t = ||k_t|| (q . e_k,t), or q . k_t exactly where t is a retained key;
   out = sum_t p_t ||v_t|| e_v,t over the tokens whose value is not retained
@@ -371,8 +370,7 @@ _PARTIALS = r"""
   const int n_hist_blocks = meta[2];
   const float scale = __int_as_float(meta[3]);
   const bool exact = blockIdx.x >= n_hist_blocks;  // block-uniform
-  const int n_window = wn_shape[0];  // the window's tokens; wk / wv hold wk_shape[2] >= n_window
-                                     // slots per head (a growing buffer: fused_decode.window_count)
+  const int n_window = wk_shape[2];
   const int cap_dir = dk_shape[2];         // the pair's direction arrays (the lower layer's)
   const int cap = mk_shape[2];             // this layer's own arrays
   const int n_slot_rows = cap / TILE * S;  // retained rows per head
@@ -414,8 +412,8 @@ _PARTIALS = r"""
   const RT* rv_bh = rv + (size_t)bh * n_slot_rows * DV;
   const int* pk_bh = pk + (size_t)bh * n_slot_rows;
   const int* pv_bh = pv + (size_t)bh * n_slot_rows;
-  const QT* wk_bh = wk + (size_t)bh * wk_shape[2] * D;
-  const QT* wv_bh = wv + (size_t)bh * wk_shape[2] * DV;
+  const QT* wk_bh = wk + (size_t)bh * n_window * D;
+  const QT* wv_bh = wv + (size_t)bh * n_window * DV;
   float* w_tile = ps[warp];                // [TILE][R]
   float* w_slot = ps[warp] + TILE * R;     // [S][R], then one row of zeros
   float* ex_k = w_slot + (SS + 1) * R;     // [S][R]
@@ -596,7 +594,7 @@ _PARTIALS = r"""
                               part_o, part_m, part_l, out_row);
 """
 
-_INPUTS = ["q", "dk", "dv", "dks", "dkb", "dvs", "dvb", "mk", "mv", "rk", "rv", "pk", "pv", "wk", "wv", "wn", "meta"]
+_INPUTS = ["q", "dk", "dv", "dks", "dkb", "dvs", "dvb", "mk", "mv", "rk", "rv", "pk", "pv", "wk", "wv", "meta"]
 
 
 @lru_cache(maxsize=None)
@@ -683,7 +681,7 @@ def merged_decode_attention(
 
 
 # Where merged_launch's input list holds the window (keys, values).
-WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"), _INPUTS.index("wn"))
+WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"))
 
 
 def merged_launch(
@@ -729,8 +727,7 @@ def merged_launch(
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale))
     dtype = queries.dtype
     inputs = [queries, dir_k, dir_v, *direction_side, mag_k, mag_v, *retained,
-              window_keys.astype(dtype), window_values.astype(dtype),
-              fused_decode.window_count(window_keys.shape[2]), meta]
+              window_keys.astype(dtype), window_values.astype(dtype), meta]
     template = [("D", D), ("DV", DV), ("R", R), ("PV", int(PREFETCH_FIRST_VALUES and R <= PREFETCH_MAX_ROWS)),
                 ("S", slots), ("DB", direction_bits or 0), ("QT", dtype), ("DT", dir_k.dtype),
                 ("ST", direction_side[0].dtype), ("MT", mag_k.dtype), ("RT", retained[0].dtype)]

@@ -186,8 +186,7 @@ _HEADER = _header(MAX_VALUE_SUMS)  # at the shipped budget
 # kc1/ks1/kz1 key stage 1 (codes (B, H, cap, D*KB1/32), scales/zeros (B, H, cap, D/KG); for
 # KB1 = 1 ks1 holds the magnitudes (B, H, cap, 1); for KB1 = 0 all three are unused dummies);
 # kc2 (B, H, cap, D/32) sign words, km2 (B, H, cap, 1) magnitudes; the same for values (vc1,
-# vs1, vz1, vc2, vm2); wk (B, H, C, D), wv (B, H, C, DV) the exact window's buffers (C >= W
-# slots per head) and wn (W,) its length W in the shape alone; sk (B, H, S, D), sv
+# vs1, vz1, vc2, vm2); wk (B, H, W, D), wv (B, H, W, DV) the exact window; sk (B, H, S, D), sv
 # (B, H, S, DV) the exact sink (float32; unused dummies when S = 0).
 _PARTIALS = r"""
   constexpr int NW = 4;                       // warps per block
@@ -230,8 +229,7 @@ _PARTIALS = r"""
   const float scale = __int_as_float(meta[3]);
   const int n_sink = meta[4];
   const bool exact = blockIdx.x >= n_hist_blocks;  // block-uniform
-  const int n_window = wn_shape[0];  // the window's tokens; wk / wv hold w_stride >= n_window
-  const int w_stride = wk_shape[2];  // slots per head (a growing buffer: fused_decode.window_count)
+  const int n_window = wk_shape[2];
   const int cap = kc2_shape[2];
 
   // Shared: the scaled query unrotated (exact tokens) and rotated (codes), [d][r]; the bias;
@@ -305,7 +303,7 @@ _PARTIALS = r"""
           for (int r = 0; r < R; ++r) s[r] = fmaf(qx[d * R + r], kv, s[r]);
         }
       } else {
-        const QT* krow = wk + ((size_t)bh * w_stride + (t - n_sink)) * D;
+        const QT* krow = wk + ((size_t)bh * n_window + (t - n_sink)) * D;
         #pragma unroll 16  // loads in flight: the exact block is one per head, little else hides latency
         for (int d = 0; d < D; ++d) {
           const float kv = vq_f32(krow[d]);
@@ -374,7 +372,7 @@ _PARTIALS = r"""
           #pragma unroll
           for (int c = 0; c < CPL; ++c) v[c] = vrow[c];
         } else {
-          const QT* vrow = wv + ((size_t)bh * w_stride + (tj - n_sink)) * DV + ch0;
+          const QT* vrow = wv + ((size_t)bh * n_window + (tj - n_sink)) * DV + ch0;
           #pragma unroll
           for (int c = 0; c < CPL; ++c) v[c] = vq_f32(vrow[c]);
         }
@@ -514,7 +512,7 @@ _PARTIALS = r"""
 """
 
 _INPUTS = ["q", "ksg", "vsg", "kmean", "kc1", "ks1", "kz1", "kc2", "km2",
-           "vc1", "vs1", "vz1", "vc2", "vm2", "wk", "wv", "wn", "sk", "sv", "meta"]
+           "vc1", "vs1", "vz1", "vc2", "vm2", "wk", "wv", "sk", "sv", "meta"]
 
 
 @lru_cache(maxsize=None)
@@ -619,7 +617,7 @@ def decode_step(cache, queries, scale: float):
 
 
 # Where rotated_launch's input list holds the window (keys, values).
-WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"), _INPUTS.index("wn"))
+WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"))
 
 
 def rotated_launch(
@@ -647,8 +645,7 @@ def rotated_launch(
     dtype = queries.dtype
     budget = MAX_VALUE_SUMS  # read at each call: a probe sets it to time another lane split
     inputs = [queries, key_signs, value_signs, key_mean.astype(dtype), *stores,
-              window_keys.astype(dtype), window_values.astype(dtype),
-              fused_decode.window_count(window_keys.shape[2]), sk, sv, meta]
+              window_keys.astype(dtype), window_values.astype(dtype), sk, sv, meta]
     shape = {"template": [("D", D), ("DV", DV), ("R", R), ("KB1", key_stage1_bits),
                           ("VB1", value_stage1_bits), ("KG", key_group), ("VG", value_group), ("QT", dtype),
                           ("VQ_MAX_VALUE_SUMS", budget)],

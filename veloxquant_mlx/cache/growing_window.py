@@ -1,20 +1,18 @@
-"""The exact window as a buffer that grows in place: every cache's, as mlx-lm's KVCache keeps K/V.
+"""An exact window that grows in place, for layers whose window is their whole history.
 
-Why: the base cache appended each decode step's K/V to its exact window with mx.concatenate, a
-copy of the whole window, twice per layer and step (keys, values): two copy kernels each on
-MLX's CUDA backend, 1.43 + 7.50 us of host per concatenation against 1.96 + 2.46 for a one-token
-slice write into a buffer (results/launch_cost_h200_s8.json), where the decode step is bound by
-the host. MiniCache's "plain" layers (below `minicache_start_fraction`, and an unpaired last
-layer) never compress: their window is the whole context, so each step copied it whole (at 32K
-tokens, 8 KV heads, head_dim 128, bf16: 134 MB per layer and step); they were the first users.
+Why: the base cache appends each step's K/V to its exact window with mx.concatenate, a copy of
+the window. For a compressing layer that window is at most residual + block tokens, but
+MiniCache's "plain" layers (below `minicache_start_fraction`, and an unpaired last layer) never
+compress: their window is the whole context, so every decode step copied it whole (at 32K
+tokens, 8 KV heads, head_dim 128, bf16: 134 MB per layer and step), and their decode attention
+took the explicit-scores path. On the H200 minicache decoded at 0.39x the fp16 cache's speed
+at 32K (results/gpu_speed_h200.json) with half its layers plain.
 
-`GrowingWindowMixin` keeps the window as a buffer with slack, grown `window_step` tokens at a
-time, written by slice at each one-token update (`_append_in_place`; a prefill chunk still
-concatenates); `window_keys` / `window_values` read it as views of the filled part, made once
-per window change. Whatever a cache assigns to them (a flush's remainder, trim, a state load)
-becomes the new buffer. The decode kernels read the buffers whole with the length apart
-(`window_buffers`, fused_decode.window_count): a view of the filled part is not contiguous and
-MLX would copy it. `_attend_whole_window` is the fused mx.fast attention over the window.
+`GrowingWindowMixin` keeps such a window the way mlx-lm's KVCache keeps its K/V: a buffer with
+slack, grown `step` tokens at a time, written by slice at each update; `window_keys` /
+`window_values` read it as views of the filled part (made on each read and not held, so MLX
+can write the next step's slice in place). Whatever the base assigns to them (trim, a state
+load) becomes the new buffer. `_attend_whole_window` is the fused mx.fast attention over it.
 """
 
 from __future__ import annotations
@@ -23,19 +21,17 @@ import mlx.core as mx
 
 
 class GrowingWindowMixin:
-    """Window storage as a buffer plus a filled length; the cache decides when to use
-    `_append_in_place` (the base: at every one-token step) and `_attend_whole_window`."""
+    """Window storage as a buffer plus a filled length; a subclass decides when to use
+    `_append_in_place` (instead of the base's concatenation) and `_attend_whole_window`."""
 
-    # Tokens of slack added per growth. A compressing layer's window is at most residual + one
-    # block, and each flush makes it exact again (the setter): 32 keeps the slack small.
-    window_step = 32
+    window_step = 256  # tokens of slack added per growth, as mlx-lm's KVCache
 
     # Keys and values each keep their own filled length: the base assigns them one after the
     # other (keys first), and reads the values' old length while doing so.
     # The filled part's view is made once per window change and kept until the next one (a step
     # reads the window ~7 times, if only to test it for None: each read was a slice op, ~1 us of
-    # host each); _append_in_place drops them with its write, so that none of ours holds the
-    # buffer when MLX runs the write and it can write the slice in place.
+    # host each); _append_in_place drops the views before it writes, so that none of ours holds
+    # the buffer and MLX can write the slice in place.
     @property
     def window_keys(self):
         view = self.__dict__.get("_window_view_k", _UNSET)
@@ -73,23 +69,16 @@ class GrowingWindowMixin:
             total += 0 if buffer is None else buffer.nbytes
         return total
 
-    def window_buffers(self):
-        """(keys buffer, values buffer, filled length): the window as a decode kernel reads it,
-        the buffers whole (B, H, capacity, D / DV), slack included."""
-        return self.__dict__.get("_window_k"), self.__dict__.get("_window_v"), self.__dict__.get("_window_nk", 0)
-
-    def _has_window(self) -> bool:
-        """Whether a window is held (possibly empty): read without making a view."""
-        return self.__dict__.get("_window_k") is not None
-
     def _window_length(self) -> int:
         return self.__dict__.get("_window_nk", 0) if self.__dict__.get("_window_k") is not None else 0
 
     def _append_in_place(self, keys: mx.array, values: mx.array) -> None:
         """Write keys / values (B, H, L, D) after the filled part, growing the buffer first
         when it lacks room."""
+        self.__dict__.pop("_window_view_k", None)
+        self.__dict__.pop("_window_view_v", None)
+        n, L = self._window_length(), keys.shape[2]
         buf_k, buf_v = self.__dict__.get("_window_k"), self.__dict__.get("_window_v")
-        n, L = (0 if buf_k is None else self.__dict__.get("_window_nk", 0)), keys.shape[2]
         if buf_k is None or n + L > buf_k.shape[2] or buf_k.dtype != keys.dtype:
             capacity = -(-(n + L) // self.window_step) * self.window_step
             B, H = keys.shape[:2]
@@ -102,10 +91,6 @@ class GrowingWindowMixin:
         buf_k[:, :, n : n + L] = keys
         buf_v[:, :, n : n + L] = values
         self.__dict__.update(_window_k=buf_k, _window_v=buf_v, _window_nk=n + L, _window_nv=n + L)
-        # The old views are stale, and they hold the buffer: MLX writes the slice in place only
-        # when nothing else does by the time it runs.
-        self.__dict__.pop("_window_view_k", None)
-        self.__dict__.pop("_window_view_v", None)
 
     def _attend_whole_window(self, queries: mx.array, scale: float, mask) -> mx.array:
         """The fused attention over the whole exact window (GQA handled by the kernel). mask:

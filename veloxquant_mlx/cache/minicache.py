@@ -73,8 +73,8 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode_merged, fused_prefill_merged
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
-from veloxquant_mlx.cache.growing_window import GrowingWindowMixin
 from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
+from veloxquant_mlx.cache.growing_window import GrowingWindowMixin
 from veloxquant_mlx.errors import QuantizerConfigError
 
 BLOCK = 32
@@ -163,17 +163,8 @@ def compiled_merge_part(slots: int, threshold: float, dir_bits, dtype):
     return mx.compile(partial(merge_part, slots=slots, threshold=threshold, dir_bits=dir_bits, dtype=dtype))
 
 
-class MiniCacheCache(CrossLayerMixin, CompressedKVCache):
+class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
     method = "minicache"
-    # A plain layer's window is its whole history: grown and counted (slack included) as
-    # mlx-lm's KVCache grows and counts its buffers; a paired layer's window is the base's.
-    @property
-    def window_step(self) -> int:
-        return 256 if self.role == "plain" else CompressedKVCache.window_step
-
-    @property
-    def nbytes(self) -> int:
-        return GrowingWindowMixin.nbytes.fget(self) if self.role == "plain" else CompressedKVCache.nbytes.fget(self)
 
     def __init__(self, config, layer_index: int = 0, n_layers: int = 1, coordinator=None):
         super().__init__(config, layer_index, n_layers)
@@ -254,15 +245,15 @@ class MiniCacheCache(CrossLayerMixin, CompressedKVCache):
         # Either layer of a linked pair merges the block both hold (the upper one after its
         # attention, the lower one at its next update when attention is not patched); plain
         # layers and pairs loaded without relink keep their tokens exact.
-        if self.role == "plain" or not self._has_window():
+        if self.role == "plain" or self.window_keys is None:
             return
         partner = self._partner()
         if partner is None:
             return
         lower, upper = (self, partner) if self.role == "lower" else (partner, self)
-        if upper.owns_directions or lower.n_compressed != upper.n_compressed or not partner._has_window():
+        if upper.owns_directions or lower.n_compressed != upper.n_compressed or partner.window_keys is None:
             return
-        n_window = min(lower._window_length(), upper._window_length())
+        n_window = min(lower.window_keys.shape[2], upper.window_keys.shape[2])
         n = ((n_window - self.residual_length) // BLOCK) * BLOCK
         if n <= 0:
             return

@@ -189,9 +189,9 @@ class XQuantCache(CrossLayerMixin, CompressedKVCache):
         return leader
 
     def _flush(self) -> None:
-        if self.n_compressed == 0 and self.capacity == 0 and self._has_window():
+        if self.n_compressed == 0 and self.capacity == 0 and self.window_keys is not None:
             self.shared = self._leader() is not None
-        if not self.shared or not self._has_window():
+        if not self.shared or self.window_keys is None:
             return super()._flush()
         # A follower encodes only positions its leader has codes for; the rest stays exact:
         # the whole blocks beyond the residual that the base would flush, at most the blocks
@@ -202,7 +202,7 @@ class XQuantCache(CrossLayerMixin, CompressedKVCache):
         # base flushes twice a step; bench/step_census.py).
         leader = self._leader()
         ready = 0 if leader is None else max(0, leader.n_compressed - self.n_compressed)
-        whole = ((self._window_length() - self.residual_length) // self.block_size) * self.block_size
+        whole = ((self.window_keys.shape[2] - self.residual_length) // self.block_size) * self.block_size
         n = min(whole, (ready // self.block_size) * self.block_size)
         if n > 0:
             self._append_compressed(
