@@ -12,10 +12,18 @@ def test_variants_cut_one_half_of_the_shipped_kernel():
     full = kernel_probe.variant_source("full")
     assert full == fused_decode._PARTIALS
     noscore, novalue = kernel_probe.variant_source("noscore"), kernel_probe.variant_source("novalue")
-    assert "__ldg(col + (size_t)d * wk_words)" in full and "__ldg(col + (size_t)d * wk_words)" not in noscore
-    assert "words[k][i] = __ldg(row + i)" in full and "words[k][i] = __ldg(row + i)" not in novalue
+    key_read, value_read = "kstage[warp][dd * WR + lane_word]", "words[k][i] = row[i]"
+    assert key_read in full and key_read not in noscore and key_read in novalue
+    assert value_read in full and value_read not in novalue and value_read in noscore
     assert "online softmax" in noscore and "online softmax" in novalue
-    with pytest.raises(ValueError, match="allowed are full, noscore, novalue"):
+    neither = kernel_probe.variant_source("noscore+novalue")
+    assert key_read not in neither and value_read not in neither and "online softmax" in neither
+    # Substitution variants: each changes the shipped source where it says.
+    assert "#pragma unroll 1\n      for (int b0 = 0; b0 < VST / TPR" in full
+    assert "#pragma unroll\n      for (int b0 = 0; b0 < VST / TPR" in kernel_probe.variant_source("unrolled")
+    assert "vq_u2f(code)" in kernel_probe.variant_source("u2f") and "vq_u2f(code)" not in full
+    assert "0x3F800000u" in kernel_probe.variant_source("unit")
+    with pytest.raises(ValueError, match="allowed are full, unrolled, u2f, unit, or of noscore, novalue"):
         kernel_probe.variant_source("half")
 
 
@@ -46,11 +54,11 @@ def test_the_probes_launch_runs_every_variant_and_the_full_one_is_the_attention(
         # float32 queries: the CPU's portable path in bf16 rounds its scores (see
         # tests/cache/test_fused_decode_emulated.py); the kernels accumulate in float32.
         expected = cache.attention(q.astype(mx.float32), scale=kernel_probe.D**-0.5)
-        for mode in ("full", "noscore", "novalue"):
+        for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled", "u2f", "unit"):
             parts = kernel_probe._partials_call(kernel_probe.variant_kernel(mode), cache, q, 4096)()
             mx.eval(parts)
             assert parts[0].shape[:3] == (8, parts[1].shape[1], 4) and mx.isfinite(parts[1]).all().item()
-            if mode == "full":
+            if mode in ("full", "unrolled", "u2f", "unit"):  # the same attention, other code
                 got = fused_decode.merge_partials(*parts, q).astype(mx.float32)
                 assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
     finally:

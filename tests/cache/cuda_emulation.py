@@ -156,6 +156,9 @@ template <typename T> inline T __shfl_up_sync(unsigned, T x, unsigned d, int wid
   const int l = vq_tid % 32;
   return vq_exchange(x, (l % width) >= (int)d ? l - (int)d : l);
 }
+// CUDA's vector types the kernels load whole (vector_types.h; 16 / 8-byte aligned there too).
+struct __align__(16) uint4 { unsigned int x, y, z, w; };
+struct __align__(8) uint2 { unsigned int x, y; };
 template <typename T> inline T __ldg(const T* p) { return *p; }
 template <typename T> inline T __ldcg(const T* p) { return *p; }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }

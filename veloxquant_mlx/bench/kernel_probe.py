@@ -56,7 +56,34 @@ HQ, HK, D = 32, 8, 128
 # start's "} else {" branch replaced by a closing brace.
 _CUTS = {
     "noscore": ("    } else {\n      // Past-the-end lanes read", "    // ---- online softmax"),
-    "novalue": ("    } else {\n      #pragma unroll\n      for (int b0 = 0;", "    __syncwarp();\n  }\n\n  // Lanes holding"),
+    "novalue": ("    } else {\n      // The tile's values staged", "    __syncwarp();\n  }\n\n  // Lanes holding"),
+}
+
+# Text substitutions of fused_decode._PARTIALS for the variants that change how codes become
+# floats: "u2f" by the 2^23 mantissa trick (vq_u2f: a logic op and a subtraction) instead of an
+# int-to-float conversion; "unit" as 1 + code / 2^bits (the code or-ed into the mantissa of 1.0,
+# the scale and zero rescaled per channel / token so the dequantizing FMA takes it as is).
+_SUBS = {
+    # the history's value loop unrolled whole, as before session 9 (~74 KB of code at the 8B shape)
+    "unrolled": (
+        ("#pragma unroll 1\n      for (int b0 = 0; b0 < VST / TPR; b0 += BATCH) {",
+         "#pragma unroll\n      for (int b0 = 0; b0 < VST / TPR; b0 += BATCH) {"),
+    ),
+    "u2f": (
+        ("(float)((w >> (i * KB)) & ((1u << KB) - 1u))", "vq_u2f((w >> (i * KB)) & ((1u << KB) - 1u))"),
+        ("fmaf(sc[k], (float)code, zp[k])", "fmaf(sc[k], vq_u2f(code), zp[k])"),
+    ),
+    "unit": (
+        ("const float sc = vq_f32(kss[dd * NGK + g]);\n        const float zp = vq_f32(kzs[dd * NGK + g]);",
+         "const float sc = vq_f32(kss[dd * NGK + g]) * (float)(1u << KB);\n        const float zp = vq_f32(kzs[dd * NGK + g]) - sc;"),
+        ("(float)((w >> (i * KB)) & ((1u << KB) - 1u))",
+         "__uint_as_float((((w >> (i * KB)) & ((1u << KB) - 1u)) << (23 - KB)) | 0x3F800000u)"),
+        ("for (int i = 0; i < WPL; ++i) words[k][i] = row[i];", "for (int i = 0; i < WPL; ++i) words[k][i] = row[i] >> sub;"),
+        ("sc[k] = vq_f32(vss[tj * GV + ch0 / G]);\n          zp[k] = vq_f32(vzs[tj * GV + ch0 / G]);",
+         "sc[k] = vq_f32(vss[tj * GV + ch0 / G]) * (float)(1u << VB);\n          zp[k] = vq_f32(vzs[tj * GV + ch0 / G]) - sc[k];"),
+        ("(((c * VB) & 31) + sub)) & ((1u << VB) - 1u);", "((c * VB) & 31)) & ((1u << VB) - 1u);"),
+        ("fmaf(sc[k], (float)code, zp[k])", "fmaf(sc[k], __uint_as_float((code << (23 - VB)) | 0x3F800000u), zp[k])"),
+    ),
 }
 
 READ_SOURCE = r"""
@@ -126,18 +153,27 @@ def parse_args(argv=None):
 
 
 def variant_source(mode: str) -> str:
-    """fused_decode's partials source, whole ("full") or with one half cut out."""
+    """fused_decode's partials source, whole ("full"), with halves cut out (_CUTS, joined by
+    "+": "noscore+novalue" keeps only what the two halves share) or with substitutions (_SUBS)."""
     from veloxquant_mlx.cache import fused_decode
 
     source = fused_decode._PARTIALS
     if mode == "full":
         return source
-    if mode not in _CUTS:
-        raise ValueError(f"variant {mode!r}: allowed are full, {', '.join(_CUTS)}")
-    start, end = _CUTS[mode]
-    if source.count(start) != 1 or source.count(end) != 1 or source.index(start) > source.index(end):
-        raise ValueError(f"variant {mode!r}: fused_decode._PARTIALS no longer has its markers; update _CUTS")
-    return source[: source.index(start)] + "    }\n" + source[source.index(end):]
+    if mode in _SUBS:
+        for old, new in _SUBS[mode]:
+            if source.count(old) != 1:
+                raise ValueError(f"variant {mode!r}: fused_decode._PARTIALS no longer has {old!r}; update _SUBS")
+            source = source.replace(old, new)
+        return source
+    for part in mode.split("+"):
+        if part not in _CUTS:
+            raise ValueError(f"variant {mode!r}: allowed are full, {', '.join(_SUBS)}, or of {', '.join(_CUTS)} joined by +")
+        start, end = _CUTS[part]
+        if source.count(start) != 1 or source.count(end) != 1 or source.index(start) > source.index(end):
+            raise ValueError(f"variant {mode!r}: fused_decode._PARTIALS no longer has its markers; update _CUTS")
+        source = source[: source.index(start)] + "    }\n" + source[source.index(end):]
+    return source
 
 
 def variant_kernel(mode: str):
@@ -148,7 +184,7 @@ def variant_kernel(mode: str):
     from veloxquant_mlx.cache.kernel_name import build_kernel
 
     return build_kernel(
-        mx.fast.cuda_kernel, name=f"vq_probe_{mode}", input_names=list(fd.PARTIALS_INPUTS),
+        mx.fast.cuda_kernel, name=f"vq_probe_{mode.replace('+', '_')}", input_names=list(fd.PARTIALS_INPUTS),
         output_names=["part_o", "part_m", "part_l"], source=variant_source(mode), header=fd._HEADER)
 
 
@@ -247,7 +283,7 @@ def probe_decode(n: int) -> dict:
         "kivi_attention_ms": per_call_ms(attend),
         "history_bytes": int(sum(a.nbytes for a in cache.store.values()) * cache.n_compressed / cache.capacity),
     }
-    for mode in ("full", "noscore", "novalue"):
+    for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled"):
         kernel = variant_kernel(mode)
         targets = (fd.TARGET_WARPS, 1024, 16384) if mode == "full" else (fd.TARGET_WARPS,)
         for warps in targets:

@@ -82,6 +82,43 @@ __device__ __forceinline__ void vq_code_pair(const uint32_t* row, int c, unsigne
   }
 }
 
+// A warp's copy of ROWS rows of ROW_BYTES bytes each from global memory (row r at src + r *
+// stride bytes) into shared memory (row r at dst + r * ROW_BYTES), in VEC-byte vectors (the
+// largest power of two up to 16 dividing ROW_BYTES; the callers' rows and strides are multiples
+// of it). load() issues every load of the lane into registers, store() writes them: a caller
+// issues the loads of all its arrays before the first store, so the warp waits on memory once
+// per stage, where loads issued beside their arithmetic kept only a few in flight per warp
+// (ptxas scheduled each channel's loads a channel or two ahead of their use; SASS, sm_90).
+template <int VEC> struct vq_vec_of;
+template <> struct vq_vec_of<16> { using type = uint4; };
+template <> struct vq_vec_of<8> { using type = uint2; };
+template <> struct vq_vec_of<4> { using type = unsigned int; };
+template <> struct vq_vec_of<2> { using type = unsigned short; };
+template <int ROWS, int ROW_BYTES>
+struct vq_stage {
+  static constexpr int VEC = ROW_BYTES % 16 == 0 ? 16 : ROW_BYTES % 8 == 0 ? 8 : ROW_BYTES % 4 == 0 ? 4 : 2;
+  using V = typename vq_vec_of<VEC>::type;
+  static constexpr int PER_ROW = ROW_BYTES / VEC;
+  static constexpr int TOTAL = ROWS * PER_ROW;
+  static constexpr int N = (TOTAL + 31) / 32;
+  V v[N];
+  __device__ __forceinline__ void load(const void* src, size_t stride, int lane) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int e = lane + 32 * i;
+      if (TOTAL % 32 == 0 || e < TOTAL)
+        v[i] = __ldg(reinterpret_cast<const V*>(static_cast<const unsigned char*>(src) + (size_t)(e / PER_ROW) * stride) + e % PER_ROW);
+    }
+  }
+  __device__ __forceinline__ void store(void* dst, int lane) const {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int e = lane + 32 * i;
+      if (TOTAL % 32 == 0 || e < TOTAL) reinterpret_cast<V*>(dst)[e] = v[i];
+    }
+  }
+};
+
 __device__ __forceinline__ float vq_warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
@@ -206,13 +243,22 @@ _PARTIALS_TEMPLATE = r"""
   constexpr int CPL = DV / LPT;       // value channels per lane
   constexpr int TPR = 32 / LPT;       // tokens per round when weighing values
   constexpr int ROUNDS = TILE / TPR;
-  constexpr int BATCH = ROUNDS < 8 ? ROUNDS : 8;  // rounds whose loads are issued together
+  constexpr int BATCH = VST / TPR < 8 ? VST / TPR : 8;  // rounds whose loads are issued together
   constexpr int LANE_BITS = CPL * VB;  // code bits per lane and token: 32k, or 8 / 16 (part of a word)
   constexpr int WPL = LANE_BITS >= 32 ? LANE_BITS / 32 : 1;  // code words per lane and token
   constexpr int WV = DV * VB / 32;    // code words per value token
   constexpr int GV = DV / G;          // value groups per token
   constexpr int DMAX = D > DV ? D : DV;
   constexpr int SLOTS = TPL * 33;     // tile_slot's range: 4 runs of 32 slots, one spare each
+  // The history's stages (a warp's buffer of STAGE_WORDS words, kstage): the keys of KSC
+  // channels x the tile's tokens (codes, then scales, then zeros), or the values of VST tokens.
+  constexpr int NGK = TILE / G > 0 ? TILE / G : 1;   // key groups in a tile (G <= TILE)
+  constexpr int KCODE_ROW = TILE * KB / 8;           // bytes of one channel's codes in a tile
+  constexpr int KSIDE_ROW = NGK * (int)sizeof(ST);   // bytes of one channel's scales in a tile
+  constexpr int WR = KCODE_ROW / 4;                  // code words of a channel in a tile
+  static_assert(D % KSC == 0 && KSC * (KCODE_ROW + 2 * KSIDE_ROW) <= 4 * STAGE_WORDS, "key stage");
+  static_assert(TILE % VST == 0 && VST * (4 * WV + 2 * GV * (int)sizeof(ST)) <= 4 * STAGE_WORDS
+                && VST * 4 * WV % 16 == 0 && VST * GV * (int)sizeof(ST) % 16 == 0, "value stage");
   constexpr int PS = (SLOTS > DMAX ? SLOTS : DMAX) * R;  // a warp's probabilities, later its partial
   const float neg_inf = __int_as_float(0xff800000);
   const int warp = threadIdx.x / 32;
@@ -245,6 +291,7 @@ _PARTIALS_TEMPLATE = r"""
   __shared__ __align__(16) float ps[NW][PS];
   __shared__ float red_m[NW][R];
   __shared__ float red_l[NW][R];
+  __shared__ __align__(16) uint32_t kstage[NW][STAGE_WORDS];
   for (int i = threadIdx.x; i < R * D; i += 32 * NW) {
     const int r = i / D, d = i % D;
     qs[d * R + r] = scale * vq_f32(q[(size_t)bh * R * D + i]);
@@ -314,15 +361,34 @@ _PARTIALS_TEMPLATE = r"""
       }
     } else {
       // Past-the-end lanes read the last valid slice (their scores are dropped below).
-      const int tc = min(t0, (last - 1) / TPL * TPL);
-      const uint32_t* col = kc_bh + ((tc * KB) >> 5);
+      const int tc = min(t0, (last - 1) / TPL * TPL) - base;  // in the tile
+      const int lane_word = (tc * KB) >> 5;
       const int shift = (tc * KB) & 31;
       const int g = tc / G;
-      #pragma unroll 16
-      for (int d = 0; d < D; ++d) {
-        const unsigned w = __ldg(col + (size_t)d * wk_words) >> shift;
-        const float sc = vq_f32(ks_bh[(size_t)d * gk + g]);
-        const float zp = vq_f32(kz_bh[(size_t)d * gk + g]);
+      const ST* kss = reinterpret_cast<const ST*>(kstage[warp] + KSC * WR);
+      const ST* kzs = kss + KSC * NGK;
+      // The tile's keys staged KSC channels at a time (the whole tile's tokens; base + TILE <=
+      // capacity, a multiple of TILE: the loads never leave the arrays).
+      #pragma unroll 1
+      for (int c0 = 0; c0 < D; c0 += KSC) {
+        __syncwarp();  // the stage's last readers are done
+        {
+          vq_stage<KSC, KCODE_ROW> codes;
+          vq_stage<KSC, KSIDE_ROW> scales, zeros;
+          codes.load(kc_bh + (size_t)c0 * wk_words + (base * KB >> 5), (size_t)wk_words * 4, lane);
+          scales.load(ks_bh + (size_t)c0 * gk + base / G, (size_t)gk * sizeof(ST), lane);
+          zeros.load(kz_bh + (size_t)c0 * gk + base / G, (size_t)gk * sizeof(ST), lane);
+          codes.store(kstage[warp], lane);
+          scales.store(kstage[warp] + KSC * WR, lane);
+          zeros.store(reinterpret_cast<ST*>(kstage[warp] + KSC * WR) + KSC * NGK, lane);
+        }
+        __syncwarp();
+        #pragma unroll 16
+        for (int dd = 0; dd < KSC; ++dd) {
+        const int d = c0 + dd;
+        const unsigned w = kstage[warp][dd * WR + lane_word] >> shift;
+        const float sc = vq_f32(kss[dd * NGK + g]);
+        const float zp = vq_f32(kzs[dd * NGK + g]);
         float qd[R];
         #pragma unroll
         for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
@@ -331,6 +397,7 @@ _PARTIALS_TEMPLATE = r"""
           const float kv = fmaf(sc, (float)((w >> (i * KB)) & ((1u << KB) - 1u)), zp);
           #pragma unroll
           for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
+        }
         }
       }
     }
@@ -396,23 +463,49 @@ _PARTIALS_TEMPLATE = r"""
         }
       }
     } else {
-      #pragma unroll
-      for (int b0 = 0; b0 < ROUNDS; b0 += BATCH) {
+      // The tile's values staged VST tokens at a time (codes, scales, zeros: contiguous runs).
+      const ST* vss = reinterpret_cast<const ST*>(kstage[warp] + VST * WV);
+      const ST* vzs = vss + VST * GV;
+      const int t_last = last - 1 - base;  // the tile's last valid token
+      #pragma unroll 1
+      for (int v0 = 0; v0 < TILE; v0 += VST) {
+        if (v0 > t_last) break;  // the rest of the tile is past the end (warp-uniform)
+        __syncwarp();  // the stage's last readers (the keys' or the previous values') are done
+        {
+          vq_stage<VST * 4 * WV / 16, 16> codes;
+          vq_stage<VST * GV * (int)sizeof(ST) / 16, 16> scales, zeros;
+          codes.load(vc_bh + (size_t)(base + v0) * WV, 16, lane);
+          scales.load(vs_bh + (size_t)(base + v0) * GV, 16, lane);
+          zeros.load(vz_bh + (size_t)(base + v0) * GV, 16, lane);
+          codes.store(kstage[warp], lane);
+          scales.store(kstage[warp] + VST * WV, lane);
+          zeros.store(reinterpret_cast<ST*>(kstage[warp] + VST * WV) + VST * GV, lane);
+        }
+        __syncwarp();
+        // v0 is a multiple of TPL (VST >= 8), so its slot adds to the rounds' without carrying.
+        const int slot_v0 = tile_slot(v0) + slot_tl;
+      // Not unrolled beyond a batch: unrolled whole (64 rounds at the 8B shape) the loop was
+      // ~4,600 instructions, ~74 KB of code that every warp streams through once per tile.
+      #pragma unroll 1
+      for (int b0 = 0; b0 < VST / TPR; b0 += BATCH) {
+        // The batch's first token b0 * TPR is a multiple of TPL (BATCH * TPR >= 8): no carry.
+        const int slot_b0 = slot_v0 + tile_slot(b0 * TPR);
         uint32_t words[BATCH][WPL];
         float sc[BATCH], zp[BATCH];
         #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
-          const size_t tj = (size_t)min(base + (b0 + k) * TPR + tl, last - 1);
-          const uint32_t* row = vc_bh + tj * WV + ch0 * VB / 32;
+          // Past-the-end tokens read the tile's last valid one (p = 0 there).
+          const int tj = min(v0 + (b0 + k) * TPR + tl, t_last) - v0;
+          const uint32_t* row = kstage[warp] + tj * WV + ch0 * VB / 32;
           #pragma unroll
-          for (int i = 0; i < WPL; ++i) words[k][i] = __ldg(row + i);
-          sc[k] = vq_f32(vs_bh[tj * GV + ch0 / G]);
-          zp[k] = vq_f32(vz_bh[tj * GV + ch0 / G]);
+          for (int i = 0; i < WPL; ++i) words[k][i] = row[i];
+          sc[k] = vq_f32(vss[tj * GV + ch0 / G]);
+          zp[k] = vq_f32(vzs[tj * GV + ch0 / G]);
         }
         #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
-          // Token (b0 + k) * TPR + tl: a constant slot (the loop is unrolled) + the lane's.
-          const int pslot = (tile_slot((b0 + k) * TPR) + slot_tl) * R;
+          // Token v0 + (b0 + k) * TPR + tl: the batch's slot + a constant (unrolled) + the lane's.
+          const int pslot = (slot_b0 + tile_slot(k * TPR)) * R;
           float pj[R];
           #pragma unroll
           for (int r = 0; r < R; ++r) pj[r] = p_tile[pslot + r];
@@ -424,6 +517,7 @@ _PARTIALS_TEMPLATE = r"""
             for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
           }
         }
+      }
       }
     }
     __syncwarp();
@@ -766,15 +860,63 @@ def supports(head_dim: int, value_dim: int, group_size: int, key_bits: int, valu
     lanes = lanes_per_token(value_dim, value_bits, rows)
     if lanes is None or group_size % (value_dim // lanes) or value_dim % 32:
         return False  # the merge kernel reduces over whole warps of value channels
-    return 1 <= head_dim <= 256 and shared_bytes(head_dim, value_dim, rows) <= 48 * 1024
+    # Scales of 4 bytes (float32 queries) need the most stage.
+    return 1 <= head_dim <= 256 and stage_template(head_dim, value_dim, rows, group_size, key_bits,
+                                                   value_bits, 4) is not None
 
 
 def shared_bytes(head_dim: int, value_dim: int, rows: int) -> int:
-    """The partials kernel's static shared memory (4-byte floats): the queries, per warp a
-    tile's probabilities in TILE_SLOTS slots of `rows` floats (later the warp's partial), and per
-    warp and row its max and sum (red_m, red_l)."""
+    """The partials kernel's static shared memory besides the history's stages (4-byte floats):
+    the queries, per warp a tile's probabilities in TILE_SLOTS slots of `rows` floats (later the
+    warp's partial), and per warp and row its max and sum (red_m, red_l)."""
     widest = max(head_dim, value_dim, TILE_SLOTS)
     return 4 * rows * (head_dim + WARPS_PER_BLOCK * widest + 2 * WARPS_PER_BLOCK)
+
+
+# Static shared memory a kernel may declare (CUDA's limit without opting in), and a margin for
+# the fused merge's flag and the compiler's own.
+SHARED_LIMIT = 48 * 1024
+SHARED_MARGIN = 64
+# Each warp's stage of the history (kstage): up to this many bytes. 6 KB holds a whole tile of
+# 2-bit keys or values with bf16 scales (128 x (32 + 16) bytes); 4 warps take 24 KB, so a block
+# of the 8B shape (10.6 KB besides) still leaves 6 blocks per SM on an H200.
+STAGE_BYTES = 6144
+
+
+def stage_words(head_dim: int, value_dim: int, rows: int, extra_shared: int = 0) -> int:
+    """32-bit words of each warp's stage: STAGE_BYTES, or what the static shared limit leaves
+    beside the kernel's other arrays (`extra_shared`: a kernel built on this one adds its own,
+    GEAR's sparse sums), a multiple of 16 bytes."""
+    free = SHARED_LIMIT - SHARED_MARGIN - shared_bytes(head_dim, value_dim, rows) - extra_shared
+    return max(0, min(STAGE_BYTES, free // WARPS_PER_BLOCK) // 16 * 4)
+
+
+def key_stage_channels(head_dim: int, key_bits: int, group_size: int, side_bytes: int, words: int):
+    """Key channels per stage (template KSC): the most dividing head_dim whose codes, scales and
+    zeros over a tile fit `words`, or None (not even one fits)."""
+    per_channel = TILE * key_bits // 8 + 2 * max(TILE // group_size, 1) * side_bytes
+    fits = [c for c in range(1, head_dim + 1) if head_dim % c == 0 and c * per_channel <= 4 * words]
+    return max(fits) if fits else None
+
+
+def value_stage_tokens(value_dim: int, value_bits: int, group_size: int, side_bytes: int, words: int):
+    """Value tokens per stage (template VST): the most of 8, 16, ..., TILE whose codes, scales
+    and zeros fit `words`, each a whole number of 16-byte vectors, or None."""
+    code_bytes, side = value_dim * value_bits // 8, value_dim // group_size * side_bytes
+    fits = [t for t in (8, 16, 32, 64, 128) if t <= TILE and t * (code_bytes + 2 * side) <= 4 * words
+            and t * code_bytes % 16 == 0 and t * side % 16 == 0]
+    return max(fits) if fits else None
+
+
+def stage_template(head_dim: int, value_dim: int, rows: int, group_size: int, key_bits: int,
+                   value_bits: int, side_bytes: int, extra_shared: int = 0):
+    """[("STAGE_WORDS", w), ("KSC", c), ("VST", t)] of a launch, or None where no stage fits."""
+    words = stage_words(head_dim, value_dim, rows, extra_shared)
+    channels = key_stage_channels(head_dim, key_bits, group_size, side_bytes, words)
+    tokens = value_stage_tokens(value_dim, value_bits, group_size, side_bytes, words)
+    if channels is None or tokens is None:
+        return None
+    return [("STAGE_WORDS", words), ("KSC", channels), ("VST", tokens)]
 
 
 def _meta(n_valid: int, per_block: int, n_hist_blocks: int, scale: float, n_skip: int,
@@ -933,16 +1075,27 @@ def affine_launch(
     queries, scale: float, key_codes, key_scales, key_zeros, value_codes, value_scales,
     value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
     value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0, sink=None,
-    kernel=None, extra_inputs=(), extra_template=(),
+    kernel=None, extra_inputs=(), extra_template=(), extra_shared: int = 0,
 ):
     """The checks, block split, meta and template of kernel 1's launch (affine_partials) ->
-    (kernel, inputs, {template, n_blocks, heads, value_dim})."""
+    (kernel, inputs, {template, n_blocks, heads, value_dim}). `extra_shared`: the static
+    shared bytes a kernel built on this one adds (the stages get what is left)."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
     DV = value_codes.shape[-1] * 32 // value_bits
     side = side_dtype(key_scales, key_zeros, value_scales, value_zeros, "fused decode")
     check_skip(skip, n_valid, "fused decode")
+    if value_codes.shape[2] % TILE:
+        # The stages read whole tiles: the store's capacity grows in steps of 256 tokens.
+        raise QuantizerConfigError(
+            f"fused decode: the store's capacity {value_codes.shape[2]} is not a multiple of "
+            f"the kernel's tile of {TILE} tokens")
+    stage = stage_template(D, DV, R, group_size, key_bits, value_bits, side.size, extra_shared)
+    if stage is None:
+        raise QuantizerConfigError(
+            f"fused decode: no stage of the history fits the shared memory at head_dim {D}, "
+            f"value_dim {DV}, {R} rows, {key_bits}/{value_bits} bits (supports() refuses it)")
     per_block, n_hist_blocks, n_blocks = history_blocks(n_valid, BH, "fused decode")
     dtype = queries.dtype
     sink_keys, sink_values, n_sink = _sink_inputs(sink, queries, window_keys, window_values, DV)
@@ -952,7 +1105,7 @@ def affine_launch(
               meta, *extra_inputs]
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                 ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits, R)), ("QT", dtype),
-                ("ST", side), *extra_template]
+                ("ST", side), *stage, *extra_template]
     kernel = _kernels()[0] if kernel is None else kernel
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
 

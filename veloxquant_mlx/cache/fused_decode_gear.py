@@ -277,12 +277,17 @@ def _partials_kernel():
                                        PARTIALS_SOURCE, fused_decode._HEADER)
 
 
+def sparse_shared_bytes(value_dim: int, rows: int, value_outliers: bool) -> int:
+    """Static shared memory the kernel adds to fused_decode's: the sparse value sums."""
+    return 4 * fused_decode.WARPS_PER_BLOCK * (rows * value_dim if value_outliers else 1)
+
+
 def shared_bytes(head_dim: int, value_dim: int, rows: int, value_outliers: bool) -> int:
-    """Static shared memory of the kernel: fused_decode's (queries, per warp a tile's
-    probabilities or partial, per warp and row max and sum) plus the sparse value sums."""
-    warps = fused_decode.WARPS_PER_BLOCK
-    return fused_decode.shared_bytes(head_dim, value_dim, rows) + 4 * warps * (
-        rows * value_dim if value_outliers else 1)
+    """Static shared memory of the kernel besides the history's stages: fused_decode's
+    (queries, per warp a tile's probabilities or partial, per warp and row max and sum) plus
+    the sparse value sums."""
+    return fused_decode.shared_bytes(head_dim, value_dim, rows) + sparse_shared_bytes(
+        value_dim, rows, value_outliers)
 
 
 def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rank: int,
@@ -294,7 +299,9 @@ def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rank: in
         return False
     if head_dim % 32 or block_tokens % fused_decode.TILE:
         return False
-    return shared_bytes(head_dim, value_dim, rows, value_outliers) <= 48 * 1024
+    # The stages take what the sums leave (scales of 4 bytes: float32 queries, the most).
+    return fused_decode.stage_template(head_dim, value_dim, rows, group_size, bits, bits, 4,
+                                       sparse_shared_bytes(value_dim, rows, value_outliers)) is not None
 
 
 def store_arrays(cache) -> tuple[list[mx.array], list[mx.array], list[tuple]]:
@@ -345,6 +352,7 @@ def decode_step(cache, queries, scale: float):
             n_valid=cache.n_compressed, group_size=cache.code_group, key_bits=cache.code_bits,
             value_bits=cache.code_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
             kernel=_partials_kernel(), extra_inputs=extra, extra_template=template,
+            extra_shared=sparse_shared_bytes(cache.value_dim, rows, "v_out_values" in cache.store),
         )
         return inputs, shape, fused_decode.WINDOW_INPUTS
 
