@@ -482,7 +482,9 @@ _PARTIALS = r"""
       }
     } else if (V_WORDS) {
       constexpr int WPL = (CPL + PER - 1) / PER;  // code words per lane and token (CPL / PER here)
-      #pragma unroll
+      // Rolled to batches (a batch's rounds unrolled): whole, the history's value loop was
+      // thousands of instructions every warp streams through once per tile (session 9).
+      #pragma unroll 1
       for (int b0 = 0; b0 < ROUNDS; b0 += BATCH) {
         uint32_t words[BATCH][WPL];
         #pragma unroll

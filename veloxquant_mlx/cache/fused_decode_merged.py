@@ -531,7 +531,9 @@ _PARTIALS = r"""
     }
     __syncwarp();
     // ---- values: lane (tv, ch0) reads 8 channels of row round * TPR + tv ----
-    #pragma unroll
+    // Rolled to batches (a batch's rounds unrolled): whole, the history's value loop was
+    // thousands of instructions every warp streams through once per tile (session 9).
+    #pragma unroll 1
     for (int b0 = 0; b0 < ROUNDS; b0 += BATCH) {
       int rows[BATCH], wrow[BATCH];
       #pragma unroll

@@ -390,7 +390,9 @@ _PARTIALS = r"""
       const int w0 = bit0 >> 5;
       const int sh = bit0 & 31;
       const int g = VB1 == 1 ? 0 : ch0 / VG1;
-      #pragma unroll
+      // Rolled to batches (a batch's rounds unrolled): whole, the history's value loop was
+      // thousands of instructions every warp streams through once per tile (session 9).
+      #pragma unroll 1
       for (int b0 = 0; b0 < ROUNDS; b0 += BATCH) {
         uint32_t words[BATCH][NL];
         unsigned signs[BATCH];
