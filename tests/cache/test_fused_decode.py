@@ -90,9 +90,9 @@ def test_supported_shapes():
     assert not fused_decode.supports(96, 128, 32, 2, 2, rows=19)
     assert fused_decode.supports(96, 128, 32, 2, 2, rows=18)
     assert fused_decode.shared_bytes(96, 128, 19) == 48_032 and fused_decode.TILE_SLOTS == 132
-    assert fused_decode.stage_template(96, 128, 18, 32, 2, 2, 4) == [("STAGE_WORDS", 224), ("KSC", 12), ("VST", 8)]
+    assert fused_decode.stage_template(96, 128, 18, 32, 2, 2, 4) == (("STAGE_WORDS", 224), ("KSC", 12), ("VST", 8))
     # The 8B shape: a whole tile of 2-bit keys and of values per stage (6 KB per warp)
-    assert fused_decode.stage_template(128, 128, 4, 32, 2, 2, 2) == [("STAGE_WORDS", 1536), ("KSC", 128), ("VST", 128)]
+    assert fused_decode.stage_template(128, 128, 4, 32, 2, 2, 2) == (("STAGE_WORDS", 1536), ("KSC", 128), ("VST", 128))
     assert fused_decode.supports(64, 64, 32, 2, 2)  # 4 words per value token: 4 lanes
     assert not fused_decode.supports(96, 96, 32, 2, 2)  # 6 words: 2 lanes of 48 channels > G
     # One row: whole words per lane (the largest power of two up to 8 dividing the words)

@@ -883,12 +883,14 @@ SHARED_MARGIN = 64
 STAGE_BYTES = 6144
 
 
-def stage_words(head_dim: int, value_dim: int, rows: int, extra_shared: int = 0) -> int:
-    """32-bit words of each warp's stage: STAGE_BYTES, or what the static shared limit leaves
-    beside the kernel's other arrays (`extra_shared`: a kernel built on this one adds its own,
-    GEAR's sparse sums), a multiple of 16 bytes."""
+def stage_words(head_dim: int, value_dim: int, rows: int, extra_shared: int = 0,
+                stage_bytes: int | None = None) -> int:
+    """32-bit words of each warp's stage: `stage_bytes` (default STAGE_BYTES), or what the
+    static shared limit leaves beside the kernel's other arrays (`extra_shared`: a kernel built
+    on this one adds its own, GEAR's sparse sums), a multiple of 16 bytes."""
+    stage_bytes = STAGE_BYTES if stage_bytes is None else stage_bytes
     free = SHARED_LIMIT - SHARED_MARGIN - shared_bytes(head_dim, value_dim, rows) - extra_shared
-    return max(0, min(STAGE_BYTES, free // WARPS_PER_BLOCK) // 16 * 4)
+    return max(0, min(stage_bytes, free // WARPS_PER_BLOCK) // 16 * 4)
 
 
 def key_stage_channels(head_dim: int, key_bits: int, group_size: int, side_bytes: int, words: int):
@@ -910,13 +912,22 @@ def value_stage_tokens(value_dim: int, value_bits: int, group_size: int, side_by
 
 def stage_template(head_dim: int, value_dim: int, rows: int, group_size: int, key_bits: int,
                    value_bits: int, side_bytes: int, extra_shared: int = 0):
-    """[("STAGE_WORDS", w), ("KSC", c), ("VST", t)] of a launch, or None where no stage fits."""
-    words = stage_words(head_dim, value_dim, rows, extra_shared)
+    """(("STAGE_WORDS", w), ("KSC", c), ("VST", t)) of a launch, or None where no stage fits."""
+    return _stage_template(head_dim, value_dim, rows, group_size, key_bits, value_bits, side_bytes,
+                           extra_shared, STAGE_BYTES)
+
+
+@lru_cache(maxsize=None)
+def _stage_template(head_dim, value_dim, rows, group_size, key_bits, value_bits, side_bytes,
+                    extra_shared, stage_bytes):
+    """stage_template's result for one STAGE_BYTES, cached: a launch plan is rebuilt at every
+    block flush (a tuple: the cached entries cannot be changed by a caller)."""
+    words = stage_words(head_dim, value_dim, rows, extra_shared, stage_bytes)
     channels = key_stage_channels(head_dim, key_bits, group_size, side_bytes, words)
     tokens = value_stage_tokens(value_dim, value_bits, group_size, side_bytes, words)
     if channels is None or tokens is None:
         return None
-    return [("STAGE_WORDS", words), ("KSC", channels), ("VST", tokens)]
+    return (("STAGE_WORDS", words), ("KSC", channels), ("VST", tokens))
 
 
 def _meta(n_valid: int, per_block: int, n_hist_blocks: int, scale: float, n_skip: int,
