@@ -150,6 +150,20 @@ def _programs_built_in_parallel():
     cuda_emulation.prebuild_captured(captured)
 
 
+def test_small_stages_walk_several_key_and_value_stages_per_tile(monkeypatch):
+    # At the 8B shape a warp stages a whole tile at once (128 key channels, 128 value tokens);
+    # with 768 bytes per warp it takes 8 key stages of 16 channels and up to 8 value stages of
+    # 16 tokens per tile, and stops at the ragged last tile's end (32 valid tokens: 2 stages).
+    monkeypatch.setattr(fused_decode, "STAGE_BYTES", 768)
+    assert fused_decode.stage_template(128, 128, 4, 32, 2, 2, 2) == (("STAGE_WORDS", 192), ("KSC", 16), ("VST", 16))
+    cache = _kivi(bit_width_inlier=2)()
+    q_heads = _filled(cache, 730, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+    expected = np.array(cache.attention(q_heads, scale=128**-0.5))
+    got, made = _emulated_step(cache, q_heads, 128**-0.5)
+    assert [k.calls for k in made if k.calls] == _launches()
+    assert np.allclose(np.array(got), expected, atol=2e-5, rtol=2e-5), np.abs(np.array(got) - expected).max()
+
+
 @pytest.mark.parametrize("name, make, dtype, D, B, rep, n, warps", CASES, ids=[c[0] for c in CASES])
 def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make, dtype, D, B, rep, n, warps):
     if warps:

@@ -10,7 +10,10 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
 - `decode`: at each of `--contexts`, ms per call (calls enqueued back to back, one eval; median
   of 5 batches) of the fp16 `mx.fast` attention, kivi's whole `cache.attention`, and
   cache/fused_decode.py's partials kernel alone as shipped ("full"), with the value half removed
-  ("noscore" keeps values and the softmax, "novalue" keeps the scores), with other warp
+  ("noscore" keeps values and the softmax, "novalue" keeps the scores, "noscore+novalue" only
+  what they share), with its value loop unrolled whole as before session 9 ("unrolled"; the
+  variants "u2f" and "unit", codes turned into floats without the conversion instruction, are
+  built by `variant_source` but not timed by default: session 9 found them no faster), with other warp
   targets (`TARGET_WARPS`) and with other value accumulators per lane (`MAX_LANE_ACCUMULATORS`
   64 / 16 beside the default 32: at 4 rows 8 / 16 lanes per value token; fewer accumulators,
   fewer registers, more warps per SM).
