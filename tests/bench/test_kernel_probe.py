@@ -61,6 +61,9 @@ def test_the_probes_launch_runs_every_variant_and_the_full_one_is_the_attention(
             if mode in ("full", "unrolled", "u2f", "unit"):  # the same attention, other code
                 got = fused_decode.merge_partials(*parts, q).astype(mx.float32)
                 assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
+        # The shipped launch the probe times as fused_full: the merge fused in, the attention out.
+        got = kernel_probe._partials_call(None, cache, q, 4096, merged=True)().astype(mx.float32)
+        assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
     finally:
         fused_decode._kernels.cache_clear()
 

@@ -7,8 +7,9 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   store's layout (each warp reads 32 bytes of each of the 128 channel rows of a 128-token tile)
   and in a tile-major layout (the same bytes contiguous): GB/s of each. Tells whether the key
   layout bounds the decode kernel.
-- `decode`: at each of `--contexts`, ms per call (calls enqueued back to back, one eval; median
-  of 5 batches) of the fp16 `mx.fast` attention, kivi's whole `cache.attention`, and
+- `decode`: at each of `--contexts`, ms per call (calls enqueued back to back, their graphs built
+  before the clock starts, one eval; median of 5 batches) of the fp16 `mx.fast` attention, kivi's
+  whole `cache.attention`, the shipped launch with the merge fused in (`fused_full`), and
   cache/fused_decode.py's partials kernel alone as shipped ("full"), with the value half removed
   ("noscore" keeps values and the softmax, "novalue" keeps the scores, "noscore+novalue" only
   what they share), with its value loop unrolled whole as before session 9 ("unrolled"; the
@@ -227,12 +228,14 @@ def _filled_kivi(n: int):
     return cache, attend, k, v, q
 
 
-def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int | None = None):
+def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int | None = None,
+                   merged: bool = False):
     """The partials kernel `kernel` alone -> (part_o, part_m, part_l), launched as the shipped
     decode step launches it (fused_decode.affine_partials) with TARGET_WARPS set to
     `target_warps` (and MAX_LANE_ACCUMULATORS to `lane_accumulators` if given: more lanes per
     value token, fewer registers); the sink is attended from its placeholder codes (skip 0,
-    window alone)."""
+    window alone). `merged` (kernel None): the shipped build with the merge fused in -> the
+    attention output (a new FusedLaunchState per call: its counters are one zero fill more)."""
     from veloxquant_mlx.cache import fused_decode as fd
 
     s = cache.store
@@ -249,7 +252,7 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
             return fd.affine_partials(
                 q, D**-0.5, *arrays, cache.window_keys, cache.window_values,
                 n_valid=cache.n_compressed, group_size=cache.group_size, key_bits=cache.key_bits,
-                value_bits=cache.value_bits, n_kv_heads=HK, meta_cache=meta, kernel=kernel)
+                value_bits=cache.value_bits, n_kv_heads=HK, meta_cache=meta, kernel=kernel, merged=merged)
         finally:
             fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN = saved
 
@@ -281,18 +284,27 @@ def probe_decode(n: int) -> dict:
     from veloxquant_mlx.cache import fused_decode as fd
 
     cache, attend, k, v, q = _filled_kivi(n)
+    # Graphs built before the clock (build_untimed): the figures are the device's time per call
+    # (or the launches', where a call is shorter). Before session 9's last commit they included
+    # building the graph on the host, which at 32K was most of a call (the variant without
+    # either loop took 0.058-0.067 ms at 32K as at 128K: results/kernel_probe_h200_s9_rolled_*.json).
+    def timed(fn):
+        return per_call_ms(fn, build_untimed=True)
+
     out = {
-        "fp16_sdpa_ms": per_call_ms(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5)),
-        "kivi_attention_ms": per_call_ms(attend),
+        "fp16_sdpa_ms": timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5)),
+        "kivi_attention_ms": timed(attend),
         "history_bytes": int(sum(a.nbytes for a in cache.store.values()) * cache.n_compressed / cache.capacity),
+        # the shipped launch: partials with the merge fused in (vs partials_full: the split build)
+        "fused_full_ms": timed(_partials_call(None, cache, q, fd.TARGET_WARPS, merged=True)),
     }
     for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled"):
         kernel = variant_kernel(mode)
         targets = (fd.TARGET_WARPS, 1024, 16384) if mode == "full" else (fd.TARGET_WARPS,)
         for warps in targets:
-            out[f"partials_{mode}_warps{warps}_ms"] = per_call_ms(_partials_call(kernel, cache, q, warps))
+            out[f"partials_{mode}_warps{warps}_ms"] = timed(_partials_call(kernel, cache, q, warps))
     for lanes_acc in (64, 16):  # the former default (16 channels per lane at 4 rows), and fewer
-        out[f"partials_full_lane_accumulators{lanes_acc}_ms"] = per_call_ms(
+        out[f"partials_full_lane_accumulators{lanes_acc}_ms"] = timed(
             _partials_call(None, cache, q, fd.TARGET_WARPS, lanes_acc))
     return out
 
