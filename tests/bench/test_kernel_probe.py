@@ -19,8 +19,8 @@ def test_variants_cut_one_half_of_the_shipped_kernel():
     neither = kernel_probe.variant_source("noscore+novalue")
     assert key_read not in neither and value_read not in neither and "online softmax" in neither
     # Substitution variants: each changes the shipped source where it says.
-    assert "#pragma unroll 1\n      for (int b0 = 0; b0 < VST / TPR" in full
-    assert "#pragma unroll\n      for (int b0 = 0; b0 < VST / TPR" in kernel_probe.variant_source("unrolled")
+    assert "#pragma unroll 1\n        for (int b0 = 0; b0 < VST / TPR" in full
+    assert "#pragma unroll\n        for (int b0 = 0; b0 < VST / TPR" in kernel_probe.variant_source("unrolled")
     assert "vq_u2f(code)" in kernel_probe.variant_source("u2f") and "vq_u2f(code)" not in full
     assert "0x3F800000u" in kernel_probe.variant_source("unit")
     with pytest.raises(ValueError, match="allowed are full, unrolled, u2f, unit, or of noscore, novalue"):

@@ -79,8 +79,8 @@ MUTATIONS = [
     ("partials: skip ignored", "_PARTIALS", "const int lo = window ? 0 : n_skip;", "const int lo = 0;"),
     ("partials: sink inputs ignored", "_PARTIALS", "const int n_sink = meta[5];", "const int n_sink = 0;"),
     # the history's value loop reading the probabilities where the old layout kept them
-    ("partials: probability slots", "_PARTIALS", "const int pslot = (slot_b0 + tile_slot(k * TPR)) * R;\n          float pj[R];",
-     "const int pslot = (v0 + (b0 + k) * TPR + tl) * R;\n          float pj[R];"),
+    ("partials: probability slots", "_PARTIALS", "const int pslot = (slot_b0 + tile_slot(k * TPR)) * R;\n            float pj[R];",
+     "const int pslot = (v0 + (b0 + k) * TPR + tl) * R;\n            float pj[R];"),
     # the keys' stage read as if it held one channel
     ("partials: key stage rows", "_PARTIALS", "kstage[warp][dd * WR + lane_word]", "kstage[warp][lane_word]"),
     ("merge kernel: block stride", "_MERGE", "po[(size_t)b * R * DV]", "po[(size_t)b * DV]"),

@@ -70,21 +70,21 @@ _CUTS = {
 _SUBS = {
     # the history's value loop unrolled whole, as before session 9 (~74 KB of code at the 8B shape)
     "unrolled": (
-        ("#pragma unroll 1\n      for (int b0 = 0; b0 < VST / TPR; b0 += BATCH) {",
-         "#pragma unroll\n      for (int b0 = 0; b0 < VST / TPR; b0 += BATCH) {"),
+        ("#pragma unroll 1\n        for (int b0 = 0; b0 < VST / TPR; b0 += BATCH) {",
+         "#pragma unroll\n        for (int b0 = 0; b0 < VST / TPR; b0 += BATCH) {"),
     ),
     "u2f": (
         ("(float)((w >> (i * KB)) & ((1u << KB) - 1u))", "vq_u2f((w >> (i * KB)) & ((1u << KB) - 1u))"),
         ("fmaf(sc[k], (float)code, zp[k])", "fmaf(sc[k], vq_u2f(code), zp[k])"),
     ),
     "unit": (
-        ("const float sc = vq_f32(kss[dd * NGK + g]);\n        const float zp = vq_f32(kzs[dd * NGK + g]);",
-         "const float sc = vq_f32(kss[dd * NGK + g]) * (float)(1u << KB);\n        const float zp = vq_f32(kzs[dd * NGK + g]) - sc;"),
+        ("const float sc = vq_f32(kss[dd * NGK + g]);\n          const float zp = vq_f32(kzs[dd * NGK + g]);",
+         "const float sc = vq_f32(kss[dd * NGK + g]) * (float)(1u << KB);\n          const float zp = vq_f32(kzs[dd * NGK + g]) - sc;"),
         ("(float)((w >> (i * KB)) & ((1u << KB) - 1u))",
          "__uint_as_float((((w >> (i * KB)) & ((1u << KB) - 1u)) << (23 - KB)) | 0x3F800000u)"),
         ("for (int i = 0; i < WPL; ++i) words[k][i] = row[i];", "for (int i = 0; i < WPL; ++i) words[k][i] = row[i] >> sub;"),
-        ("sc[k] = vq_f32(vss[tj * GV + ch0 / G]);\n          zp[k] = vq_f32(vzs[tj * GV + ch0 / G]);",
-         "sc[k] = vq_f32(vss[tj * GV + ch0 / G]) * (float)(1u << VB);\n          zp[k] = vq_f32(vzs[tj * GV + ch0 / G]) - sc[k];"),
+        ("sc[k] = vq_f32(vss[tj * GV + ch0 / G]);\n            zp[k] = vq_f32(vzs[tj * GV + ch0 / G]);",
+         "sc[k] = vq_f32(vss[tj * GV + ch0 / G]) * (float)(1u << VB);\n            zp[k] = vq_f32(vzs[tj * GV + ch0 / G]) - sc[k];"),
         ("(((c * VB) & 31) + sub)) & ((1u << VB) - 1u);", "((c * VB) & 31)) & ((1u << VB) - 1u);"),
         ("fmaf(sc[k], (float)code, zp[k])", "fmaf(sc[k], __uint_as_float((code << (23 - VB)) | 0x3F800000u), zp[k])"),
     ),

@@ -387,19 +387,19 @@ _PARTIALS_TEMPLATE = r"""
         __syncwarp();
         #pragma unroll 16
         for (int dd = 0; dd < KSC; ++dd) {
-        const int d = c0 + dd;
-        const unsigned w = kstage[warp][dd * WR + lane_word] >> shift;
-        const float sc = vq_f32(kss[dd * NGK + g]);
-        const float zp = vq_f32(kzs[dd * NGK + g]);
-        float qd[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
-        #pragma unroll
-        for (int i = 0; i < TPL; ++i) {
-          const float kv = fmaf(sc, (float)((w >> (i * KB)) & ((1u << KB) - 1u)), zp);
+          const int d = c0 + dd;
+          const unsigned w = kstage[warp][dd * WR + lane_word] >> shift;
+          const float sc = vq_f32(kss[dd * NGK + g]);
+          const float zp = vq_f32(kzs[dd * NGK + g]);
+          float qd[R];
           #pragma unroll
-          for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
-        }
+          for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
+          #pragma unroll
+          for (int i = 0; i < TPL; ++i) {
+            const float kv = fmaf(sc, (float)((w >> (i * KB)) & ((1u << KB) - 1u)), zp);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
+          }
         }
       }
     }
@@ -486,40 +486,40 @@ _PARTIALS_TEMPLATE = r"""
         __syncwarp();
         // v0 is a multiple of TPL (VST >= 8), so its slot adds to the rounds' without carrying.
         const int slot_v0 = tile_slot(v0) + slot_tl;
-      // Not unrolled beyond a batch: unrolled whole (64 rounds at the 8B shape) the loop was
-      // ~4,600 instructions, ~74 KB of code that every warp streams through once per tile.
-      #pragma unroll 1
-      for (int b0 = 0; b0 < VST / TPR; b0 += BATCH) {
-        // The batch's first token b0 * TPR is a multiple of TPL (BATCH * TPR >= 8): no carry.
-        const int slot_b0 = slot_v0 + tile_slot(b0 * TPR);
-        uint32_t words[BATCH][WPL];
-        float sc[BATCH], zp[BATCH];
-        #pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-          // Past-the-end tokens read the tile's last valid one (p = 0 there).
-          const int tj = min(v0 + (b0 + k) * TPR + tl, t_last) - v0;
-          const uint32_t* row = kstage[warp] + tj * WV + ch0 * VB / 32;
+        // Not unrolled beyond a batch: unrolled whole (64 rounds at the 8B shape) the loop was
+        // ~4,600 instructions, ~74 KB of code that every warp streams through once per tile.
+        #pragma unroll 1
+        for (int b0 = 0; b0 < VST / TPR; b0 += BATCH) {
+          // The batch's first token b0 * TPR is a multiple of TPL (BATCH * TPR >= 8): no carry.
+          const int slot_b0 = slot_v0 + tile_slot(b0 * TPR);
+          uint32_t words[BATCH][WPL];
+          float sc[BATCH], zp[BATCH];
           #pragma unroll
-          for (int i = 0; i < WPL; ++i) words[k][i] = row[i];
-          sc[k] = vq_f32(vss[tj * GV + ch0 / G]);
-          zp[k] = vq_f32(vzs[tj * GV + ch0 / G]);
-        }
-        #pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-          // Token v0 + (b0 + k) * TPR + tl: the batch's slot + a constant (unrolled) + the lane's.
-          const int pslot = (slot_b0 + tile_slot(k * TPR)) * R;
-          float pj[R];
-          #pragma unroll
-          for (int r = 0; r < R; ++r) pj[r] = p_tile[pslot + r];
-          #pragma unroll
-          for (int c = 0; c < CPL; ++c) {
-            const unsigned code = (words[k][(c * VB) >> 5] >> (((c * VB) & 31) + sub)) & ((1u << VB) - 1u);
-            const float v = fmaf(sc[k], (float)code, zp[k]);
+          for (int k = 0; k < BATCH; ++k) {
+            // Past-the-end tokens read the tile's last valid one (p = 0 there).
+            const int tj = min(v0 + (b0 + k) * TPR + tl, t_last) - v0;
+            const uint32_t* row = kstage[warp] + tj * WV + ch0 * VB / 32;
             #pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
+            for (int i = 0; i < WPL; ++i) words[k][i] = row[i];
+            sc[k] = vq_f32(vss[tj * GV + ch0 / G]);
+            zp[k] = vq_f32(vzs[tj * GV + ch0 / G]);
+          }
+          #pragma unroll
+          for (int k = 0; k < BATCH; ++k) {
+            // Token v0 + (b0 + k) * TPR + tl: the batch's slot + a constant (unrolled) + the lane's.
+            const int pslot = (slot_b0 + tile_slot(k * TPR)) * R;
+            float pj[R];
+            #pragma unroll
+            for (int r = 0; r < R; ++r) pj[r] = p_tile[pslot + r];
+            #pragma unroll
+            for (int c = 0; c < CPL; ++c) {
+              const unsigned code = (words[k][(c * VB) >> 5] >> (((c * VB) & 31) + sub)) & ((1u << VB) - 1u);
+              const float v = fmaf(sc[k], (float)code, zp[k]);
+              #pragma unroll
+              for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
+            }
           }
         }
-      }
       }
     }
     __syncwarp();
