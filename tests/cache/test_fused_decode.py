@@ -342,7 +342,7 @@ def test_fused_launches_of_one_cache_share_counters_and_follow_each_other(monkey
 
     def factory(*, name, input_names, output_names, source, header="", **_):
         def launch(*, inputs, output_shapes, output_dtypes, **launch_args):
-            calls.append((input_names, inputs, launch_args))
+            calls.append((input_names, inputs, {**launch_args, "outputs": len(output_shapes)}))
             return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
         return launch
 
@@ -355,8 +355,17 @@ def test_fused_launches_of_one_cache_share_counters_and_follow_each_other(monkey
     first = kernel.attend(queries, inputs=[queries, "meta"], state=state, **shape)
     second = kernel.attend(queries, inputs=[queries, "meta"], state=state, **shape)
     (names, a, args_a), (_, b, _) = calls
-    assert names == ["q", "meta", "counts", "after"] and "init_value" not in args_a
+    assert names == ["q", "meta", "counts", "scratch", "after"] and "init_value" not in args_a
     assert a[2] is b[2] is state.counts and state.counts.shape == (2,) and state.counts.dtype == mx.int32
-    assert a[3] is queries and b[3] is first and state.last_out is second
+    # the partials' scratch is an input kept by the state, not an output: one output per launch
+    assert a[3] is b[3] is state.scratch and state.scratch.dtype == mx.float32
+    assert state.scratch.shape[0] >= fused_decode.scratch_floats(2, 3, 4, 16)
+    assert args_a["outputs"] == 1
+    assert a[4] is queries and b[4] is first and state.last_out is second
     kernel.attend(queries, inputs=[queries, "meta"], state=state, **{**shape, "heads": 4})
     assert calls[-1][1][2] is state.counts and state.counts.shape == (4,)  # other heads: new counters
+    assert calls[-1][1][3] is a[3]  # the scratch is still large enough: kept
+    big = fused_decode.SCRATCH_STEP  # blocks enough to outgrow it: a larger scratch
+    kernel.attend(queries, inputs=[queries, "meta"], state=state, **{**shape, "n_blocks": big})
+    assert calls[-1][1][3] is state.scratch is not a[3]
+    assert state.scratch.shape[0] >= fused_decode.scratch_floats(2, big, 4, 16)

@@ -30,15 +30,15 @@ def _program(D, DV, R, S, DB, QT, RT, PV=1, fused=False) -> str:
     dtypes = dict(q=QT, dk=DT, dv=DT, dks="f16", dkb="f16", dvs="f16", dvb="f16", mk="f16", mv="f16",
                   rk=RT, rv=RT, pk="i32", pv="i32", wk=QT, wv=QT, meta="i32")
     source = fused_decode_merged._PARTIALS
-    if fused:  # the merge fused in (fused_decode.MERGE_IN_KERNEL): outputs the attention and the scratch
+    if fused:  # the merge fused in (fused_decode.MERGE_IN_KERNEL): outputs the attention
         source = fused_decode._FUSED_PROLOGUE + source + fused_decode._FUSED_EPILOGUE
     params = []
     for name in fused_decode_merged._INPUTS:
         params.append(f"const {_C_TYPES[dtypes[name]]}* {name}")
         if f"{name}_shape" in source:
             params.append(f"const int32_t* {name}_shape")
-    if fused:  # the counters and the launch to follow (FusedLaunchState), then the outputs
-        params += ["const int32_t* counts", f"const {_C_TYPES[QT]}* after", f"{_C_TYPES[QT]}* out", "float* scratch"]
+    if fused:  # the counters, the partials' scratch and the launch to follow (FusedLaunchState), then the output
+        params += ["const int32_t* counts", "const float* scratch", f"const {_C_TYPES[QT]}* after", f"{_C_TYPES[QT]}* out"]
     else:
         params += ["float* part_o", "float* part_m", "float* part_l"]
     template = dict(D=D, DV=DV, R=R, PV=PV, S=S, DB=DB, QT=QT, DT=DT, ST="f16", MT="f16", RT=RT)

@@ -642,11 +642,12 @@ MERGE_IN_KERNEL = True
 # (grid: x = n_blocks blocks, y = BH), and ends with its block partial written.
 # Macros, not pointer variables: computed where used (the end), so no register holds them
 # through the kernel's loops (as variables: 106 registers against 96, ptxas sm_90, kivi's 8B shape).
-# `counts` is an input (MLX declares it const): the kernel counts in it and leaves it at zero.
+# `counts` and `scratch` are inputs (MLX declares them const): the kernel counts in the one and
+# leaves it at zero, and writes the partials to the other, read back within the same launch.
 _FUSED_PROLOGUE = r"""
-#define part_o (scratch)
-#define part_m (scratch + (size_t)gridDim.y * gridDim.x * R * DV)
-#define part_l (scratch + (size_t)gridDim.y * gridDim.x * R * (DV + 1))
+#define part_o (const_cast<float*>(scratch))
+#define part_m (const_cast<float*>(scratch) + (size_t)gridDim.y * gridDim.x * R * DV)
+#define part_l (const_cast<float*>(scratch) + (size_t)gridDim.y * gridDim.x * R * (DV + 1))
 """
 _FUSED_EPILOGUE = r"""
   vq_merge_if_last<R, DV>(part_o, part_m, part_l, const_cast<int*>(counts), out, blockIdx.y, gridDim.x);
@@ -655,31 +656,44 @@ _FUSED_EPILOGUE = r"""
 #undef part_l
 """
 
-# The fused build's inputs beyond the partials kernel's own: the counters, and the launch this
-# one must follow (FusedLaunchState.after), which the kernel never reads.
-FUSED_EXTRA_INPUTS = ("counts", "after")
+# The fused build's inputs beyond the partials kernel's own: the counters, the partials'
+# scratch, and the launch this one must follow (FusedLaunchState.after), which the kernel never
+# reads.
+FUSED_EXTRA_INPUTS = ("counts", "scratch", "after")
+
+# Floats the scratch grows by (64 K floats, 256 KB): a longer history needs more blocks, and a
+# scratch a little larger than needed spares a new one at each such step.
+SCRATCH_STEP = 1 << 16
 
 
 class FusedLaunchState:
     """What successive fused launches of one cache share: the per-head counters (int32, left at
-    zero by every launch) and the last launch's output.
-    Why the output: two launches sharing counters must not overlap. A later launch takes the
-    last one's output as an input it never reads (`after`), so MLX orders the two within one
-    evaluated graph as it orders any producer and consumer (its CUDA graphs run nodes without a
-    path between them concurrently); launches in different evaluations run in stream order."""
+    zero by every launch), the partials' scratch (float32) and the last launch's output.
+    Why the scratch is an input, not an output: each output of a launch costs the host ~2.5 us
+    to build and ~2.5 us to launch (results/launch_cost_h200_s10.json: one output 5.8 + 5.0 us,
+    three 10.9 + 10.1), every layer and step; kept here it is allocated once per size.
+    Why the output: two launches sharing counters and scratch must not overlap. A later launch
+    takes the last one's output as an input it never reads (`after`), so MLX orders the two
+    within one evaluated graph as it orders any producer and consumer (its CUDA graphs run nodes
+    without a path between them concurrently); launches in different evaluations run in stream
+    order."""
 
     def __init__(self):
         self.counts = None
+        self.scratch = None
         self.last_out = None
 
-    def inputs(self, heads: int, queries) -> list:
-        """[counts, after] for a launch over `heads` (batch * kv heads) blocks' rows."""
+    def inputs(self, heads: int, queries, scratch_size: int) -> list:
+        """[counts, scratch, after] for a launch over `heads` (batch * kv heads) blocks' rows
+        whose partials take `scratch_size` floats."""
         if self.counts is None or self.counts.shape[0] != heads:
             self.counts = mx.zeros((heads,), dtype=mx.int32)
+        if self.scratch is None or self.scratch.shape[0] < scratch_size:
+            self.scratch = mx.zeros((-(-scratch_size // SCRATCH_STEP) * SCRATCH_STEP,), dtype=mx.float32)
         after = self.last_out
         if after is None or after.dtype != queries.dtype:
             after = queries  # nothing to follow: an input already there, of the same dtype
-        return [self.counts, after]
+        return [self.counts, self.scratch, after]
 
 
 def scratch_floats(heads: int, n_blocks: int, rows: int, value_dim: int) -> int:
@@ -690,7 +704,7 @@ def scratch_floats(heads: int, n_blocks: int, rows: int, value_dim: int) -> int:
 class PartialsKernel:
     """A flash-decoding partials kernel in its two builds: as written (outputs part_o, part_m,
     part_l, merged by merge_partials' kernel) and with the merge fused in (outputs the attention
-    `out` and the scratch), built on first use. Every partials kernel of ours launches blocks of
+    `out`; the partials go to FusedLaunchState's scratch), built on first use. Every partials kernel of ours launches blocks of
     WARPS_PER_BLOCK warps on a grid of (n_blocks, batch * kv heads) and has R and DV among its
     template constants."""
 
@@ -713,7 +727,7 @@ class PartialsKernel:
             self._fused = build_kernel(
                 mx.fast.cuda_kernel,
                 name=self.name + "_merged", input_names=[*self.input_names, *FUSED_EXTRA_INPUTS],
-                output_names=["out", "scratch"],
+                output_names=["out"],
                 source=_FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE, header=self.header)
         return self._fused
 
@@ -733,12 +747,12 @@ class PartialsKernel:
         B, n_q_heads = queries.shape[:2]
         rows = n_q_heads * B // heads
         state = FusedLaunchState() if state is None else state
-        out, _ = self.fused(
-            inputs=[*inputs, *state.inputs(heads, queries)], template=template,
+        scratch_size = scratch_floats(heads, n_blocks, rows, value_dim)
+        out = self.fused(
+            inputs=[*inputs, *state.inputs(heads, queries, scratch_size)], template=template,
             grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1), threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
-            output_shapes=[(B, n_q_heads, 1, value_dim), (scratch_floats(heads, n_blocks, rows, value_dim),)],
-            output_dtypes=[queries.dtype, mx.float32],
-        )
+            output_shapes=[(B, n_q_heads, 1, value_dim)], output_dtypes=[queries.dtype],
+        )[0]
         state.last_out = out
         return out
 
