@@ -85,7 +85,7 @@ MUTATIONS = [
     ("partials: key stage rows", "_PARTIALS", "kstage[warp][dd * WR + lane_word]", "kstage[warp][lane_word]"),
     ("merge kernel: block stride", "_MERGE", "po[(size_t)b * R * DV]", "po[(size_t)b * DV]"),
     # the merge fused into the partials kernel (MERGE_IN_KERNEL) reading block 0's partial only
-    ("fused merge: block stride", "_HEADER", "__ldcg(part_o + row * DV + c)", "__ldcg(part_o + (first + r) * DV + c)"),
+    ("fused merge: block stride", "_HEADER", "__ldcg(po + (size_t)k * R * DV + 32 * j)", "__ldcg(po + (size_t)k * DV + 32 * j)"),
 ]
 
 

@@ -144,10 +144,17 @@ __device__ __forceinline__ float vq_u2f(unsigned small) {
 // outlive the launch, FusedLaunchState), reads every block's partial (__ldcg: from L2, never a
 // stale L1 line) and writes out[(bh * R + r) * DV + c] = sum_b e_b o_b / sum_b e_b l_b, e_b =
 // exp(m_b - max m). Called by every thread of the block, after its last write of the partials.
+// A warp per row: its lanes take 32 blocks' m and l at a time (each lane one block's weight,
+// broadcast by shuffles) and 32 consecutive channels of each block's partial, so a lane's loads
+// of a run of blocks are independent and in flight together. Why: this merge runs alone at the
+// end of the launch (the tail of every layer's decode step); as 128 threads each walking all the
+// blocks for 4 outputs, one load after another, it added 0.026 ms to the partials' 0.137 at 128K
+// tokens on the H200 (0.017 at 32K; results/kernel_probe_h200_s10.json, fused_full - partials).
 template <int R, int DV, typename OT>
 __device__ __noinline__ void vq_merge_if_last(const float* part_o, const float* part_m,
                                                  const float* part_l, int* counts, OT* out,
                                                  int bh, int n_blocks) {
+  constexpr int CJ = (DV + 31) / 32;  // channels per lane: lane + 32 j
   __shared__ int vq_last;
   __threadfence();
   __syncthreads();
@@ -159,21 +166,37 @@ __device__ __noinline__ void vq_merge_if_last(const float* part_o, const float* 
   if (!vq_last) return;
   __threadfence();
   const float neg_inf = __int_as_float(0xff800000);
+  const int lane = threadIdx.x & 31;
   const size_t first = (size_t)bh * n_blocks * R;
-  for (int i = threadIdx.x; i < R * DV; i += blockDim.x) {
-    const int r = i / DV, c = i % DV;
+  for (int r = threadIdx.x >> 5; r < R; r += blockDim.x >> 5) {
     float top = neg_inf;
-    for (int b = 0; b < n_blocks; ++b) top = fmaxf(top, __ldcg(part_m + first + (size_t)b * R + r));
-    float o = 0.f, den = 0.f;
-    #pragma unroll 4
-    for (int b = 0; b < n_blocks; ++b) {
-      const size_t row = first + (size_t)b * R + r;
-      const float mb = __ldcg(part_m + row);
-      const float e = mb == neg_inf ? 0.f : expf(mb - top);
-      den = fmaf(e, __ldcg(part_l + row), den);
-      o = fmaf(e, __ldcg(part_o + row * DV + c), o);
+    for (int b = lane; b < n_blocks; b += 32) top = fmaxf(top, __ldcg(part_m + first + (size_t)b * R + r));
+    top = vq_warp_max(top);
+    float o[CJ], den = 0.f;
+    #pragma unroll
+    for (int j = 0; j < CJ; ++j) o[j] = 0.f;
+    for (int b0 = 0; b0 < n_blocks; b0 += 32) {
+      const int b = b0 + lane;
+      float e = 0.f;
+      if (b < n_blocks) {
+        const float mb = __ldcg(part_m + first + (size_t)b * R + r);
+        e = mb == neg_inf ? 0.f : expf(mb - top);
+        den = fmaf(e, __ldcg(part_l + first + (size_t)b * R + r), den);
+      }
+      const int run = min(32, n_blocks - b0);
+      const float* po = part_o + (first + (size_t)b0 * R + r) * DV + lane;
+      #pragma unroll 8
+      for (int k = 0; k < run; ++k) {
+        const float ek = __shfl_sync(0xffffffffu, e, k);
+        #pragma unroll
+        for (int j = 0; j < CJ; ++j)
+          if (lane + 32 * j < DV) o[j] = fmaf(ek, __ldcg(po + (size_t)k * R * DV + 32 * j), o[j]);
+      }
     }
-    out[((size_t)bh * R + r) * DV + c] = vq_cast<OT>(o / den);
+    den = vq_warp_sum(den);
+    #pragma unroll
+    for (int j = 0; j < CJ; ++j)
+      if (lane + 32 * j < DV) out[((size_t)bh * R + r) * DV + lane + 32 * j] = vq_cast<OT>(o[j] / den);
   }
 }
 
@@ -631,10 +654,10 @@ _MERGE = r"""
 # results/gpu_speed_h200_s7_32k_host.json), and one mx.fast.cuda_kernel call costs the host
 # ~23 us there (12 us to build, 11 us to launch; a built-in op ~4.5 us: mx.add 1.1 + 3.5; the
 # README's H200 section, session 7), so the merge kernel cost every layer ~23 us of each step.
-# The partials live in a float32 scratch output; the per-head counters in an input that
-# outlives the launch (FusedLaunchState), not in a zero-filled output: MLX fills every output of
-# a launch given init_value, one more kernel each (results/launch_cost_h200_s8.json: a call's
-# launch 11.9 us, 23.8 us with init_value). False: the two kernels.
+# The partials live in a float32 scratch and the per-head counters in inputs that outlive the
+# launch (FusedLaunchState), not in outputs: MLX fills every output of a launch given
+# init_value, one more kernel each (results/launch_cost_h200_s8.json: a call's launch 11.9 us,
+# 23.8 us with init_value), and each output costs the host ~5 us. False: the two kernels.
 MERGE_IN_KERNEL = True
 
 # Put before / after a partials kernel's source to fuse the merge in: the source writes part_o /
@@ -704,9 +727,9 @@ def scratch_floats(heads: int, n_blocks: int, rows: int, value_dim: int) -> int:
 class PartialsKernel:
     """A flash-decoding partials kernel in its two builds: as written (outputs part_o, part_m,
     part_l, merged by merge_partials' kernel) and with the merge fused in (outputs the attention
-    `out`; the partials go to FusedLaunchState's scratch), built on first use. Every partials kernel of ours launches blocks of
-    WARPS_PER_BLOCK warps on a grid of (n_blocks, batch * kv heads) and has R and DV among its
-    template constants."""
+    `out`; the partials go to FusedLaunchState's scratch), built on first use. Every partials
+    kernel of ours launches blocks of WARPS_PER_BLOCK warps on a grid of (n_blocks, batch * kv
+    heads) and has R and DV among its template constants."""
 
     def __init__(self, name: str, input_names, source: str, header: str):
         self.name, self.input_names, self.source, self.header = name, list(input_names), source, header

@@ -1,0 +1,52 @@
+"""The merge fused into every partials kernel (fused_decode.vq_merge_if_last), run alone on the
+CPU by the thread-level emulation (tests/cache/cuda_emulation.py) over more blocks than a warp
+has lanes: its lanes take the blocks 32 at a time, and the caches' emulated decode steps
+(tests/cache/test_fused_decode_emulated.py, a few blocks per head) never reach a second run.
+
+A kernel whose every block calls vq_merge_if_last on block partials handed in as inputs (the
+scratch the partials kernels write): the last block per head to count in writes the merged
+rows; against numpy's sum_b e_b o_b / sum_b e_b l_b, e_b = exp(m_b - max m), with some blocks
+empty (m = -inf, as a block past a short history leaves it).
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.cache import cuda_emulation
+from veloxquant_mlx.cache import fused_decode
+
+pytestmark = pytest.mark.skipif(
+    cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier and _Float16 for the kernels' CPU emulation"
+)
+
+_SOURCE = """
+  vq_merge_if_last<R, DV>(part_o, part_m, part_l, const_cast<int*>(counts), out, blockIdx.y, gridDim.x);
+"""
+
+
+def _reference(part_o, part_m, part_l):
+    top = part_m.max(axis=1, keepdims=True)
+    e = np.where(np.isneginf(part_m), 0.0, np.exp(part_m - top))
+    return (e[..., None] * part_o).sum(axis=1) / (e * part_l).sum(axis=1)[..., None]
+
+
+@pytest.mark.parametrize("heads, n_blocks, R, DV", [(2, 70, 4, 128), (1, 33, 8, 64), (3, 5, 1, 96)],
+                         ids=["70 blocks, 4 rows", "33 blocks, 8 rows over 4 warps", "5 blocks, 1 row, 96 channels"])
+def test_the_last_block_merges_every_blocks_partial(heads, n_blocks, R, DV):
+    rng = np.random.default_rng(n_blocks)
+    part_m = rng.normal(scale=3.0, size=(heads, n_blocks, R)).astype(np.float32)
+    part_m[:, 1::9] = -np.inf  # empty blocks
+    part_l = rng.uniform(0.5, 4.0, size=(heads, n_blocks, R)).astype(np.float32)
+    part_l[np.isneginf(part_m)] = 0.0
+    part_o = rng.normal(size=(heads, n_blocks, R, DV)).astype(np.float32)
+    kernel = cuda_emulation.cuda_kernel(
+        name="vq_test_fused_merge", input_names=["part_o", "part_m", "part_l", "counts"],
+        output_names=["out"], source=_SOURCE, header=fused_decode._HEADER)
+    counts = mx.zeros((heads,), dtype=mx.int32)
+    (out,) = kernel(
+        inputs=[mx.array(part_o), mx.array(part_m), mx.array(part_l), counts],
+        template=[("R", R), ("DV", DV)], grid=(32 * fused_decode.WARPS_PER_BLOCK * n_blocks, heads, 1),
+        threadgroup=(32 * fused_decode.WARPS_PER_BLOCK, 1, 1),
+        output_shapes=[(heads, R, DV)], output_dtypes=[mx.float32])
+    np.testing.assert_allclose(np.array(out), _reference(part_o, part_m, part_l), rtol=2e-5, atol=2e-6)
