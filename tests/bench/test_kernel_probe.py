@@ -62,8 +62,10 @@ def test_the_probes_launch_runs_every_variant_and_the_full_one_is_the_attention(
                 got = fused_decode.merge_partials(*parts, q).astype(mx.float32)
                 assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
         # The shipped launch the probe times as fused_full: the merge fused in, the attention out.
-        got = kernel_probe._partials_call(None, cache, q, 4096, merged=True)().astype(mx.float32)
-        assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
+        fused = kernel_probe._partials_call(None, cache, q, 4096, merged=True)
+        for _ in range(2):  # two launch states of the probe's pool in turn, each left ready
+            got = fused().astype(mx.float32)
+            assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
     finally:
         fused_decode._kernels.cache_clear()
 
@@ -120,3 +122,19 @@ def test_set_names_an_integer_constant_of_a_cache_module_or_is_refused(capsys):
         assert applied == {"veloxquant_mlx.cache.prefill_pieces.SYNC": {"default": saved, "set": 0}}
     finally:
         prefill_pieces.SYNC = saved
+
+
+def test_chained_calls_each_follow_the_last():
+    # fp16_sdpa_chain_ms's calls: each call's input depends on the last call's output, so the
+    # graph of the third output holds all three calls (independent calls: one each).
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench.step_census import graph_nodes
+
+    q = mx.zeros((4,))
+    mx.eval(q)
+    call = kernel_probe._chained(lambda x: mx.exp(x), q)
+    outs = [call() for _ in range(3)]
+    assert [name for _, name in graph_nodes([outs[2]])].count("Exp") == 3
+    assert mx.array_equal(outs[2], mx.ones((4,))).item()  # no arithmetic on the input
+    assert [name for _, name in graph_nodes([mx.exp(q)])].count("Exp") == 1

@@ -8,8 +8,9 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   and in a tile-major layout (the same bytes contiguous): GB/s of each. Tells whether the key
   layout bounds the decode kernel.
 - `decode`: at each of `--contexts`, ms per call (calls enqueued back to back, their graphs built
-  before the clock starts, one eval; median of 5 batches) of the fp16 `mx.fast` attention, kivi's
-  whole `cache.attention`, the shipped launch with the merge fused in (`fused_full`), and
+  before the clock starts, one eval; median of 5 batches) of the fp16 `mx.fast` attention (its
+  calls independent, and chained: each after the last, as kivi's whole `cache.attention` runs),
+  kivi's whole `cache.attention`, the shipped launch with the merge fused in (`fused_full`), and
   cache/fused_decode.py's partials kernel alone as shipped ("full"), with the value half removed
   ("noscore" keeps values and the softmax, "novalue" keeps the scores, "noscore+novalue" only
   what they share), with its value loop unrolled whole as before session 9 ("unrolled"; the
@@ -192,6 +193,10 @@ def variant_kernel(mode: str):
         output_names=["part_o", "part_m", "part_l"], source=variant_source(mode), header=fd._HEADER)
 
 
+# Launch states of the fused launch's probe (_partials_call), one per call of a batch.
+STATE_POOL = 32
+
+
 def per_call_ms(fn, calls: int = 30, batches: int = 5, build_untimed: bool = False) -> float:
     """Median over `batches` of the ms per call of `calls` calls enqueued then evaluated once.
     `build_untimed`: the calls' graphs are built before the clock starts, so only the device's
@@ -235,13 +240,18 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
     `target_warps` (and MAX_LANE_ACCUMULATORS to `lane_accumulators` if given: more lanes per
     value token, fewer registers); the sink is attended from its placeholder codes (skip 0,
     window alone). `merged` (kernel None): the shipped build with the merge fused in -> the
-    attention output (a new FusedLaunchState per call: its counters are one zero fill more)."""
+    attention output; successive calls take the launch states of a pool in turn (STATE_POOL,
+    at least per_call_ms's calls per batch), so the calls of a batch share no counters (they stay
+    as independent as the split build's) and none pays a new state's zero fills (at 128K its
+    scratch is ~17 MB: before session 10's pool every call filled a new one)."""
     from veloxquant_mlx.cache import fused_decode as fd
 
     s = cache.store
     arrays = [s[name] for name in ("key_codes", "key_scales", "key_biases", "value_codes",
                                    "value_scales", "value_biases")]
     meta = fd.FusedDecodeMeta()
+    states = [fd.FusedLaunchState() for _ in range(STATE_POOL)] if merged else [None]
+    turn = [0]
 
     def call():
         saved = fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN
@@ -252,8 +262,10 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
             return fd.affine_partials(
                 q, D**-0.5, *arrays, cache.window_keys, cache.window_values,
                 n_valid=cache.n_compressed, group_size=cache.group_size, key_bits=cache.key_bits,
-                value_bits=cache.value_bits, n_kv_heads=HK, meta_cache=meta, kernel=kernel, merged=merged)
+                value_bits=cache.value_bits, n_kv_heads=HK, meta_cache=meta, kernel=kernel, merged=merged,
+                state=states[turn[0] % len(states)])
         finally:
+            turn[0] += 1
             fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN = saved
 
     return call
@@ -293,6 +305,9 @@ def probe_decode(n: int) -> dict:
 
     out = {
         "fp16_sdpa_ms": timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5)),
+        # Each call after the last, as a model's layers run them (kivi's attention is chained by
+        # its launch state): the comparison for kivi_attention_ms.
+        "fp16_sdpa_chain_ms": timed(_chained(lambda qc: mx.fast.scaled_dot_product_attention(qc, k, v, scale=D**-0.5), q)),
         "kivi_attention_ms": timed(attend),
         "history_bytes": int(sum(a.nbytes for a in cache.store.values()) * cache.n_compressed / cache.capacity),
         # the shipped launch: partials with the merge fused in (vs partials_full: the split build)
@@ -307,6 +322,20 @@ def probe_decode(n: int) -> dict:
         out[f"partials_full_lane_accumulators{lanes_acc}_ms"] = timed(
             _partials_call(None, cache, q, fd.TARGET_WARPS, lanes_acc))
     return out
+
+
+def _chained(fn, q):
+    """fn(q) per call, each call's query made to depend on the last call's output (mx.depends:
+    no arithmetic), so the device runs the calls one after another."""
+    import mlx.core as mx
+
+    last = [None]
+
+    def call():
+        qc = q if last[0] is None else mx.depends([q], [last[0]])[0]
+        last[0] = fn(qc)
+        return last[0]
+    return call
 
 
 def prefill_inputs(n: int):

@@ -1095,10 +1095,11 @@ def affine_partials(
     value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
     value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0, sink=None,
     kernel=None, extra_inputs=(), extra_template=(), merged: bool = False,
+    state: FusedLaunchState | None = None,
 ):
     """Kernel 1's launch (the checks, block split, meta and template) -> (part_o, part_m,
     part_l), or with `merged` the attention output (B, Hq, 1, DV) (PartialsKernel.attend: the
-    merge fused in, MERGE_IN_KERNEL); `sink`: (keys, values) (B, H, S, D / DV) the exact block
+    merge fused in, MERGE_IN_KERNEL, with `state`'s counters and scratch; None: new ones); `sink`: (keys, values) (B, H, S, D / DV) the exact block
     attends before the window (None: dummies, S = 0); `kernel`: the shipped PartialsKernel when
     None, else one built on this source by partials_source (GEAR's), or a raw variant kernel
     of its source (bench.kernel_probe times some; not with `merged`), taken after the checks;
@@ -1111,7 +1112,7 @@ def affine_partials(
         kernel=kernel, extra_inputs=extra_inputs, extra_template=extra_template)
     partials, inputs, shape = launch
     if merged:
-        return partials.attend(queries, inputs=inputs, **shape)
+        return partials.attend(queries, inputs=inputs, state=state, **shape)
     if isinstance(partials, PartialsKernel):
         return partials.partials(queries, inputs=inputs, **shape)
     return split_launch(partials, queries, inputs=inputs, **shape)
