@@ -148,8 +148,9 @@ __device__ __forceinline__ float vq_u2f(unsigned small) {
 // broadcast by shuffles) and 32 consecutive channels of each block's partial, so a lane's loads
 // of a run of blocks are independent and in flight together. Why: this merge runs alone at the
 // end of the launch (the tail of every layer's decode step); as 128 threads each walking all the
-// blocks for 4 outputs, one load after another, it added 0.026 ms to the partials' 0.137 at 128K
-// tokens on the H200 (0.017 at 32K; results/kernel_probe_h200_s10.json, fused_full - partials).
+// blocks for 4 outputs, one load after another, kivi's attention took 0.208 ms per layer at 128K
+// tokens on the H200 and 0.177 / 0.178 with this merge (32K: 0.094 -> 0.073 / 0.078;
+// results/kernel_probe_h200_s10.json, kernel_probe_h200_s10_merge*.json, kivi_attention_ms).
 template <int R, int DV, typename OT>
 __device__ __noinline__ void vq_merge_if_last(const float* part_o, const float* part_m,
                                                  const float* part_l, int* counts, OT* out,
