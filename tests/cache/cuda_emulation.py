@@ -636,8 +636,9 @@ def kernel_builders() -> list:
 
 
 @contextmanager
-def emulated_kernels():
-    """Within: our caches' CUDA kernels are on (fused_decode.kernels_enabled) and built by this
+def emulated_kernels(enabled=None):
+    """Within: our caches' CUDA kernels are on (fused_decode.kernels_enabled; `enabled`: what
+    decides instead, e.g. the VELOXQUANT_CUDA_KERNELS switch alone, as on CUDA) and built by this
     emulation (the module's `cuda_kernel`, looked up at build time so a test may wrap it); the
     kernel factories are emptied before and after, so no emulated kernel outlives the block.
     Yields the list of kernels built inside (a test checks which ran)."""
@@ -653,7 +654,7 @@ def emulated_kernels():
     saved = mx.fast.cuda_kernel, fused_decode.kernels_enabled
     for built in builders:
         built.cache_clear()
-    mx.fast.cuda_kernel, fused_decode.kernels_enabled = build, (lambda: True)
+    mx.fast.cuda_kernel, fused_decode.kernels_enabled = build, (enabled or (lambda: True))
     try:
         yield made
     finally:

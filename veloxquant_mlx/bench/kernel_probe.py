@@ -193,11 +193,11 @@ def variant_kernel(mode: str):
         output_names=["part_o", "part_m", "part_l"], source=variant_source(mode), header=fd._HEADER)
 
 
-# Launch states of the fused launch's probe (_partials_call), one per call of a batch.
-STATE_POOL = 32
+# Calls per batch of per_call_ms, and so the fused launch's probe's launch states (_partials_call).
+CALLS_PER_BATCH = 30
 
 
-def per_call_ms(fn, calls: int = 30, batches: int = 5, build_untimed: bool = False) -> float:
+def per_call_ms(fn, calls: int = CALLS_PER_BATCH, batches: int = 5, build_untimed: bool = False) -> float:
     """Median over `batches` of the ms per call of `calls` calls enqueued then evaluated once.
     `build_untimed`: the calls' graphs are built before the clock starts, so only the device's
     work is timed (in generation the host builds the next step while the device runs this one)."""
@@ -240,8 +240,8 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
     `target_warps` (and MAX_LANE_ACCUMULATORS to `lane_accumulators` if given: more lanes per
     value token, fewer registers); the sink is attended from its placeholder codes (skip 0,
     window alone). `merged` (kernel None): the shipped build with the merge fused in -> the
-    attention output; successive calls take the launch states of a pool in turn (STATE_POOL,
-    at least per_call_ms's calls per batch), so the calls of a batch share no counters (they stay
+    attention output; successive calls take the launch states of a pool in turn (one per call
+    of a per_call_ms batch, CALLS_PER_BATCH), so the calls of a batch share no counters (they stay
     as independent as the split build's) and none pays a new state's zero fills (at 128K its
     scratch is ~17 MB: before session 10's pool every call filled a new one)."""
     from veloxquant_mlx.cache import fused_decode as fd
@@ -250,7 +250,7 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
     arrays = [s[name] for name in ("key_codes", "key_scales", "key_biases", "value_codes",
                                    "value_scales", "value_biases")]
     meta = fd.FusedDecodeMeta()
-    states = [fd.FusedLaunchState() for _ in range(STATE_POOL)] if merged else [None]
+    states = [fd.FusedLaunchState() for _ in range(CALLS_PER_BATCH)] if merged else [None]
     turn = [0]
 
     def call():
