@@ -83,6 +83,12 @@ CASES = [
     ("kvquant-3 many tiles per warp unparked", _kvquant(), mx.float32, 128, 1, 4, 1100, 1, UNPARKED),
     ("kvquant-3 default hd128 gqa4 old split", _kvquant(), mx.float32, 128, 1, 4, 1100, None, OLD),
     ("kvquant-2 hd128 gqa8 old split", _kvquant(kvquant_bits=2), mx.float32, 128, 1, 8, 700, None, OLD),
+    # the unaligned value loop one round at a time (the kernel before session 11), and in batches
+    # of 2 (several batches per tile at 64 rounds) over several tiles per warp
+    ("kvquant-3 default hd128 gqa4 one round", _kvquant(), mx.float32, 128, 1, 4, 1100, None,
+     {"UNALIGNED_VALUE_BATCH": 1}),
+    ("kvquant-3 many tiles per warp batch 2", _kvquant(), mx.float32, 128, 1, 4, 1100, 1,
+     {"UNALIGNED_VALUE_BATCH": 2}),
 ]
 
 # Each must fail the comparison (one change in the source, in memory).
@@ -92,6 +98,8 @@ MUTATIONS = [
     ("value outliers ignored", "/ vq_f32(vs_bh[t]) - cbv[code];", "/ vq_f32(vs_bh[t]) - (vq_f32(vov_bh[e]) - vq_f32(vz_bh[t])) / vq_f32(vs_bh[t]);"),
     ("3-bit phase ignored", "win[i] = vq_window<BITS>(lead[i], next, ph[i]);",
      "win[i] = vq_window<BITS>(lead[i], next, 0);"),
+    ("3-bit value phase ignored", "vq_window<BITS>(words[k][g], words[k][g + 1], phase[k]);",
+     "vq_window<BITS>(words[k][g], words[k][g + 1], 0);"),
     ("value zeros dropped", "red_o[r * DV + ch0 + c] = acc[r][c] + zsum[r] + fix;",
      "red_o[r * DV + ch0 + c] = acc[r][c] + fix;"),
     # the parked value sums (the default case parks): lost between tiles, or not rescaled to a

@@ -131,6 +131,11 @@ MIN_CHANNELS_PER_LANE = 4
 # tile is scored instead of holding registers across the whole tile loop, where shared memory
 # allows (parks(): 48 KB with them). Session 5: on; before, off (the sums stayed in registers).
 PARK_ACCUMULATORS = True
+# UNALIGNED_VALUE_BATCH: where a lane's value codes start inside a word (3 bits: 10 codes per
+# word), the value loop loads this many rounds' words before their arithmetic (a power of two;
+# the template's UB). Before session 11 the loop took one round at a time (1): each round's two
+# loads were waited on before its lookups and FMAs, 64 rounds per tile at the 8B shape.
+UNALIGNED_VALUE_BATCH = 8
 MAX_ROWS = 8  # GQA rows per KV head
 MAX_HEAD_DIM = 256
 SHARED_BYTES = 48 * 1024
@@ -510,29 +515,40 @@ _PARTIALS = r"""
       }
     } else {
       // As for the keys: each lane's CPL codes start at a runtime phase inside a word; per run
-      // of PER codes the two words it spans are joined once (vq_window).
+      // of PER codes the two words it spans are joined once (vq_window). UB rounds' words are
+      // loaded before their arithmetic (UB = 1: one round at a time, each waiting on its own
+      // loads, the kernel before session 11; UNALIGNED_VALUE_BATCH).
       constexpr int RUNS = (CPL + PER - 1) / PER;
-      for (int round = 0; round < ROUNDS; ++round) {
-        const int j = round * TPR + tl;
-        const int tj = min(base + j, last - 1);
-        const int idx = (tj % G) * DV + ch0;
-        const uint32_t* vb = vc_bh + (size_t)(tj / G) * v_words;
-        const int w0 = idx / PER;
-        const int phase = (idx % PER) * BITS;
-        unsigned words[RUNS + 1];
+      constexpr int UBATCH = ROUNDS < UB ? ROUNDS : UB;
+      #pragma unroll 1
+      for (int b0 = 0; b0 < ROUNDS; b0 += UBATCH) {
+        unsigned words[UBATCH][RUNS + 1];
+        int phase[UBATCH];
         #pragma unroll
-        for (int g = 0; g <= RUNS; ++g) words[g] = __ldg(vb + min(w0 + g, v_words - 1));
-        float pj[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) pj[r] = p_tile[((j % TPL) * 33 + j / TPL) * R + r];
-        #pragma unroll
-        for (int g = 0; g < RUNS; ++g) {
-          const unsigned win = vq_window<BITS>(words[g], words[g + 1], phase);
+        for (int k = 0; k < UBATCH; ++k) {
+          const int tj = min(base + (b0 + k) * TPR + tl, last - 1);
+          const int idx = (tj % G) * DV + ch0;
+          const uint32_t* vb = vc_bh + (size_t)(tj / G) * v_words;
+          const int w0 = idx / PER;
+          phase[k] = (idx % PER) * BITS;
           #pragma unroll
-          for (int k = 0; k < PER && g * PER + k < CPL; ++k) {
-            const float v = cbv[(win >> (k * BITS)) & MASK];
+          for (int g = 0; g <= RUNS; ++g) words[k][g] = __ldg(vb + min(w0 + g, v_words - 1));
+        }
+        #pragma unroll
+        for (int k = 0; k < UBATCH; ++k) {
+          const int j = (b0 + k) * TPR + tl;
+          float pj[R];
+          #pragma unroll
+          for (int r = 0; r < R; ++r) pj[r] = p_tile[((j % TPL) * 33 + j / TPL) * R + r];
+          #pragma unroll
+          for (int g = 0; g < RUNS; ++g) {
+            const unsigned win = vq_window<BITS>(words[k][g], words[k][g + 1], phase[k]);
             #pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][g * PER + k] = fmaf(pj[r], v, acc[r][g * PER + k]);
+            for (int e = 0; e < PER && g * PER + e < CPL; ++e) {
+              const float v = cbv[(win >> (e * BITS)) & MASK];
+              #pragma unroll
+              for (int r = 0; r < R; ++r) acc[r][g * PER + e] = fmaf(pj[r], v, acc[r][g * PER + e]);
+            }
           }
         }
       }
@@ -612,10 +628,10 @@ _INPUTS = ["q", "kc", "ks", "kz", "kcb", "vc", "vs", "vz", "vcb", "kop", "kov", 
 
 
 @lru_cache(maxsize=None)
-def _partials_kernel(lane_accumulators: int, park: bool):
-    """The partials kernel for a MAX_LANE_ACCUMULATORS / PARK_ACCUMULATORS setting. The source does
-    not read them (the lane split and the parking are the template's LPT and PARK, and MLX
-    compiles one kernel per template), but a probe that changes a constant gets a kernel object of
+def _partials_kernel(lane_accumulators: int, park: bool, value_batch: int):
+    """The partials kernel for a MAX_LANE_ACCUMULATORS / PARK_ACCUMULATORS / UNALIGNED_VALUE_BATCH
+    setting. The source does not read them (the lane split, the parking and the batch are the
+    template's LPT, PARK and UB, and MLX compiles one kernel per template), but a probe that changes a constant gets a kernel object of
     its own, never one built for the other setting."""
     return PartialsKernel("vq_codebook_decode_partials", _INPUTS, _PARTIALS, _HEADER + _WINDOW)
 
@@ -688,8 +704,9 @@ def decode_step(cache, queries, scale: float):
     sink_keys / sink_values with the window."""
     if not fused_decode.kernels_enabled():
         return None
-    accumulators, park = MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS  # read at each call (probes set them)
-    key = (accumulators, park)  # beside planned_attend's own (the store's writes, the history...)
+    # Read at each call (probes set them).
+    accumulators, park, value_batch = MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS, UNALIGNED_VALUE_BATCH
+    key = (accumulators, park, value_batch)  # beside planned_attend's own (the store's writes, the history...)
 
     def launch():
         rows = queries.shape[1] // cache.n_kv_heads
@@ -708,7 +725,7 @@ def decode_step(cache, queries, scale: float):
         )
         return inputs, shape, WINDOW_INPUTS
 
-    return fused_decode.planned_attend(cache, queries, scale, key, launch, lambda: _partials_kernel(accumulators, park))
+    return fused_decode.planned_attend(cache, queries, scale, key, launch, lambda: _partials_kernel(accumulators, park, value_batch))
 
 
 def codebook_decode_attention(
@@ -777,12 +794,13 @@ def codebook_launch(
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip)
     dtype = queries.dtype
     park = parks(D, DV, R, bits, counts[1] > 0)
-    kernel = _partials_kernel(MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS)
+    kernel = _partials_kernel(MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS, UNALIGNED_VALUE_BATCH)
     inputs = [queries, store["key_codes"], store["key_scale"], store["key_zero"],
               _as(store["key_codebook"], mx.float32), store["value_codes"], store["value_scale"],
               store["value_zero"], _as(store["value_codebook"], mx.float32), *outliers,
               _as(window_keys, dtype), _as(window_values, dtype), sink_keys, sink_values, meta]
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
                 ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]), ("PARK", park),
+                ("UB", UNALIGNED_VALUE_BATCH),
                 ("QT", dtype), ("ST", side)]
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
