@@ -77,21 +77,21 @@ def test_value_channels_per_lane_follow_the_accumulator_budget(monkeypatch):
 
 
 def test_a_new_accumulator_setting_builds_a_kernel_of_its_own(monkeypatch):
-    # The kernel factory is keyed on the budget, the parking and the value batch: a probe that sets a constant
+    # The kernel factory is keyed on the budget, the parking and the batches: a probe that sets a constant
     # never reuses the kernel object built for the other setting.
     made = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kwargs: made.append(kwargs) or object())
     fused_decode_codebook._partials_kernel.cache_clear()
     try:
-        a = fused_decode_codebook._partials_kernel(32, True, 8)
-        assert fused_decode_codebook._partials_kernel(32, True, 8) is a
-        others = [fused_decode_codebook._partials_kernel(64, True, 8), fused_decode_codebook._partials_kernel(32, False, 8),
-                  fused_decode_codebook._partials_kernel(32, True, 1)]
+        a = fused_decode_codebook._partials_kernel(32, True, (8, 4))
+        assert fused_decode_codebook._partials_kernel(32, True, (8, 4)) is a
+        others = [fused_decode_codebook._partials_kernel(64, True, (8, 4)), fused_decode_codebook._partials_kernel(32, False, (8, 4)),
+                  fused_decode_codebook._partials_kernel(32, True, (1, 4)), fused_decode_codebook._partials_kernel(32, True, (8, 1))]
         assert all(k is not a for k in others)
         assert made == []  # built on first use, one build per setting
         for k in (a, *others):
             assert k.fused is k.fused
-        assert len(made) == 4
+        assert len(made) == 5
     finally:
         fused_decode_codebook._partials_kernel.cache_clear()
 
@@ -132,7 +132,7 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
             return "kernel output"
 
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    monkeypatch.setattr(fused_decode_codebook, "_partials_kernel", lambda accumulators, park, value_batch: Kernel())
+    monkeypatch.setattr(fused_decode_codebook, "_partials_kernel", lambda accumulators, park, batches: Kernel())
     assert cache._fused_decode(q_heads, 0.5) == "kernel output"
     assert seen["queries"] is q_heads
     launch = seen["launch"]
@@ -159,7 +159,7 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
     template = dict(launch["template"])
     n_out = 41 if outliers else 0  # round(0.01 * 32 * 128)
     assert template == {"D": 128, "DV": 128, "R": 4, "G": 32, "BITS": 3, "LPT": 16, "NOK": n_out,
-                        "NOV": n_out, "PARK": True, "UB": 8, "QT": mx.float32, "ST": mx.float32}
+                        "NOV": n_out, "PARK": True, "UB": 8, "OB": 4, "QT": mx.float32, "ST": mx.float32}
     assert (launch["n_blocks"], launch["heads"], launch["value_dim"]) == (n_hist + 1, 2, 128)
     # Off, or a shape the kernel refuses: the portable path (supports() is asked when a launch
     # plan is made: a new cache's first step, or after a store write).

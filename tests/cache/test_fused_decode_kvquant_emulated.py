@@ -89,13 +89,21 @@ CASES = [
      {"UNALIGNED_VALUE_BATCH": 1}),
     ("kvquant-3 many tiles per warp batch 2", _kvquant(), mx.float32, 128, 1, 4, 1100, 1,
      {"UNALIGNED_VALUE_BATCH": 2}),
+    # outliers one entry at a time (before session 11), and 8 per lane (one batch per tile)
+    ("kvquant-3 default hd128 gqa4 outliers one by one", _kvquant(), mx.float32, 128, 1, 4, 1100, None,
+     {"OUTLIER_BATCH": 1}),
+    ("kvquant-3 many tiles per warp outliers 8", _kvquant(), mx.float32, 128, 1, 4, 1100, 1,
+     {"OUTLIER_BATCH": 8}),
 ]
 
 # Each must fail the comparison (one change in the source, in memory).
 MUTATIONS = [
     ("sink placeholder attended", "const int lo = window ? 0 : n_skip;", "const int lo = 0;"),
-    ("key outliers ignored", "const float delta = vq_f32(kov_bh[e]) - dec;", "const float delta = 0.f;"),
-    ("value outliers ignored", "/ vq_f32(vs_bh[t]) - cbv[code];", "/ vq_f32(vs_bh[t]) - (vq_f32(vov_bh[e]) - vq_f32(vz_bh[t])) / vq_f32(vs_bh[t]);"),
+    ("key outliers ignored", "const float delta = ex[b] - fmaf(cbk[code], osc[b], ozp[b]);", "const float delta = 0.f;"),
+    ("value outliers ignored", "const float u = (ex[b] - ozp[b]) / osc[b] - cbv[code];", "const float u = 0.f;"),
+    # a batch's later entries dropped (OB = 4: at 1100 tokens a lane holds up to 6 entries of a tile)
+    ("outlier batch cut to one entry", "if (j0 + 32 * b < n_entries && t >= base && t < tile_end) {",
+     "if (b == 0 && j0 + 32 * b < n_entries && t >= base && t < tile_end) {"),
     ("3-bit phase ignored", "win[i] = vq_window<BITS>(lead[i], next, ph[i]);",
      "win[i] = vq_window<BITS>(lead[i], next, 0);"),
     ("3-bit value phase ignored", "vq_window<BITS>(words[k][g], words[k][g + 1], phase[k]);",

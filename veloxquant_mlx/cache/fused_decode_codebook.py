@@ -136,6 +136,11 @@ PARK_ACCUMULATORS = True
 # the template's UB). Before session 11 the loop took one round at a time (1): each round's two
 # loads were waited on before its lookups and FMAs, 64 rounds per tile at the 8B shape.
 UNALIGNED_VALUE_BATCH = 8
+# OUTLIER_BATCH: outlier entries a lane takes at a time (the template's OB): their positions and
+# exact values loaded together, then what the positions name (code word, scale, zero). Before
+# session 11 (1) one entry at a time, two dependent loads waited on per entry; on the H200 the
+# outliers then took 0.17 of kvquant's 0.41 ms per layer at 128K (results/kernel_probe_h200_s11_kvquant.json).
+OUTLIER_BATCH = 4
 MAX_ROWS = 8  # GQA rows per KV head
 MAX_HEAD_DIM = 256
 SHARED_BYTES = 48 * 1024
@@ -363,21 +368,43 @@ _PARTIALS = r"""
           for (int r = 0; r < R; ++r) p_tile[(i * 33 + lane) * R + r] = s[i][r];
         }
         __syncwarp();
+        // A lane takes OB entries at a time: their positions and exact values loaded together,
+        // then the code words, scales and zeros the positions name, then the sums (OB = 1: one
+        // entry at a time, its two dependent loads waited on per entry, as before session 11;
+        // OUTLIER_BATCH). Past-the-end entries of a batch repeat the last one, dropped below.
         const int g0 = base / G;
         const int n_entries = ((tile_end - 1) / G - g0 + 1) * NOK1;
-        for (int j = lane; j < n_entries; j += 32) {
-          const int gb = g0 + j / NOK1;
-          const int e = gb * NOK1 + j % NOK1;
-          const int pos = kop_bh[e];
-          const int c = pos % D;
-          const int t = gb * G + pos / D;
-          if (t >= base && t < tile_end) {
-            const unsigned code = (__ldg(kc_bh + (size_t)gb * k_words + pos / PER) >> ((pos % PER) * BITS)) & MASK;
-            const float dec = fmaf(cbk[code], vq_f32(ks_bh[(size_t)gb * D + c]), vq_f32(kz_bh[(size_t)gb * D + c]));
-            const float delta = vq_f32(kov_bh[e]) - dec;
-            const int slot = ((t - base) % TPL) * 33 + (t - base) / TPL;
-            #pragma unroll
-            for (int r = 0; r < R; ++r) atomicAdd(&p_tile[slot * R + r], qs[c * R + r] * delta);
+        for (int j0 = lane; j0 < n_entries; j0 += 32 * OB) {
+          int pos[OB], gbo[OB];
+          float ex[OB];
+          #pragma unroll
+          for (int b = 0; b < OB; ++b) {
+            const int j = min(j0 + 32 * b, n_entries - 1);
+            gbo[b] = g0 + j / NOK1;
+            const int e = gbo[b] * NOK1 + j % NOK1;
+            pos[b] = kop_bh[e];
+            ex[b] = vq_f32(kov_bh[e]);
+          }
+          unsigned word[OB];
+          float osc[OB], ozp[OB];
+          #pragma unroll
+          for (int b = 0; b < OB; ++b) {
+            const size_t side = (size_t)gbo[b] * D + pos[b] % D;
+            word[b] = __ldg(kc_bh + (size_t)gbo[b] * k_words + pos[b] / PER);
+            osc[b] = vq_f32(ks_bh[side]);
+            ozp[b] = vq_f32(kz_bh[side]);
+          }
+          #pragma unroll
+          for (int b = 0; b < OB; ++b) {
+            const int c = pos[b] % D;
+            const int t = gbo[b] * G + pos[b] / D;
+            if (j0 + 32 * b < n_entries && t >= base && t < tile_end) {
+              const unsigned code = (word[b] >> ((pos[b] % PER) * BITS)) & MASK;
+              const float delta = ex[b] - fmaf(cbk[code], osc[b], ozp[b]);
+              const int slot = ((t - base) % TPL) * 33 + (t - base) / TPL;
+              #pragma unroll
+              for (int r = 0; r < R; ++r) atomicAdd(&p_tile[slot * R + r], qs[c * R + r] * delta);
+            }
           }
         }
         __syncwarp();
@@ -437,20 +464,40 @@ _PARTIALS = r"""
     if (NOV > 0 && !window) {
       // p * scale * ((exact - zero) / scale - level): the outlier's exact value in place of its
       // decoded one, in the folded form the value loop accumulates.
+      // OB entries per lane at a time, as for the keys.
       const int g0 = base / G;
       const int n_entries = ((tile_end - 1) / G - g0 + 1) * NOV1;
-      for (int j = lane; j < n_entries; j += 32) {
-        const int gb = g0 + j / NOV1;
-        const int e = gb * NOV1 + j % NOV1;
-        const int pos = vop_bh[e];
-        const int c = pos % DV;
-        const int t = gb * G + pos / DV;
-        if (t >= max(base, lo) && t < tile_end) {
-          const unsigned code = (__ldg(vc_bh + (size_t)gb * v_words + pos / PER) >> ((pos % PER) * BITS)) & MASK;
-          const float u = (vq_f32(vov_bh[e]) - vq_f32(vz_bh[t])) / vq_f32(vs_bh[t]) - cbv[code];
-          const int slot = ((t - base) % TPL) * 33 + (t - base) / TPL;
-          #pragma unroll
-          for (int r = 0; r < R; ++r) atomicAdd(&corr[warp][r * DV + c], p_tile[slot * R + r] * u);
+      for (int j0 = lane; j0 < n_entries; j0 += 32 * OB) {
+        int pos[OB], gbo[OB];
+        float ex[OB];
+        #pragma unroll
+        for (int b = 0; b < OB; ++b) {
+          const int j = min(j0 + 32 * b, n_entries - 1);
+          gbo[b] = g0 + j / NOV1;
+          const int e = gbo[b] * NOV1 + j % NOV1;
+          pos[b] = vop_bh[e];
+          ex[b] = vq_f32(vov_bh[e]);
+        }
+        unsigned word[OB];
+        float osc[OB], ozp[OB];
+        #pragma unroll
+        for (int b = 0; b < OB; ++b) {
+          const int t = gbo[b] * G + pos[b] / DV;
+          word[b] = __ldg(vc_bh + (size_t)gbo[b] * v_words + pos[b] / PER);
+          osc[b] = vq_f32(vs_bh[t]);
+          ozp[b] = vq_f32(vz_bh[t]);
+        }
+        #pragma unroll
+        for (int b = 0; b < OB; ++b) {
+          const int c = pos[b] % DV;
+          const int t = gbo[b] * G + pos[b] / DV;
+          if (j0 + 32 * b < n_entries && t >= max(base, lo) && t < tile_end) {
+            const unsigned code = (word[b] >> ((pos[b] % PER) * BITS)) & MASK;
+            const float u = (ex[b] - ozp[b]) / osc[b] - cbv[code];
+            const int slot = ((t - base) % TPL) * 33 + (t - base) / TPL;
+            #pragma unroll
+            for (int r = 0; r < R; ++r) atomicAdd(&corr[warp][r * DV + c], p_tile[slot * R + r] * u);
+          }
         }
       }
     }
@@ -628,10 +675,10 @@ _INPUTS = ["q", "kc", "ks", "kz", "kcb", "vc", "vs", "vz", "vcb", "kop", "kov", 
 
 
 @lru_cache(maxsize=None)
-def _partials_kernel(lane_accumulators: int, park: bool, value_batch: int):
-    """The partials kernel for a MAX_LANE_ACCUMULATORS / PARK_ACCUMULATORS / UNALIGNED_VALUE_BATCH
-    setting. The source does not read them (the lane split, the parking and the batch are the
-    template's LPT, PARK and UB, and MLX compiles one kernel per template), but a probe that changes a constant gets a kernel object of
+def _partials_kernel(lane_accumulators: int, park: bool, batches: tuple):
+    """The partials kernel for a MAX_LANE_ACCUMULATORS / PARK_ACCUMULATORS / (UNALIGNED_VALUE_BATCH,
+    OUTLIER_BATCH) setting. The source does not read them (the lane split, the parking and the
+    batches are the template's LPT, PARK, UB and OB, and MLX compiles one kernel per template), but a probe that changes a constant gets a kernel object of
     its own, never one built for the other setting."""
     return PartialsKernel("vq_codebook_decode_partials", _INPUTS, _PARTIALS, _HEADER + _WINDOW)
 
@@ -705,8 +752,9 @@ def decode_step(cache, queries, scale: float):
     if not fused_decode.kernels_enabled():
         return None
     # Read at each call (probes set them).
-    accumulators, park, value_batch = MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS, UNALIGNED_VALUE_BATCH
-    key = (accumulators, park, value_batch)  # beside planned_attend's own (the store's writes, the history...)
+    batches = (UNALIGNED_VALUE_BATCH, OUTLIER_BATCH)
+    accumulators, park = MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS
+    key = (accumulators, park, batches)  # beside planned_attend's own (the store's writes, the history...)
 
     def launch():
         rows = queries.shape[1] // cache.n_kv_heads
@@ -725,7 +773,7 @@ def decode_step(cache, queries, scale: float):
         )
         return inputs, shape, WINDOW_INPUTS
 
-    return fused_decode.planned_attend(cache, queries, scale, key, launch, lambda: _partials_kernel(accumulators, park, value_batch))
+    return fused_decode.planned_attend(cache, queries, scale, key, launch, lambda: _partials_kernel(accumulators, park, batches))
 
 
 def codebook_decode_attention(
@@ -794,13 +842,13 @@ def codebook_launch(
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip)
     dtype = queries.dtype
     park = parks(D, DV, R, bits, counts[1] > 0)
-    kernel = _partials_kernel(MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS, UNALIGNED_VALUE_BATCH)
+    kernel = _partials_kernel(MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS, (UNALIGNED_VALUE_BATCH, OUTLIER_BATCH))
     inputs = [queries, store["key_codes"], store["key_scale"], store["key_zero"],
               _as(store["key_codebook"], mx.float32), store["value_codes"], store["value_scale"],
               store["value_zero"], _as(store["value_codebook"], mx.float32), *outliers,
               _as(window_keys, dtype), _as(window_values, dtype), sink_keys, sink_values, meta]
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
                 ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]), ("PARK", park),
-                ("UB", UNALIGNED_VALUE_BATCH),
+                ("UB", UNALIGNED_VALUE_BATCH), ("OB", OUTLIER_BATCH),
                 ("QT", dtype), ("ST", side)]
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
