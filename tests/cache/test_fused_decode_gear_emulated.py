@@ -78,6 +78,9 @@ MUTATIONS = [
     ("value low rank dropped", "acc[r][c] = fmaf(uj[r], b, acc[r][c]);", ";", None),
     ("value outliers dropped", "atomicAdd(&vsp_w[r * DV + c], p_tile[tile_slot(t) * R + r] * val);", ";", None),
     ("value outliers not rescaled", "vsp_w[r * DV + c] *= al[r];", ";", 1),
+    # a batch's later entries dropped (OUTLIER_BATCH 4: a lane's batch spans 128 of 328 entries)
+    ("outlier batch cut to one entry", "if (e0 + 32 * b < KCNT && t >= 0 && t < TILE) {",
+     "if (b == 0 && e0 + 32 * b < KCNT && t >= 0 && t < TILE) {", None),
 ]
 
 
@@ -142,6 +145,22 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
     print(f"{name}: max |kernel - portable| = {diff:.2e} (history {n_valid}, window {cache.window_keys.shape[2]})")
     tol = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]  # the output's rounding
     assert np.allclose(got, expected, atol=tol, rtol=tol), diff
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_other_outlier_batches_are_the_portable_attention(monkeypatch, batch):
+    # One entry at a time (the kernel before session 11) and 8 per lane (a ragged second batch
+    # of 328 entries) against the portable step, several tiles per warp.
+    monkeypatch.setattr(fused_decode_gear, "OUTLIER_BATCH", batch)
+    monkeypatch.setattr(fused_decode, "TARGET_WARPS", 1)
+    cache = CASES[0][1]()
+    q_heads = _filled(cache, 1600, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+    expected = _portable(cache, q_heads, 128)
+    got, made = _emulated_step(cache, q_heads, 128**-0.5)
+    assert sorted((k.name, k.calls) for k in made if k.calls) == [("vq_gear_decode_partials_merged", 1)]
+    assert dict(cache._fused_plan[1][1]["template"])["OB"] == batch  # the launch's template
+    diff = np.abs(np.array(got) - expected).max()
+    assert diff <= 2e-5, diff
 
 
 @pytest.mark.parametrize("name, old, new, warps", MUTATIONS, ids=[m[0] for m in MUTATIONS])

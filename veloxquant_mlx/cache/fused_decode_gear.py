@@ -68,6 +68,10 @@ from veloxquant_mlx.cache import fused_decode
 MAX_RANK = 8
 MAX_ROWS = 8
 MAX_ROW_RANKS = 32  # rows x max(rank, 1): the per-lane (q B_k) and (p A_v) sums, in registers
+# Sparse (outlier) entries a lane takes at a time (the template's OB): their indices and values
+# loaded together before the sums. Before session 11 one at a time (1), each entry's loads waited
+# on; a 128-token tile walks its 256-token block's entries (the 8B shape at 1%: 328, ~11 per lane).
+OUTLIER_BATCH = 4
 GEAR_INPUTS = ("kat", "kbc", "koi", "kov", "vat", "vbc", "voi", "vov")
 
 # Template constants beyond fused_decode's: RANK, BLK (tokens per low-rank / outlier block),
@@ -151,14 +155,28 @@ _SCORE_INIT = r"""
         __syncwarp();
         const KIT* oi = koi_bh + (size_t)gb * KCNT;
         const ST* ov = kov_bh + (size_t)gb * KCNT;
-        for (int e = lane; e < KCNT; e += 32) {
-          const int idx = (int)oi[e];
-          const int t = idx / D - toff;
-          if (t >= 0 && t < TILE) {
-            const int c = idx - (idx / D) * D;
-            const float val = vq_f32(ov[e]);
-            #pragma unroll
-            for (int r = 0; r < R; ++r) atomicAdd(&p_tile[tile_slot(t) * R + r], qs[c * R + r] * val);
+        // OB entries per lane at a time: their indices and values loaded together, then the
+        // sums (OB = 1: one entry's loads waited on at a time, as before session 11;
+        // OUTLIER_BATCH). Past-the-end entries of a batch repeat the last one, dropped below.
+        for (int e0 = lane; e0 < KCNT; e0 += 32 * OB) {
+          int oix[OB];
+          float oval[OB];
+          #pragma unroll
+          for (int b = 0; b < OB; ++b) {
+            const int e = min(e0 + 32 * b, KCNT - 1);
+            oix[b] = (int)oi[e];
+            oval[b] = vq_f32(ov[e]);
+          }
+          #pragma unroll
+          for (int b = 0; b < OB; ++b) {
+            const int idx = oix[b];
+            const int t = idx / D - toff;
+            if (e0 + 32 * b < KCNT && t >= 0 && t < TILE) {
+              const int c = idx - (idx / D) * D;
+              const float val = oval[b];
+              #pragma unroll
+              for (int r = 0; r < R; ++r) atomicAdd(&p_tile[tile_slot(t) * R + r], qs[c * R + r] * val);
+            }
           }
         }
         __syncwarp();
@@ -242,14 +260,25 @@ _PROBS = r"""
         __syncwarp();
         const VIT* oi = voi_bh + (size_t)gb * VCNT;
         const ST* ov = vov_bh + (size_t)gb * VCNT;
-        for (int e = lane; e < VCNT; e += 32) {
-          const int idx = (int)oi[e];
-          const int t = idx / DV - toff;
-          if (t >= 0 && t < TILE) {
-            const int c = idx - (idx / DV) * DV;
-            const float val = vq_f32(ov[e]);
-            #pragma unroll
-            for (int r = 0; r < R; ++r) atomicAdd(&vsp_w[r * DV + c], p_tile[tile_slot(t) * R + r] * val);
+        for (int e0 = lane; e0 < VCNT; e0 += 32 * OB) {  // OB at a time, as for the keys
+          int oix[OB];
+          float oval[OB];
+          #pragma unroll
+          for (int b = 0; b < OB; ++b) {
+            const int e = min(e0 + 32 * b, VCNT - 1);
+            oix[b] = (int)oi[e];
+            oval[b] = vq_f32(ov[e]);
+          }
+          #pragma unroll
+          for (int b = 0; b < OB; ++b) {
+            const int idx = oix[b];
+            const int t = idx / DV - toff;
+            if (e0 + 32 * b < VCNT && t >= 0 && t < TILE) {
+              const int c = idx - (idx / DV) * DV;
+              const float val = oval[b];
+              #pragma unroll
+              for (int r = 0; r < R; ++r) atomicAdd(&vsp_w[r * DV + c], p_tile[tile_slot(t) * R + r] * val);
+            }
           }
         }
       }
@@ -329,7 +358,8 @@ def store_arrays(cache) -> tuple[list[mx.array], list[mx.array], list[tuple]]:
             counts.append(0)
             index_dtypes.append(mx.uint16)
     template = [("RANK", cache.rank), ("BLK", cache.block_tokens), ("KCNT", counts[0]),
-                ("VCNT", counts[1]), ("KIT", index_dtypes[0]), ("VIT", index_dtypes[1])]
+                ("VCNT", counts[1]), ("KIT", index_dtypes[0]), ("VIT", index_dtypes[1]),
+                ("OB", OUTLIER_BATCH)]
     return base, extra, template
 
 
@@ -356,5 +386,6 @@ def decode_step(cache, queries, scale: float):
         )
         return inputs, shape, fused_decode.WINDOW_INPUTS
 
-    # Planned on the store's writes and the history alone (fused_decode.planned_attend).
-    return fused_decode.planned_attend(cache, queries, scale, (), launch, _partials_kernel)
+    # Planned on the store's writes and the history (fused_decode.planned_attend), and the
+    # outlier batch (a probe sets it between steps).
+    return fused_decode.planned_attend(cache, queries, scale, (OUTLIER_BATCH,), launch, _partials_kernel)
