@@ -807,12 +807,16 @@ def kernels_enabled() -> bool:
 
 
 def _on_cuda() -> bool:
+    return _cuda_available() and mx.default_device() == mx.gpu
+
+
+@lru_cache(maxsize=None)
+def _cuda_available() -> bool:
+    """Whether MLX has its CUDA backend here: fixed for the process, asked once (the question
+    cost ~2.5 us of host time at every layer and decode step on the H200, where it asks the
+    driver; the default device, which a caller may change, is read at each call)."""
     cuda = getattr(mx, "cuda", None)
-    return (
-        cuda is not None
-        and cuda.is_available()
-        and mx.default_device() == mx.gpu
-    )
+    return cuda is not None and cuda.is_available()
 
 
 # Kernel 1's inputs, in launch order (a kernel built on it by partials_source appends its own).
