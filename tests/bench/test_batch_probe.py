@@ -1,0 +1,39 @@
+"""bench.batch_probe: its variants still cut today's kernel sources, and it refuses what it cannot
+time (the timing itself needs MLX's CUDA backend: run on the H200)."""
+
+import importlib
+
+import pytest
+
+from veloxquant_mlx.bench import batch_probe
+from veloxquant_mlx.errors import QuantizerConfigError
+
+
+def test_every_variant_cuts_todays_sources_and_changes_them():
+    batch_probe.check_variants()
+    for method, (module_name, attribute, variants) in batch_probe.VARIANTS.items():
+        source = getattr(importlib.import_module(module_name), attribute)
+        for name, (cuts, constants) in variants.items():
+            cut = batch_probe.variant_source(source, cuts)
+            # a cut variant differs from the shipped source; a constants variant is the source itself
+            assert (cut != source) == bool(cuts), (method, name)
+            assert cuts or constants or name == "shipped", (method, name)
+
+
+def test_a_cut_that_no_longer_applies_is_refused():
+    with pytest.raises(QuantizerConfigError, match="no longer holds"):
+        batch_probe.variant_source("int x;", [("for (int b0 = 0;", "")])
+
+
+def test_off_cuda_it_refuses_before_timing(capsys):
+    assert batch_probe.main(["--contexts", "64", "--methods", "kvquant", "--no-openblas"]) == 2
+    assert "needs MLX's CUDA backend" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--methods", "minicache"], ["--methods", "nope"], ["--contexts", "0"],
+                                  ["--contexts", "x"]])
+def test_bad_options_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        batch_probe.parse_args(argv)
+    assert exc.value.code == 2
+    assert "allowed" in capsys.readouterr().err

@@ -1,0 +1,186 @@
+"""Where kvquant's and GEAR's decode kernels spend their time: variants timed in one process.
+
+    python -m veloxquant_mlx.bench.batch_probe --contexts 131072,32768 \
+        --methods kvquant,gear,turboquant_rvq --out X.json          # MLX's CUDA backend only
+
+One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16) per method: a cache of the
+method's defaults holding `n` random tokens plus one decode token, then its whole
+`cache.attention` of one query row per head, ms per call (calls chained on the cache's launch
+state, as a model's steps run; graphs built before the clock; median of 5 batches: kernel_probe's
+per_call_ms), once per variant of its kernel:
+  - kvquant (fused_decode_codebook): `shipped`; the loads' batches at other settings (`ob1`:
+    OUTLIER_BATCH 1, `ob8`, `ob1ub1`: outliers and the unaligned value loop one at a time, the
+    kernel before session 11); `novalue`: the unaligned (3-bit) value loop never runs;
+    `nooutliers`: neither outlier loop runs;
+  - gear (fused_decode_gear): `shipped`, `ob1`, `ob8`; `nooutliers`: neither sparse loop runs;
+    `norank`: both low-rank terms skipped;
+  - any other method: `shipped` only (a reference beside them).
+A variant that cuts work computes a wrong attention: it says what the cut part costs, nothing
+else. The cuts are exact source spans (VARIANTS): a change to a kernel that moves one fails here
+before anything is timed. Why one process: two packages on one machine would need `python -m` run
+from each package's own directory (from the checkout it imports the checkout first), and two
+machines differ more than these variants do.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+MODULE = "veloxquant_mlx.bench.batch_probe"
+HQ, HK, D = 32, 8, 128
+
+# method -> (kernel module, attribute holding the source, {variant: (cuts, constants)}); a cut is
+# (text, replacement), applied once each in order.
+VARIANTS = {
+    "kvquant": ("veloxquant_mlx.cache.fused_decode_codebook", "_PARTIALS", {
+        "shipped": ((), {}),
+        "ob1": ((), {"OUTLIER_BATCH": 1}),
+        "ob8": ((), {"OUTLIER_BATCH": 8}),
+        "ob1ub1": ((), {"OUTLIER_BATCH": 1, "UNALIGNED_VALUE_BATCH": 1}),
+        "novalue": ((("for (int b0 = 0; b0 < ROUNDS; b0 += UBATCH) {", "for (int b0 = 0; b0 < 0; b0 += UBATCH) {"),), {}),
+        "nooutliers": ((("for (int j0 = lane; j0 < n_entries; j0 += 32 * OB) {", "for (int j0 = lane; j0 < 0; j0 += 32 * OB) {"),) * 2, {}),
+    }),
+    "gear": ("veloxquant_mlx.cache.fused_decode_gear", "PARTIALS_SOURCE", {
+        "shipped": ((), {}),
+        "ob1": ((), {"OUTLIER_BATCH": 1}),
+        "ob8": ((), {"OUTLIER_BATCH": 8}),
+        "nooutliers": ((("for (int e0 = lane; e0 < KCNT; e0 += 32 * OB) {", "for (int e0 = lane; e0 < 0; e0 += 32 * OB) {"),
+                        ("for (int e0 = lane; e0 < VCNT; e0 += 32 * OB) {", "for (int e0 = lane; e0 < 0; e0 += 32 * OB) {")), {}),
+        "norank": ((("if (RANK > 0) {", "if (false) {"),) * 2, {}),
+    }),
+}
+SHIPPED_ONLY = {"shipped": ((), {})}
+METHODS = ("kvquant", "gear", "turboquant_rvq", "kivi", "xquant")
+
+
+def variant_source(source: str, cuts) -> str:
+    """`source` with each cut applied once, in order; a cut whose text is missing raises."""
+    from veloxquant_mlx.errors import QuantizerConfigError
+
+    for old, new in cuts:
+        if old not in source:
+            raise QuantizerConfigError(f"{MODULE}: the kernel source no longer holds {old!r}: update VARIANTS")
+        source = source.replace(old, new, 1)
+    return source
+
+
+def check_variants() -> None:
+    """Every variant's cuts apply to today's sources and its constants exist (before any timing)."""
+    import importlib
+
+    from veloxquant_mlx.errors import QuantizerConfigError
+
+    for method, (module_name, attribute, variants) in VARIANTS.items():
+        module = importlib.import_module(module_name)
+        for name, (cuts, constants) in variants.items():
+            variant_source(getattr(module, attribute), cuts)
+            missing = [c for c in constants if not hasattr(module, c)]
+            if missing:
+                raise QuantizerConfigError(f"{MODULE}: {method} variant {name}: {module_name} has no {missing}")
+
+
+def time_variant(module, attribute: str, cache, queries, cuts, constants) -> float:
+    """ms per attention call with the variant's source and constants in place (restored after)."""
+    from veloxquant_mlx.bench.kernel_probe import per_call_ms
+
+    shipped = getattr(module, attribute)
+    saved = {c: getattr(module, c) for c in constants}
+    try:
+        setattr(module, attribute, variant_source(shipped, cuts))
+        for c, value in constants.items():
+            setattr(module, c, value)
+        module._partials_kernel.cache_clear()
+        cache.__dict__.pop("_fused_plan", None)  # the next step plans with the variant
+        return per_call_ms(lambda: cache.attention(queries, scale=D**-0.5), build_untimed=True)
+    finally:
+        setattr(module, attribute, shipped)
+        for c, value in saved.items():
+            setattr(module, c, value)
+        module._partials_kernel.cache_clear()
+        cache.__dict__.pop("_fused_plan", None)
+
+
+def probe_context(n: int, methods, log) -> dict:
+    """fp16 `mx.fast` attention and every method's variants at context n."""
+    import importlib
+
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench.kernel_probe import per_call_ms
+    from veloxquant_mlx.cache.factory import KVCacheFactory
+    from veloxquant_mlx.config import KVCacheConfig
+
+    mx.random.seed(2)
+    k, v = (mx.random.normal((1, HK, n, D)).astype(mx.bfloat16) for _ in range(2))
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
+    new = mx.random.normal((1, HK, 1, D)).astype(mx.bfloat16)
+    mx.eval(k, v, q, new)
+    row = {"fp16_sdpa_ms": per_call_ms(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5),
+                                       build_untimed=True)}
+    for method in methods:
+        start = time.perf_counter()
+        cache = KVCacheFactory.create(KVCacheConfig(method=method))
+        cache.update_and_fetch(k, v)
+        mx.eval(cache.attention(q, scale=D**-0.5))  # the prompt flushed into the store
+        cache.update_and_fetch(new, new)
+        mx.eval(cache.attention(q, scale=D**-0.5))
+        log(f"{method} at {n}: filled in {time.perf_counter() - start:.1f} s")
+        module_name, attribute, variants = VARIANTS.get(method, (None, None, SHIPPED_ONLY))
+        module = importlib.import_module(module_name) if module_name else None
+        for name, (cuts, constants) in variants.items():
+            if module is None:
+                ms = per_call_ms(lambda: cache.attention(q, scale=D**-0.5), build_untimed=True)
+            else:
+                ms = time_variant(module, attribute, cache, q, cuts, constants)
+            row[f"{method}_{name}_ms"] = ms
+            log(f"  {method} {name}: {ms:.4f} ms")
+        del cache
+    return row
+
+
+def parse_args(argv=None):
+    from veloxquant_mlx.bench import command
+
+    p = command.parser(MODULE, __doc__)
+    p.add_argument("--contexts", default="131072,32768", help="comma list of history lengths")
+    p.add_argument("--methods", default="kvquant,gear,turboquant_rvq",
+                   help="comma list of cache methods (kvquant and gear have variants)")
+    args = p.parse_args(argv)
+    try:
+        args.contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--contexts {args.contexts!r}: allowed is a comma list of integers >= 1")
+    if not args.contexts or min(args.contexts) < 1:
+        p.error(f"--contexts {args.contexts!r}: allowed is a comma list of integers >= 1")
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown or not args.methods:
+        p.error(f"--methods: {unknown or 'none given'} is invalid; allowed are {', '.join(METHODS)} "
+                "(a standalone minicache / pyramidkv cache attends as a plain layer: nothing to probe)")
+    return args
+
+
+def _log(message: str) -> None:
+    print(f"[batch_probe {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run(args) -> dict:
+    from veloxquant_mlx.bench.kernel_probe import on_cuda
+    from veloxquant_mlx.errors import QuantizerConfigError
+
+    check_variants()
+    if not on_cuda():
+        raise QuantizerConfigError(f"{MODULE} needs MLX's CUDA backend as the default device (it times CUDA kernels)")
+    rows = {str(n): probe_context(n, args.methods, _log) for n in args.contexts}
+    return {"settings": {"contexts": args.contexts, "methods": args.methods}, "results": rows}
+
+
+def main(argv=None) -> int:
+    from veloxquant_mlx.bench import command
+
+    return command.run_module(MODULE, parse_args, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
