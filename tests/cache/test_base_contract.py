@@ -75,3 +75,24 @@ def test_bad_input_is_refused():
     cache.update_and_fetch(mx.ones((1, 2, 3, 8)), mx.ones((1, 2, 3, 8)))
     with pytest.raises(QuantizerConfigError, match="head_dim=8"):
         cache.update_and_fetch(mx.ones((1, 2, 3, 16)), mx.ones((1, 2, 3, 16)))
+
+
+def test_inputs_after_an_accepted_step_are_still_checked():
+    # The check returns at once only for the shapes and dtypes it accepted last (the decode
+    # step's fast path); anything else gets the full check, also after a state load.
+    cache = ExactStoreCache(KVCacheConfig(method="kivi"))
+    for _ in range(3):  # accepted, then the fast path
+        cache.update_and_fetch(mx.ones((1, 2, 1, 8)), mx.ones((1, 2, 1, 8)))
+    with pytest.raises(QuantizerConfigError, match="kv_heads=2"):
+        cache.update_and_fetch(mx.ones((1, 4, 1, 8)), mx.ones((1, 4, 1, 8)))
+    with pytest.raises(QuantizerConfigError, match="dtype"):
+        cache.update_and_fetch(mx.ones((1, 2, 1, 8), mx.int32), mx.ones((1, 2, 1, 8), mx.int32))
+    with pytest.raises(QuantizerConfigError, match="differ"):
+        cache.update_and_fetch(mx.ones((1, 2, 1, 8)), mx.ones((1, 2, 2, 8)))
+    assert cache.offset == 3  # nothing refused was appended
+    # A state of other shapes loaded into this object: the old acceptance no longer holds.
+    other = ExactStoreCache(KVCacheConfig(method="kivi"))
+    other.update_and_fetch(mx.ones((1, 3, 1, 8)), mx.ones((1, 3, 1, 8)))
+    cache.state = other.state
+    with pytest.raises(QuantizerConfigError, match="kv_heads=3"):
+        cache.update_and_fetch(mx.ones((1, 2, 1, 8)), mx.ones((1, 2, 1, 8)))
