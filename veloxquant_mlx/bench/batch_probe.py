@@ -1,4 +1,4 @@
-"""Where kvquant's and GEAR's decode kernels spend their time: variants timed in one process.
+"""Where kvquant's, GEAR's and turboquant_rvq's decode kernels spend their time: variants timed in one process.
 
     python -m veloxquant_mlx.bench.batch_probe --contexts 131072,32768 \
         --methods kvquant,gear,turboquant_rvq --out X.json          # MLX's CUDA backend only
@@ -14,6 +14,8 @@ per_call_ms), once per variant of its kernel:
     `nooutliers`: neither outlier loop runs;
   - gear (fused_decode_gear): `shipped`, `ob1`, `ob8`; `nooutliers`: neither sparse loop runs;
     `norank`: both low-rank terms skipped;
+  - turboquant_rvq (fused_decode_rotated): `shipped`; `noscore`: the history's key chunks never
+    scored; `novalue`: its history value loop never runs (added after session 11's runs: untimed);
   - any other method: `shipped` only (a reference beside them).
 A variant that cuts work computes a wrong attention: it says what the cut part costs, nothing
 else. The cuts are exact source spans (VARIANTS): a change to a kernel that moves one fails here
@@ -48,6 +50,12 @@ VARIANTS = {
         "nooutliers": ((("for (int e0 = lane; e0 < KCNT; e0 += 32 * OB) {", "for (int e0 = lane; e0 < 0; e0 += 32 * OB) {"),
                         ("for (int e0 = lane; e0 < VCNT; e0 += 32 * OB) {", "for (int e0 = lane; e0 < 0; e0 += 32 * OB) {")), {}),
         "norank": ((("if (RANK > 0) {", "if (false) {"),) * 2, {}),
+    }),
+    # Not yet timed (added after session 11's runs): where turboquant_rvq's 0.28 ms at 128K goes.
+    "turboquant_rvq": ("veloxquant_mlx.cache.fused_decode_rotated", "_PARTIALS", {
+        "shipped": ((), {}),
+        "noscore": ((("for (int chunk = 0; chunk < D / 32; ++chunk) {", "for (int chunk = 0; chunk < 0; ++chunk) {"),), {}),
+        "novalue": ((("for (int b0 = 0; b0 < ROUNDS; b0 += BATCH) {", "for (int b0 = 0; b0 < 0; b0 += BATCH) {"),), {}),
     }),
 }
 SHIPPED_ONLY = {"shipped": ((), {})}
@@ -145,7 +153,7 @@ def parse_args(argv=None):
     p = command.parser(MODULE, __doc__)
     p.add_argument("--contexts", default="131072,32768", help="comma list of history lengths")
     p.add_argument("--methods", default="kvquant,gear,turboquant_rvq",
-                   help="comma list of cache methods (kvquant and gear have variants)")
+                   help="comma list of cache methods (kvquant, gear and turboquant_rvq have variants)")
     args = p.parse_args(argv)
     try:
         args.contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
