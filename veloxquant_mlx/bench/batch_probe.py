@@ -11,11 +11,17 @@ per_call_ms), once per variant of its kernel:
   - kvquant (fused_decode_codebook): `shipped`; the loads' batches at other settings (`ob1`:
     OUTLIER_BATCH 1, `ob8`, `ob1ub1`: outliers and the unaligned value loop one at a time, the
     kernel before session 11); `novalue`: the unaligned (3-bit) value loop never runs;
-    `nooutliers`: neither outlier loop runs;
+    `nooutliers`: neither outlier loop runs; `bare`: neither (codebook keys and the aligned
+    value path only); `keyunroll4` / `keyunroll13`: the unaligned (3-bit) key loop's runs
+    unrolled 4 / 13 at a time instead of 2 (more loads in flight, more registers);
   - gear (fused_decode_gear): `shipped`, `ob1`, `ob8`; `nooutliers`: neither sparse loop runs;
     `norank`: both low-rank terms skipped;
   - turboquant_rvq (fused_decode_rotated): `shipped`; `noscore`: the history's key chunks never
-    scored; `novalue`: its history value loop never runs (added after session 11's runs: untimed);
+    scored; `novalue`: its history value loop never runs (both first timed in session 12);
+    `sums64`: MAX_VALUE_SUMS 64 (16 value channels per lane at 4 rows instead of 8);
+    `keyunroll` / `keyunroll2`: the key chunks' loop unrolled whole / 2 at a time instead of
+    rolled (their loads in flight together); `valunroll`: the value batches' loop unrolled;
+    `keyunroll_sums64`: both;
   - any other method: `shipped` only (a reference beside them).
 A variant that cuts work computes a wrong attention: it says what the cut part costs, nothing
 else. The cuts are exact source spans (VARIANTS): a change to a kernel that moves one fails here
@@ -32,6 +38,11 @@ import time
 MODULE = "veloxquant_mlx.bench.batch_probe"
 HQ, HK, D = 32, 8, 128
 
+# Loops whose unrolling a variant changes (the pragma and the loop line, exact text).
+_KVQ_KEY_RUNS = "#pragma unroll {}\n        for (int g = 0; g < RUNS; ++g) {{"
+_RVQ_KEY_CHUNKS = "#pragma unroll{}\n      for (int chunk = 0; chunk < D / 32; ++chunk) {{"
+_RVQ_VALUE_BATCHES = "#pragma unroll{}\n      for (int b0 = 0; b0 < ROUNDS; b0 += BATCH) {{"
+
 # method -> (kernel module, attribute holding the source, {variant: (cuts, constants)}); a cut is
 # (text, replacement), applied once each in order.
 VARIANTS = {
@@ -42,6 +53,10 @@ VARIANTS = {
         "ob1ub1": ((), {"OUTLIER_BATCH": 1, "UNALIGNED_VALUE_BATCH": 1}),
         "novalue": ((("for (int b0 = 0; b0 < ROUNDS; b0 += UBATCH) {", "for (int b0 = 0; b0 < 0; b0 += UBATCH) {"),), {}),
         "nooutliers": ((("for (int j0 = lane; j0 < n_entries; j0 += 32 * OB) {", "for (int j0 = lane; j0 < 0; j0 += 32 * OB) {"),) * 2, {}),
+        "bare": ((("for (int b0 = 0; b0 < ROUNDS; b0 += UBATCH) {", "for (int b0 = 0; b0 < 0; b0 += UBATCH) {"),
+                  *(("for (int j0 = lane; j0 < n_entries; j0 += 32 * OB) {", "for (int j0 = lane; j0 < 0; j0 += 32 * OB) {"),) * 2), {}),
+        "keyunroll4": (((_KVQ_KEY_RUNS.format(2), _KVQ_KEY_RUNS.format(4)),), {}),
+        "keyunroll13": (((_KVQ_KEY_RUNS.format(2), _KVQ_KEY_RUNS.format(13)),), {}),
     }),
     "gear": ("veloxquant_mlx.cache.fused_decode_gear", "PARTIALS_SOURCE", {
         "shipped": ((), {}),
@@ -51,11 +66,15 @@ VARIANTS = {
                         ("for (int e0 = lane; e0 < VCNT; e0 += 32 * OB) {", "for (int e0 = lane; e0 < 0; e0 += 32 * OB) {")), {}),
         "norank": ((("if (RANK > 0) {", "if (false) {"),) * 2, {}),
     }),
-    # Not yet timed (added after session 11's runs): where turboquant_rvq's 0.28 ms at 128K goes.
     "turboquant_rvq": ("veloxquant_mlx.cache.fused_decode_rotated", "_PARTIALS", {
         "shipped": ((), {}),
         "noscore": ((("for (int chunk = 0; chunk < D / 32; ++chunk) {", "for (int chunk = 0; chunk < 0; ++chunk) {"),), {}),
         "novalue": ((("for (int b0 = 0; b0 < ROUNDS; b0 += BATCH) {", "for (int b0 = 0; b0 < 0; b0 += BATCH) {"),), {}),
+        "sums64": ((), {"MAX_VALUE_SUMS": 64}),
+        "keyunroll": (((_RVQ_KEY_CHUNKS.format(" 1"), _RVQ_KEY_CHUNKS.format("")),), {}),
+        "keyunroll2": (((_RVQ_KEY_CHUNKS.format(" 1"), _RVQ_KEY_CHUNKS.format(" 2")),), {}),
+        "valunroll": (((_RVQ_VALUE_BATCHES.format(" 1"), _RVQ_VALUE_BATCHES.format("")),), {}),
+        "keyunroll_sums64": (((_RVQ_KEY_CHUNKS.format(" 1"), _RVQ_KEY_CHUNKS.format("")),), {"MAX_VALUE_SUMS": 64}),
     }),
 }
 SHIPPED_ONLY = {"shipped": ((), {})}
