@@ -369,3 +369,16 @@ def test_fused_launches_of_one_cache_share_counters_and_follow_each_other(monkey
     kernel.attend(queries, inputs=[queries, "meta"], state=state, **{**shape, "n_blocks": big})
     assert calls[-1][1][3] is state.scratch is not a[3]
     assert state.scratch.shape[0] >= fused_decode.scratch_floats(2, big, 4, 16)
+
+
+def test_launch_bounds_header_redefines_the_kernel_declaration_under_cuda_compilers_only():
+    from veloxquant_mlx.cache.fused_decode import launch_bounds_header
+
+    assert launch_bounds_header(0) == ""
+    text = launch_bounds_header(5)
+    lines = [line.strip() for line in text.strip().splitlines() if not line.strip().startswith("//")]
+    assert lines == ["#if defined(__CUDACC__) || defined(__CUDACC_RTC__)", "#undef __global__",
+                     "#define __global__ __location__(global) __launch_bounds__(128, 5)", "#endif"]
+    for bad in (-1, 17, 2.0, True, "5", None):
+        with pytest.raises(QuantizerConfigError, match=r"min_blocks=.* is invalid: allowed is an integer in 0\.\.16"):
+            launch_bounds_header(bad)

@@ -248,6 +248,31 @@ def test_each_budget_builds_and_launches_its_own_kernel(monkeypatch):
     assert fdr._HEADER == fdr._header(32)  # the emulation's older interface: the shipped budget
 
 
+def test_the_8b_shape_launches_a_bounded_kernel_and_other_shapes_an_unbounded_one(monkeypatch):
+    # Launch bounds (fused_decode.launch_bounds_header) only at the shape measured with them
+    # (bf16 / fp16, 4 rows, d 128); a probe setting MIN_BLOCKS_PER_SM = 0 gets the unbounded
+    # kernel, another kernel object under another name (the header is in the name's digest).
+    def launched(D, rep, dtype):
+        cache = _filled(_cache(bits=4), 300, D=D, rep=rep, dtype=dtype)
+        q_heads = _step(cache, D=D, rep=rep, dtype=dtype)
+        with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
+            cache.attention(q_heads, scale=D**-0.5)
+        (kernel,) = {k for k, _ in captured if k.name == "vq_rotated_decode_partials_merged"}
+        return kernel
+
+    bounds = "__launch_bounds__(128, 5)"
+    assert fdr.MIN_BLOCKS_PER_SM == 5
+    bounded = launched(128, 4, mx.bfloat16)
+    assert bounds in bounded.header and "defined(__CUDACC_RTC__)" in bounded.header
+    assert bounds in launched(128, 4, mx.float16).header
+    for D, rep, dtype in ((128, 8, mx.float16), (128, 1, mx.float32), (64, 3, mx.bfloat16), (128, 4, mx.float32)):
+        assert "__launch_bounds__" not in launched(D, rep, dtype).header, (D, rep, dtype)
+    monkeypatch.setattr(fdr, "MIN_BLOCKS_PER_SM", 0)
+    unbounded = launched(128, 4, mx.bfloat16)
+    assert "__launch_bounds__" not in unbounded.header and unbounded is not bounded
+    assert fdr.launch_bounds(4, 128, mx.bfloat16) == 0
+
+
 def test_supported_shapes():
     assert fdr.supports(128, 128, 3, 3, rows=4)  # the default: 4 bits, Llama GQA 32/8
     assert fdr.supports(64, 64, 0, 1, rows=1)
@@ -292,7 +317,7 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, bits, sink)
             return "kernel output"
 
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
-    monkeypatch.setattr(fdr, "_partials_kernel", lambda budget: Kernel())
+    monkeypatch.setattr(fdr, "_partials_kernel", lambda budget, bounds: Kernel())
     monkeypatch.setattr(fdr, "rotated_launch",
                         lambda *a, **k: seen.update(args=a, kwargs=k) or ([None] * 19, {}, fdr.WINDOW_INPUTS))
     assert cache.attention(q_heads, scale=0.5) == "kernel output"  # through base.attention

@@ -80,3 +80,16 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path, method, dtype, 
     sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(lambda a: compiled_without_spills(a[1], tmp_path, a[0]), enumerate(sources)))
+
+
+def test_turboquant_rvqs_bounded_kernel_fits_five_blocks_per_sm(tmp_path):
+    # fused_decode_rotated.MIN_BLOCKS_PER_SM at the 8B shape: 108 registers unbounded (4 blocks
+    # of 128 threads per SM), <= 96 bounded (5 blocks), without spilling.
+    from veloxquant_mlx.cache import fused_decode_rotated
+
+    captured = _captured("turboquant_rvq", mx.bfloat16, 4, 128)
+    (source,) = {k.cuda_source(sig) for k, sig in captured if k.name == "vq_rotated_decode_partials_merged"}
+    assert f"__launch_bounds__(128, {fused_decode_rotated.MIN_BLOCKS_PER_SM})" in source
+    report = compiled_without_spills(source, tmp_path)
+    registers = int(re.search(r"Used (\d+) registers", report)[1])
+    assert registers <= 65536 // (fused_decode_rotated.MIN_BLOCKS_PER_SM * 128) // 8 * 8, report

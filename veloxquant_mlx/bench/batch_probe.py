@@ -21,7 +21,8 @@ per_call_ms), once per variant of its kernel:
     `sums64`: MAX_VALUE_SUMS 64 (16 value channels per lane at 4 rows instead of 8);
     `keyunroll` / `keyunroll2`: the key chunks' loop unrolled whole / 2 at a time instead of
     rolled (their loads in flight together); `valunroll`: the value batches' loop unrolled;
-    `keyunroll_sums64`: both;
+    `keyunroll_sums64`: both; `lb0`: without the launch bounds shipped since session 12
+    (MIN_BLOCKS_PER_SM 0);
   - any other method: `shipped` only (a reference beside them).
 A variant that cuts work computes a wrong attention: it says what the cut part costs, nothing
 else. The cuts are exact source spans (VARIANTS): a change to a kernel that moves one fails here
@@ -75,6 +76,7 @@ VARIANTS = {
         "keyunroll2": (((_RVQ_KEY_CHUNKS.format(" 1"), _RVQ_KEY_CHUNKS.format(" 2")),), {}),
         "valunroll": (((_RVQ_VALUE_BATCHES.format(" 1"), _RVQ_VALUE_BATCHES.format("")),), {}),
         "keyunroll_sums64": (((_RVQ_KEY_CHUNKS.format(" 1"), _RVQ_KEY_CHUNKS.format("")),), {"MAX_VALUE_SUMS": 64}),
+        "lb0": ((), {"MIN_BLOCKS_PER_SM": 0}),
     }),
 }
 SHIPPED_ONLY = {"shipped": ((), {})}

@@ -1166,6 +1166,36 @@ def affine_launch(
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
 
 
+MAX_MIN_BLOCKS = 16  # an SM holds at most 2048 threads: 16 blocks of 128
+
+
+def launch_bounds_header(min_blocks: int) -> str:
+    """Header text that gives the kernel MLX generates after it `__launch_bounds__(128,
+    min_blocks)` (0: none): ptxas then keeps the kernel's registers low enough for `min_blocks`
+    blocks of WARPS_PER_BLOCK warps per SM (65536 registers: 5 blocks of 128 threads need <= 96 per
+    thread, 6 need <= 80), spilling to local memory where it cannot.
+    Why a redefinition: mx.fast.cuda_kernel writes the kernel's signature itself (`__global__
+    void name(...)` after the header) and takes no launch bounds or register limit, and every
+    decode kernel of ours sits at 4 blocks per SM, bound by registers (Nsight Compute on the H200,
+    results/ncu_h200_s12.json: 102-128 registers, 25% theoretical occupancy, ~1 eligible warp per
+    scheduler). The macro is redefined only under a CUDA compiler (nvrtc defines __CUDACC_RTC__,
+    nvcc __CUDACC__; the CPU emulation's g++ neither), as CUDA's own headers define it
+    (`__location__(global)`), and only the kernel's declaration follows this header."""
+    if not isinstance(min_blocks, int) or isinstance(min_blocks, bool) or not 0 <= min_blocks <= MAX_MIN_BLOCKS:
+        raise QuantizerConfigError(
+            f"launch bounds: min_blocks={min_blocks!r} is invalid: allowed is an integer in 0..{MAX_MIN_BLOCKS} "
+            "(0: no bounds)")
+    if min_blocks == 0:
+        return ""
+    return f"""
+// Launch bounds for the kernel MLX declares after this header (fused_decode.launch_bounds_header).
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#undef __global__
+#define __global__ __location__(global) __launch_bounds__({32 * WARPS_PER_BLOCK}, {min_blocks})
+#endif
+"""
+
+
 @lru_cache(maxsize=None)
 def absent_input(dtype) -> mx.array:
     """A one-element stand-in for a kernel input the launch does not have (an absent sink,

@@ -67,6 +67,8 @@ Registers per thread of the partials kernel, nvcc 13.0 for sm_90 (`-Xptxas -v`),
 tests/cache/test_kernels_nvcc.py's shapes (the caches' own decode steps, the method's default 4
 bits: 3-bit stage-1 codes), budget 64 (session 4) -> 32 (now), no spills or stack at either:
   bf16, 4 rows, d 128 (the 8B shape):  143 -> 108   blocks of 4 warps per SM: 3 -> 4
+                                       (-> 96 and 5 blocks under the launch bounds of session 12:
+                                       MIN_BLOCKS_PER_SM)
   bf16, 3 rows, d 64 (SmolLM2):        151 -> 106   3 -> 4
   fp16, 8 rows, d 128:                 130 -> 130   3 (8 channels at either budget)
   float32, 1 row, d 128:                80 ->  80   6 (16 channels at either budget)
@@ -138,8 +140,28 @@ MAX_TILES_PER_WARP = 256
 # allows at every width (a lane's 8 / 16 / 24 bits, at most one word boundary inside) and the
 # sign words too (a quarter word per lane); below 8 a d-256 token would need 64 lanes.
 MAX_VALUE_SUMS = 32
+# Blocks per SM the kernel is compiled for (fused_decode.launch_bounds_header; 0: no bounds),
+# at the shapes BOUNDED_SHAPES lists only. 5 since session 12: the 8B shape's kernel (bf16, 4
+# rows, d 128) takes 108 registers unbounded, so 4 blocks fit an SM; bounded to 5 it takes 96
+# (ptxas, no spills: tests/cache/test_kernels_nvcc.py) and one call at 128K tokens took 0.261 ms
+# against 0.2845 unbounded in the same process, output bit-identical (results/lb_probe_h200_s12.json,
+# one run; the unbounded kernel's spread over four runs that day: 0.278-0.285 ms). Elsewhere
+# the bounds are not measured and could cost: fp16 at 8 rows goes 130 registers -> 96 with a
+# 280-byte stack frame, float32 at 1 row 79 -> 96 (6 blocks per SM -> 5). kivi's kernel moved
+# 0.174 -> 0.170 ms, kvquant's not at all, GEAR's 0.266 -> 0.296: theirs stay unbounded. Read at
+# each launch, like MAX_VALUE_SUMS: a probe may set 0 to time the kernel without bounds.
+MIN_BLOCKS_PER_SM = 5
+# (query rows per kv head, head_dim, queries' dtypes) the bounds apply to: the shape measured.
+BOUNDED_SHAPES = ((4, 128, ("bfloat16", "float16")),)
 MAX_ROWS = 8
 STAGE1_BITS = (0, 1, 2, 3)  # 0: no stage 1 (total 1 bit); 1: a second sign plane (total 2)
+
+
+def launch_bounds(rows: int, head_dim: int, dtype) -> int:
+    """MIN_BLOCKS_PER_SM where BOUNDED_SHAPES lists (rows, head_dim, the queries' dtype), else 0."""
+    name = str(dtype).rsplit(".", 1)[-1]
+    bounded = any(rows == r and head_dim == d and name in names for r, d, names in BOUNDED_SHAPES)
+    return MIN_BLOCKS_PER_SM if bounded else 0
 
 
 def channels_per_lane(rows: int) -> int:
@@ -518,10 +540,12 @@ _INPUTS = ["q", "ksg", "vsg", "kmean", "kc1", "ks1", "kz1", "kc2", "km2",
 
 
 @lru_cache(maxsize=None)
-def _partials_kernel(max_value_sums: int):
-    """The partials kernel at a value-sum budget (keyed on it: setting MAX_VALUE_SUMS builds
-    another kernel; the launch passes the budget as a template argument as well)."""
-    return fused_decode.PartialsKernel("vq_rotated_decode_partials", _INPUTS, _PARTIALS, _header(max_value_sums))
+def _partials_kernel(max_value_sums: int, min_blocks: int = 0):
+    """The partials kernel at a value-sum budget and launch bounds (keyed on both: setting
+    MAX_VALUE_SUMS or MIN_BLOCKS_PER_SM builds another kernel; the launch passes the budget as a
+    template argument as well, and the bounds change the header, hence the kernel's name)."""
+    header = _header(max_value_sums) + fused_decode.launch_bounds_header(min_blocks)
+    return fused_decode.PartialsKernel("vq_rotated_decode_partials", _INPUTS, _PARTIALS, header)
 
 
 def tokens_per_block(n_tokens: int, n_heads: int) -> int:
@@ -598,6 +622,7 @@ def decode_step(cache, queries, scale: float):
         return None
     kb1, vb1 = cache.key_bits - 1, cache.value_bits - 1
     budget = MAX_VALUE_SUMS  # read at each call: a probe sets it to time another lane split
+    bounds = launch_bounds(queries.shape[1] // cache.n_kv_heads, cache.head_dim, queries.dtype)
     # The plan (fused_decode.planned_attend) holds while the sink corrections, the key mean and
     # the signs are the same objects too (each is replaced, never written in place).
     key = (id(cache.sink_deltas), id(cache.key_mean), id(cache._signs), budget)
@@ -615,7 +640,7 @@ def decode_step(cache, queries, scale: float):
             n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
         )
 
-    return fused_decode.planned_attend(cache, queries, scale, key, launch, lambda: _partials_kernel(budget))
+    return fused_decode.planned_attend(cache, queries, scale, key, launch, lambda: _partials_kernel(budget, bounds))
 
 
 # Where rotated_launch's input list holds the window (keys, values).
