@@ -145,7 +145,7 @@ MAX_VALUE_SUMS = 32
 # rows, d 128) takes 108 registers unbounded, so 4 blocks fit an SM; bounded to 5 it takes 96
 # (ptxas, no spills: tests/cache/test_kernels_nvcc.py) and one call at 128K tokens took 0.261 ms
 # against 0.2845 unbounded in the same process, output bit-identical (results/lb_probe_h200_s12.json,
-# one run; the unbounded kernel's spread over four runs that day: 0.278-0.285 ms). Elsewhere
+# one run; the unbounded kernel over three runs that day: 0.278-0.285 ms). Elsewhere
 # the bounds are not measured and could cost: fp16 at 8 rows goes 130 registers -> 96 with a
 # 280-byte stack frame, float32 at 1 row 79 -> 96 (6 blocks per SM -> 5). kivi's kernel moved
 # 0.174 -> 0.170 ms, kvquant's not at all, GEAR's 0.266 -> 0.296: theirs stay unbounded. Read at
