@@ -1,0 +1,170 @@
+"""Decode kernels rebuilt with launch bounds, timed against themselves as shipped, in one process.
+
+    python -m veloxquant_mlx.bench.launch_bounds_probe --context 131072 \
+        --methods turboquant_rvq,kvquant,gear,kivi --bounds 5 --out X.json   # MLX's CUDA backend only
+
+Why: Nsight Compute on the H200 (results/ncu_h200_s12.json) found every decode kernel of ours at
+4 blocks of 4 warps per SM, bound by registers (102-128 per thread), with ~1 eligible warp per
+scheduler: more resident warps could hide more latency. mx.fast.cuda_kernel takes no register
+limit; fused_decode.launch_bounds_header gives the kernel `__launch_bounds__(128, B)` from its
+header, and ptxas then keeps the registers low enough for B blocks per SM (spilling where it
+cannot).
+
+What it runs, per method: one layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16),
+a cache of the method's defaults holding `--context` random tokens plus one decode token, its
+whole `cache.attention` of one query row per head timed as bench.batch_probe times it (ms per
+call, calls chained on the cache's launch state, graphs built before the clock, median of 5
+batches): first as shipped, then for each B of `--bounds` with every decode partials kernel
+rebuilt under a wrapper of mx.fast.cuda_kernel that appends the bounds to its header (B = 0:
+the declaration reset to carry none, which undoes a shipped kernel's own bounds, e.g.
+turboquant_rvq's at the 8B shape), its output compared with the shipped kernel's (max |diff|:
+bounds change the register allocation, not the arithmetic, so 0 is expected). Written from the
+ad-hoc probe of session 12 (results/lb_probe_h200_s12.json) after that run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+MODULE = "veloxquant_mlx.bench.launch_bounds_probe"
+HQ, HK, D = 32, 8, 128
+METHODS = ("kivi", "xquant", "turboquant_rvq", "kvquant", "gear")
+PROBED_KERNELS = "decode_partials"  # the partials kernels' names hold this; merges and encoders do not
+
+# A declaration without bounds (B = 0), under the CUDA compilers only, as launch_bounds_header.
+_RESET = """
+// No launch bounds for the kernel declared after this header (bench.launch_bounds_probe, B = 0).
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#undef __global__
+#define __global__ __location__(global)
+#endif
+"""
+
+
+def bounded_header(header: str, bounds: int) -> str:
+    """`header` whose following kernel declaration carries __launch_bounds__(128, bounds); 0:
+    none (a shipped kernel's own bounds undone: the last definition of the macro wins)."""
+    from veloxquant_mlx.cache import fused_decode
+
+    return header + (fused_decode.launch_bounds_header(bounds) if bounds else _RESET)
+
+
+def _clear_factories() -> None:
+    # Every decode kernel factory: a kernel object built before (or under) the wrapper must not
+    # be reused after it.
+    from veloxquant_mlx.cache import (fused_decode, fused_decode_codebook, fused_decode_gear,
+                                      fused_decode_merged, fused_decode_rotated)
+
+    for factory in (fused_decode._kernels, fused_decode_rotated._partials_kernel,
+                    fused_decode_codebook._partials_kernel, fused_decode_gear._partials_kernel,
+                    fused_decode_merged._partials_kernel):
+        factory.cache_clear()
+
+
+@contextlib.contextmanager
+def bounded_kernels(bounds: int):
+    """Within: each decode partials kernel built gets `bounds` (bounded_header) and a name of
+    its own (MLX keys compiled modules by name and template only); factories emptied on entry
+    and on exit, so kernels are rebuilt under and after the wrapper."""
+    import mlx.core as mx
+
+    original = mx.fast.cuda_kernel
+
+    def factory(*, name, header="", **arguments):
+        if PROBED_KERNELS in name:
+            header, name = bounded_header(header, bounds), f"{name}_lb{bounds}"
+        return original(name=name, header=header, **arguments)
+
+    _clear_factories()
+    mx.fast.cuda_kernel = factory
+    try:
+        yield
+    finally:
+        mx.fast.cuda_kernel = original
+        _clear_factories()
+
+
+def probe_method(method: str, n: int, bounds: list[int], log) -> dict:
+    """ms per call as shipped and under each bound, with each bound's max |diff| to shipped."""
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench.kernel_probe import per_call_ms
+    from veloxquant_mlx.cache.factory import KVCacheFactory
+    from veloxquant_mlx.config import KVCacheConfig
+
+    mx.random.seed(2)
+    k, v = (mx.random.normal((1, HK, n, D)).astype(mx.bfloat16) for _ in range(2))
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
+    new = mx.random.normal((1, HK, 1, D)).astype(mx.bfloat16)
+    start = time.perf_counter()
+    cache = KVCacheFactory.create(KVCacheConfig(method=method))
+    cache.update_and_fetch(k, v)
+    mx.eval(cache.attention(q, scale=D**-0.5))  # the prompt flushed into the store
+    cache.update_and_fetch(new, new)
+
+    def call():
+        return cache.attention(q, scale=D**-0.5)
+
+    shipped = call()
+    mx.eval(shipped)
+    row = {"shipped_ms": per_call_ms(call, build_untimed=True)}
+    log(f"{method} at {n}: filled in {time.perf_counter() - start:.1f} s; shipped {row['shipped_ms']:.4f} ms")
+    for b in bounds:
+        with bounded_kernels(b):
+            out = call()
+            diff = mx.abs(out.astype(mx.float32) - shipped.astype(mx.float32)).max().item()
+            row[f"lb{b}_ms"] = per_call_ms(call, build_untimed=True)
+        row[f"lb{b}_max_abs_diff"] = diff
+        log(f"  {method} bounds {b}: {row[f'lb{b}_ms']:.4f} ms, max |diff| {diff:.3g}")
+    return row
+
+
+def parse_args(argv=None):
+    from veloxquant_mlx.bench import command
+    from veloxquant_mlx.cache.fused_decode import MAX_MIN_BLOCKS
+
+    p = command.parser(MODULE, __doc__)
+    p.add_argument("--context", type=command.positive, default=131072, help="history tokens (default 131072)")
+    p.add_argument("--methods", default="turboquant_rvq,kvquant,gear,kivi", help="comma list of cache methods")
+    p.add_argument("--bounds", default="5", help=f"comma list of blocks per SM, 0..{MAX_MIN_BLOCKS} (0: no bounds)")
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown or not args.methods:
+        p.error(f"--methods: {unknown or 'none given'} is invalid; allowed are {', '.join(METHODS)}")
+    text = args.bounds
+    try:
+        args.bounds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        args.bounds = []
+    if not args.bounds or not all(0 <= b <= MAX_MIN_BLOCKS for b in args.bounds):
+        p.error(f"--bounds {text!r} is invalid: allowed is a comma list of integers in 0..{MAX_MIN_BLOCKS}")
+    return args
+
+
+def _log(message: str) -> None:
+    print(f"[launch_bounds_probe {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run(args) -> dict:
+    from veloxquant_mlx.bench.kernel_probe import on_cuda
+    from veloxquant_mlx.errors import QuantizerConfigError
+
+    if not on_cuda():
+        raise QuantizerConfigError(f"{MODULE} needs MLX's CUDA backend as the default device (it times CUDA kernels)")
+    rows = {m: probe_method(m, args.context, args.bounds, _log) for m in args.methods}
+    return {"settings": {"context": args.context, "methods": args.methods, "bounds": args.bounds,
+                         "threads_per_block": 128},
+            "results": rows}
+
+
+def main(argv=None) -> int:
+    from veloxquant_mlx.bench import command
+
+    return command.run_module(MODULE, parse_args, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
