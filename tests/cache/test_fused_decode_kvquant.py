@@ -170,6 +170,36 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
     assert cache._fused_decode(q_heads, 0.5) is None
 
 
+def test_the_plan_key_the_kernel_and_the_template_take_one_reading_of_the_batches(monkeypatch):
+    # decode_step reads UNALIGNED_VALUE_BATCH / OUTLIER_BATCH once and hands them to the launch:
+    # the kernel object asked for and the template's UB / OB are that reading.
+    cache = _kvquant(kvquant_bits=3)
+    q_heads = _filled(cache, 700)
+    asked, seen = [], {}
+
+    class Kernel:
+        def attend(self, queries, **kwargs):
+            seen.update(kwargs)
+            return "kernel output"
+
+    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
+    monkeypatch.setattr(fused_decode_codebook, "_partials_kernel", lambda a, p, batches: asked.append(batches) or Kernel())
+    launch, handed = fused_decode_codebook.codebook_launch, []
+    monkeypatch.setattr(fused_decode_codebook, "codebook_launch",
+                        lambda *a, **k: handed.append(k["batches"]) or launch(*a, **k))
+    monkeypatch.setattr(fused_decode_codebook, "UNALIGNED_VALUE_BATCH", 2)
+    monkeypatch.setattr(fused_decode_codebook, "OUTLIER_BATCH", 8)
+    assert cache._fused_decode(q_heads, 0.5) == "kernel output"
+    template = dict(seen["template"])
+    assert handed == [(2, 8)] and (template["UB"], template["OB"]) == (2, 8) and set(asked) == {(2, 8)}
+    # The launch takes the batches handed to it over the module's constants.
+    kernel, _, shape = launch(q_heads, 0.5, cache.store, cache.window_keys, cache.window_values, None,
+                              n_valid=cache.n_compressed, group_size=32, bits=3, n_kv_heads=2,
+                              meta_cache=fused_decode.FusedDecodeMeta(), batches=(1, 1))
+    template = dict(shape["template"])
+    assert (template["UB"], template["OB"]) == (1, 1) and asked[-1] == (1, 1)
+
+
 def test_launch_refuses_a_sink_beyond_the_first_tile_and_partial_blocks():
     cache = _kvquant()
     q_heads = _filled(cache, 700)

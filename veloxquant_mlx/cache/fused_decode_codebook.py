@@ -680,8 +680,9 @@ _INPUTS = ["q", "kc", "ks", "kz", "kcb", "vc", "vs", "vz", "vcb", "kop", "kov", 
 def _partials_kernel(lane_accumulators: int, park: bool, batches: tuple):
     """The partials kernel for a MAX_LANE_ACCUMULATORS / PARK_ACCUMULATORS / (UNALIGNED_VALUE_BATCH,
     OUTLIER_BATCH) setting. The source does not read them (the lane split, the parking and the
-    batches are the template's LPT, PARK, UB and OB, and MLX compiles one kernel per template), but a probe that changes a constant gets a kernel object of
-    its own, never one built for the other setting."""
+    batches are the template's LPT, PARK, UB and OB, and MLX compiles one kernel per template),
+    but a probe that changes a constant gets a kernel object of its own, never one built for the
+    other setting."""
     return PartialsKernel("vq_codebook_decode_partials", _INPUTS, _PARTIALS, _HEADER + _WINDOW)
 
 
@@ -771,7 +772,7 @@ def decode_step(cache, queries, scale: float):
         _, inputs, shape = codebook_launch(
             queries, scale, s, cache.window_keys, cache.window_values, sink, n_valid=cache.n_compressed,
             group_size=cache.group_size, bits=cache.code_bits, n_kv_heads=cache.n_kv_heads,
-            meta_cache=meta_cache,
+            meta_cache=meta_cache, batches=batches,
         )
         return inputs, shape, WINDOW_INPUTS
 
@@ -814,10 +815,12 @@ WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"))
 
 def codebook_launch(
     queries, scale: float, store, window_keys, window_values, sink, *, n_valid: int,
-    group_size: int, bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta,
+    group_size: int, bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, batches: tuple | None = None,
 ):
     """The checks, block split, meta and template of the partials kernel's launch ->
-    (kernel, inputs, {template, n_blocks, heads, value_dim})."""
+    (kernel, inputs, {template, n_blocks, heads, value_dim}). `batches`: (UNALIGNED_VALUE_BATCH,
+    OUTLIER_BATCH) as the caller read them for its launch plan's key (None: read here), so the
+    plan, the kernel object and the template take one reading."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -844,13 +847,14 @@ def codebook_launch(
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip)
     dtype = queries.dtype
     park = parks(D, DV, R, bits, counts[1] > 0)
-    kernel = _partials_kernel(MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS, (UNALIGNED_VALUE_BATCH, OUTLIER_BATCH))
+    ub, ob = (UNALIGNED_VALUE_BATCH, OUTLIER_BATCH) if batches is None else batches
+    kernel = _partials_kernel(MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS, (ub, ob))
     inputs = [queries, store["key_codes"], store["key_scale"], store["key_zero"],
               _as(store["key_codebook"], mx.float32), store["value_codes"], store["value_scale"],
               store["value_zero"], _as(store["value_codebook"], mx.float32), *outliers,
               _as(window_keys, dtype), _as(window_values, dtype), sink_keys, sink_values, meta]
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
                 ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]), ("PARK", park),
-                ("UB", UNALIGNED_VALUE_BATCH), ("OB", OUTLIER_BATCH),
+                ("UB", ub), ("OB", ob),
                 ("QT", dtype), ("ST", side)]
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
