@@ -67,8 +67,8 @@ Registers per thread of the partials kernel, nvcc 13.0 for sm_90 (`-Xptxas -v`),
 tests/cache/test_kernels_nvcc.py's shapes (the caches' own decode steps, the method's default 4
 bits: 3-bit stage-1 codes), budget 64 (session 4) -> 32 (now), no spills or stack at either:
   bf16, 4 rows, d 128 (the 8B shape):  143 -> 108   blocks of 4 warps per SM: 3 -> 4
-                                       (-> 96 and 5 blocks under the launch bounds of session 12:
-                                       MIN_BLOCKS_PER_SM)
+                                       (-> 96, 5 blocks, no spills, a 40-byte stack frame under
+                                       the launch bounds of session 12: MIN_BLOCKS_PER_SM)
   bf16, 3 rows, d 64 (SmolLM2):        151 -> 106   3 -> 4
   fp16, 8 rows, d 128:                 130 -> 130   3 (8 channels at either budget)
   float32, 1 row, d 128:                80 ->  80   6 (16 channels at either budget)
