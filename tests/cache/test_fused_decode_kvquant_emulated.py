@@ -89,11 +89,12 @@ CASES = [
      {"UNALIGNED_VALUE_BATCH": 1}),
     ("kvquant-3 many tiles per warp batch 2", _kvquant(), mx.float32, 128, 1, 4, 1100, 1,
      {"UNALIGNED_VALUE_BATCH": 2}),
-    # outliers one entry at a time (before session 11), and 8 per lane (one batch per tile)
+    # outliers one entry at a time (before session 11), and 4 per lane (session 11; the default
+    # takes 8 since session 12: one batch per tile)
     ("kvquant-3 default hd128 gqa4 outliers one by one", _kvquant(), mx.float32, 128, 1, 4, 1100, None,
      {"OUTLIER_BATCH": 1}),
-    ("kvquant-3 many tiles per warp outliers 8", _kvquant(), mx.float32, 128, 1, 4, 1100, 1,
-     {"OUTLIER_BATCH": 8}),
+    ("kvquant-3 many tiles per warp outliers 4", _kvquant(), mx.float32, 128, 1, 4, 1100, 1,
+     {"OUTLIER_BATCH": 4}),
 ]
 
 # Each must fail the comparison (one change in the source, in memory).
@@ -101,7 +102,8 @@ MUTATIONS = [
     ("sink placeholder attended", "const int lo = window ? 0 : n_skip;", "const int lo = 0;"),
     ("key outliers ignored", "const float delta = ex[b] - fmaf(cbk[code], osc[b], ozp[b]);", "const float delta = 0.f;"),
     ("value outliers ignored", "const float u = (ex[b] - ozp[b]) / osc[b] - cbv[code];", "const float u = 0.f;"),
-    # a batch's later entries dropped (OB = 4: at 1100 tokens a lane holds up to 6 entries of a tile)
+    # a batch's later entries dropped (OB = 8, the default: at 1100 tokens a lane holds up to 6
+    # entries of a tile, all in its first batch)
     ("outlier batch cut to one entry", "if (j0 + 32 * b < n_entries && t >= base && t < tile_end) {",
      "if (b == 0 && j0 + 32 * b < n_entries && t >= base && t < tile_end) {"),
     ("3-bit phase ignored", "win[i] = vq_window<BITS>(lead[i], next, ph[i]);",

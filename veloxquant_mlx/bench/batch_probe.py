@@ -9,8 +9,9 @@ method's defaults holding `n` random tokens plus one decode token, then its whol
 state, as a model's steps run; graphs built before the clock; median of 5 batches: kernel_probe's
 per_call_ms), once per variant of its kernel:
   - kvquant (fused_decode_codebook): `shipped`; the loads' batches at other settings (`ob1`:
-    OUTLIER_BATCH 1, `ob8`, `ob1ub1`: outliers and the unaligned value loop one at a time, the
-    kernel before session 11); `novalue`: the unaligned (3-bit) value loop never runs;
+    OUTLIER_BATCH 1, `ob4` (session 11's; 8 shipped since session 12; session 12's runs named
+    the then-unshipped 8 `ob8`), `ob1ub1`: outliers and the unaligned value loop one at a time,
+    the kernel before session 11); `novalue`: the unaligned (3-bit) value loop never runs;
     `nooutliers`: neither outlier loop runs; `bare`: neither (codebook keys and the aligned
     value path only); `keyunroll4` / `keyunroll13`: the unaligned (3-bit) key loop's runs
     unrolled 4 / 13 at a time instead of 2 (more loads in flight, more registers);
@@ -50,7 +51,7 @@ VARIANTS = {
     "kvquant": ("veloxquant_mlx.cache.fused_decode_codebook", "_PARTIALS", {
         "shipped": ((), {}),
         "ob1": ((), {"OUTLIER_BATCH": 1}),
-        "ob8": ((), {"OUTLIER_BATCH": 8}),
+        "ob4": ((), {"OUTLIER_BATCH": 4}),
         "ob1ub1": ((), {"OUTLIER_BATCH": 1, "UNALIGNED_VALUE_BATCH": 1}),
         "novalue": ((("for (int b0 = 0; b0 < ROUNDS; b0 += UBATCH) {", "for (int b0 = 0; b0 < 0; b0 += UBATCH) {"),), {}),
         "nooutliers": ((("for (int j0 = lane; j0 < n_entries; j0 += 32 * OB) {", "for (int j0 = lane; j0 < 0; j0 += 32 * OB) {"),) * 2, {}),

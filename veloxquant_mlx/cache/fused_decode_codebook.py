@@ -142,7 +142,13 @@ UNALIGNED_VALUE_BATCH = 8
 # exact values loaded together, then what the positions name (code word, scale, zero). Before
 # session 11 (1) one entry at a time, two dependent loads waited on per entry; on the H200 the
 # outliers then took 0.17 of kvquant's 0.41 ms per layer at 128K (results/kernel_probe_h200_s11_kvquant.json).
-OUTLIER_BATCH = 4
+# 8 since session 12 (4 in session 11): in all three runs timing both on one machine, 8 took
+# less at 32K tokens (0.0980 / 0.0878 / 0.0834 ms against 0.0997 / 0.0957 / 0.0970) and no more
+# at 128K (0.296 / 0.297 / 0.299 against 0.304 / 0.302 / 0.300; results/kernel_probe_h200_s11_batches.json,
+# results/batch_probe_h200_s12*.json). Registers (nvcc 13, the 8B shape): 96 -> 122, but the
+# H200's nvrtc build of 4 already took 102 (Nsight Compute, results/ncu_h200_s12.json), i.e. 4
+# blocks per SM, which 122 keeps.
+OUTLIER_BATCH = 8
 MAX_ROWS = 8  # GQA rows per KV head
 MAX_HEAD_DIM = 256
 SHARED_BYTES = 48 * 1024
