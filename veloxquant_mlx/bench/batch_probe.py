@@ -131,6 +131,36 @@ def time_variant(module, attribute: str, cache, queries, cuts, constants) -> flo
         cache.__dict__.pop("_fused_plan", None)
 
 
+def layer_inputs(n: int):
+    """(k, v, q, new) of one layer of the 8B shape in bf16, evaluated: n history tokens' keys
+    and values, a query row per head, one decode token (random, seed 2)."""
+    import mlx.core as mx
+
+    mx.random.seed(2)
+    k, v = (mx.random.normal((1, HK, n, D)).astype(mx.bfloat16) for _ in range(2))
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
+    new = mx.random.normal((1, HK, 1, D)).astype(mx.bfloat16)
+    mx.eval(k, v, q, new)
+    return k, v, q, new
+
+
+def filled_cache(method: str, inputs):
+    """A cache of `method`'s defaults holding layer_inputs' history (flushed into its store by a
+    first attention call) plus its decode token, one decode attention evaluated."""
+    import mlx.core as mx
+
+    from veloxquant_mlx.cache.factory import KVCacheFactory
+    from veloxquant_mlx.config import KVCacheConfig
+
+    k, v, q, new = inputs
+    cache = KVCacheFactory.create(KVCacheConfig(method=method))
+    cache.update_and_fetch(k, v)
+    mx.eval(cache.attention(q, scale=D**-0.5))  # the prompt flushed into the store
+    cache.update_and_fetch(new, new)
+    mx.eval(cache.attention(q, scale=D**-0.5))
+    return cache
+
+
 def probe_context(n: int, methods, log) -> dict:
     """fp16 `mx.fast` attention and every method's variants at context n."""
     import importlib
@@ -138,23 +168,14 @@ def probe_context(n: int, methods, log) -> dict:
     import mlx.core as mx
 
     from veloxquant_mlx.bench.kernel_probe import per_call_ms
-    from veloxquant_mlx.cache.factory import KVCacheFactory
-    from veloxquant_mlx.config import KVCacheConfig
 
-    mx.random.seed(2)
-    k, v = (mx.random.normal((1, HK, n, D)).astype(mx.bfloat16) for _ in range(2))
-    q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
-    new = mx.random.normal((1, HK, 1, D)).astype(mx.bfloat16)
-    mx.eval(k, v, q, new)
+    inputs = layer_inputs(n)
+    k, v, q, _ = inputs
     row = {"fp16_sdpa_ms": per_call_ms(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5),
                                        build_untimed=True)}
     for method in methods:
         start = time.perf_counter()
-        cache = KVCacheFactory.create(KVCacheConfig(method=method))
-        cache.update_and_fetch(k, v)
-        mx.eval(cache.attention(q, scale=D**-0.5))  # the prompt flushed into the store
-        cache.update_and_fetch(new, new)
-        mx.eval(cache.attention(q, scale=D**-0.5))
+        cache = filled_cache(method, inputs)
         log(f"{method} at {n}: filled in {time.perf_counter() - start:.1f} s")
         module_name, attribute, variants = VARIANTS.get(method, (None, None, SHIPPED_ONLY))
         module = importlib.import_module(module_name) if module_name else None

@@ -28,19 +28,10 @@ import contextlib
 import sys
 import time
 
-MODULE = "veloxquant_mlx.bench.launch_bounds_probe"
-HQ, HK, D = 32, 8, 128
-METHODS = ("kivi", "xquant", "turboquant_rvq", "kvquant", "gear")
-PROBED_KERNELS = "decode_partials"  # the partials kernels' names hold this; merges and encoders do not
+from veloxquant_mlx.bench.batch_probe import D, METHODS, filled_cache, layer_inputs
 
-# A declaration without bounds (B = 0), under the CUDA compilers only, as launch_bounds_header.
-_RESET = """
-// No launch bounds for the kernel declared after this header (bench.launch_bounds_probe, B = 0).
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-#undef __global__
-#define __global__ __location__(global)
-#endif
-"""
+MODULE = "veloxquant_mlx.bench.launch_bounds_probe"
+PROBED_KERNELS = "decode_partials"  # the partials kernels' names hold this; merges and encoders do not
 
 
 def bounded_header(header: str, bounds: int) -> str:
@@ -48,7 +39,8 @@ def bounded_header(header: str, bounds: int) -> str:
     none (a shipped kernel's own bounds undone: the last definition of the macro wins)."""
     from veloxquant_mlx.cache import fused_decode
 
-    return header + (fused_decode.launch_bounds_header(bounds) if bounds else _RESET)
+    return header + (fused_decode.launch_bounds_header(bounds) if bounds
+                     else fused_decode.kernel_declaration_header(""))
 
 
 def _clear_factories() -> None:
@@ -91,18 +83,11 @@ def probe_method(method: str, n: int, bounds: list[int], log) -> dict:
     import mlx.core as mx
 
     from veloxquant_mlx.bench.kernel_probe import per_call_ms
-    from veloxquant_mlx.cache.factory import KVCacheFactory
-    from veloxquant_mlx.config import KVCacheConfig
 
-    mx.random.seed(2)
-    k, v = (mx.random.normal((1, HK, n, D)).astype(mx.bfloat16) for _ in range(2))
-    q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
-    new = mx.random.normal((1, HK, 1, D)).astype(mx.bfloat16)
+    inputs = layer_inputs(n)
+    q = inputs[2]
     start = time.perf_counter()
-    cache = KVCacheFactory.create(KVCacheConfig(method=method))
-    cache.update_and_fetch(k, v)
-    mx.eval(cache.attention(q, scale=D**-0.5))  # the prompt flushed into the store
-    cache.update_and_fetch(new, new)
+    cache = filled_cache(method, inputs)
 
     def call():
         return cache.attention(q, scale=D**-0.5)

@@ -1187,11 +1187,17 @@ def launch_bounds_header(min_blocks: int) -> str:
             "(0: no bounds)")
     if min_blocks == 0:
         return ""
+    return kernel_declaration_header(f"__launch_bounds__({32 * WARPS_PER_BLOCK}, {min_blocks})")
+
+
+def kernel_declaration_header(attributes: str) -> str:
+    """Header text after which MLX's `__global__` kernel declaration carries `attributes` (none:
+    CUDA's own definition back), under a CUDA compiler only (launch_bounds_header's why)."""
     return f"""
-// Launch bounds for the kernel MLX declares after this header (fused_decode.launch_bounds_header).
+// The kernel MLX declares after this header: __global__ with {attributes or 'no attributes'}.
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #undef __global__
-#define __global__ __location__(global) __launch_bounds__({32 * WARPS_PER_BLOCK}, {min_blocks})
+#define __global__ __location__(global){' ' + attributes if attributes else ''}
 #endif
 """
 
