@@ -73,6 +73,17 @@ def register_with_mlx_lm(cls: type) -> None:
     setattr(mlx_lm_cache, cls.__name__, cls)
 
 
+# A prefill chunk's attention starts evaluating its queries (the model up to this layer) before
+# it builds the rest of the graph: mlx-lm evaluates the whole chunk's graph only once it is
+# built (one mx.eval per chunk), so the host's building of every layer's cache work (~0.28 ms
+# per layer and 2048-token chunk more than the fp16 KVCache's on the H200's host, session 13,
+# results/prefill_chunks_h200_s13_*.json) would otherwise run while the GPU idles; started
+# here, the GPU computes layer i while the host builds layers i + 1, ... (the queries are
+# needed anyway; nothing is computed twice). 0 builds first and evaluates after, as before
+# session 13 (bench --set base.PREFILL_START_QUERIES=0 measures the difference).
+PREFILL_START_QUERIES = 1
+
+
 class CompressedKVCache(_BaseCache):
     method: ClassVar[str] = ""
     step: ClassVar[int] = 256
@@ -244,6 +255,8 @@ class CompressedKVCache(_BaseCache):
             # Like _keep_mask: no mask means causal over the whole history (the queries are
             # the last L cached positions), which is also what the batch cache relies on.
             mask = "causal"
+        if PREFILL_START_QUERIES:
+            mx.async_eval(queries)
         keys, values = self._prefill_keys_values(queries)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
