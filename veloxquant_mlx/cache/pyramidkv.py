@@ -290,7 +290,12 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
         for name, array in kept.items():
             self.store[name][:, :, : self.n_compressed] = array
         self.positions_written = self.n_compressed
-        mx.eval(*self.store.values())
+        # Started, not waited on: the kept tokens are computed (and the chunk's full store
+        # released) as soon as the GPU gets there, while the host builds the next layers. A
+        # wait here (mx.eval, until session 13) stopped the host at every layer of every
+        # prefill chunk: the host's and the GPU's work ran one after the other, 1.19-1.23x
+        # fp16's 32K prefill time on the H200 (results/prefill_chunks_h200_s13_32k_start.json).
+        mx.async_eval(*self.store.values())
         self.evicted_upto = self.offset
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
