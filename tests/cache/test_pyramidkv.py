@@ -202,3 +202,24 @@ def test_decode_steps_write_their_positions_when_read():
     assert mx.allclose(ours, ref, atol=1e-4).item()
     positions = cache.store["positions"][:, :, : cache.n_kept]
     assert mx.array_equal(positions[..., -6:], mx.broadcast_to(mx.arange(67, 73, dtype=mx.int32), (B, H, 6))).item()
+
+
+def test_a_prefill_eviction_starts_its_work_without_waiting(monkeypatch):
+    # The eviction at a prefill chunk hands its kept tokens to mx.async_eval: a wait there
+    # (mx.eval) stopped the host at every layer of every chunk (session 13: 1.19x fp16's 32K
+    # prefill on the H200, 0.77x started). Same kept tokens either way.
+    config = KVCacheConfig(method="pyramidkv", pyramidkv_budget=24, pyramidkv_window=4)
+    started, waited = [], []
+    real_async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: started.append(a) or real_async_eval(*a))
+    monkeypatch.setattr(mx, "eval", lambda *a: waited.append(a))
+    cache = PyramidKVCache(config)
+    k, v = kv(64, 0)
+    cache.update_and_fetch(k, v)
+    cache.attention(query(64, 0), scale=D**-0.5, mask="causal")
+    assert waited == [] and len(started) == 1
+    assert {id(a) for a in started[0]} == {id(a) for a in cache.store.values()}
+    monkeypatch.undo()
+    assert cache.n_kept == 24
+    positions = cache.store["positions"][:, :, :24]
+    assert (positions[..., -4:] == mx.arange(60, 64)).all().item()
