@@ -107,3 +107,34 @@ def test_set_records_the_constant_and_a_bad_name_is_a_usage_error(tmp_path, monk
     with pytest.raises(SystemExit):
         gpu_speed.main(["--set", "prefill_pieces.NOPE=1", "--out", str(out)])
     assert "--set: 'prefill_pieces.NOPE=1'" in capsys.readouterr().err
+
+
+def test_decode_rounds_may_start_for_an_allowance_past_the_budget(tmp_path, monkeypatch, capsys):
+    # A fresh machine's run can spend --budget-s on warm-ups and cold prefills (JIT compiles):
+    # the decode rounds, ~0.2 s each, still get --rounds-allowance-s (session 13 lost a run so).
+    from veloxquant_mlx.bench import gpu_speed_interleave
+    from veloxquant_mlx.bench.methods import parse_spec
+
+    seen = {}
+    monkeypatch.setattr(gpu_speed_interleave, "run_context",
+                        lambda *a, over_budget, may_start, **kw: seen.update(rounds=over_budget, prefills=may_start))
+    clock = [0.0]
+    def ticking():  # a clock the test sets; each reading a millisecond on (timings divide by it)
+        clock[0] += 1e-3
+        return clock[0]
+
+    monkeypatch.setattr(gpu_speed.time, "perf_counter", ticking)
+    out = tmp_path / "g.json"
+    assert gpu_speed.main(["--quick", *TINY, "--contexts", "40", "--methods", "fp16", "--interleave",
+                           "--budget-s", "5", "--rounds-allowance-s", "30", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["settings"]["rounds_allowance_s"] == 30.0
+    clock[0] = 10.0  # past the budget: no new prefill, rounds still go on
+    assert seen["rounds"]() is None
+    case = {}
+    assert seen["prefills"](parse_spec("fp16"), case, "prefill 1 of 1") is False
+    assert case["skipped"].startswith("budget: 10 s spent of --budget-s 5")
+    clock[0] = 36.0
+    assert "--rounds-allowance-s 30" in seen["rounds"]()
+    with pytest.raises(SystemExit):
+        gpu_speed.parse_args(["--out", "x.json", "--rounds-allowance-s", "-1"])
+    assert "--rounds-allowance-s -1.0: allowed is a number >= 0" in capsys.readouterr().err
