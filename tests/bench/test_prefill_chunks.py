@@ -18,7 +18,7 @@ def test_line_fit_recovers_a_line_and_refuses_one_point():
 
 def test_summary_takes_medians_and_splits_the_excess_over_fp16():
     def fill(total, host, ev):
-        return {"total_s": total, "chunks": [{"history": h, "host_ms": host, "eval_ms": ev + h / 1024}
+        return {"total_s": total, "peak_over_start_bytes": int(total * 100), "chunks": [{"history": h, "host_ms": host, "eval_ms": ev + h / 1024}
                                              for h in (0, 1024, 2048)]}
 
     summary = probe.with_ratios({
@@ -27,6 +27,7 @@ def test_summary_takes_medians_and_splits_the_excess_over_fp16():
     })
     fp16, kivi = summary["fp16"], summary["kivi"]
     assert fp16["total_s"] == 2.0 and kivi["total_vs_fp16"] == 1.5
+    assert fp16["peak_over_start_bytes"] == 300 and kivi["peak_over_start_bytes"] == 300  # the largest fill's
     assert fp16["host_s"] == pytest.approx(0.003) and fp16["eval_s"] == pytest.approx(0.033)
     assert kivi["excess_host_s"] == pytest.approx(0.003) and kivi["excess_eval_s"] == pytest.approx(0.006)
     assert kivi["eval_fit_ms_per_1k_history"] == pytest.approx({"intercept": 12.0, "slope": 1.0})

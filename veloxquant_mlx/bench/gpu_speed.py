@@ -201,20 +201,19 @@ def run(args) -> dict:
         result["targets"] = check_targets(result["cases"])
         report.write_json(result, args.out)
 
-    def over_budget() -> str | None:
+    def over_budget(allowance_s: float = 0.0) -> str | None:
+        """Why nothing more may start (None: it may): --budget-s spent, plus `allowance_s`."""
         elapsed = time.perf_counter() - t0
-        if elapsed > args.budget_s:
-            return f"budget: {elapsed:.0f} s spent of --budget-s {args.budget_s:.0f}"
+        if elapsed > args.budget_s + allowance_s:
+            extra = f" + --rounds-allowance-s {allowance_s:.0f}" if allowance_s else ""
+            return f"budget: {elapsed:.0f} s spent of --budget-s {args.budget_s:.0f}{extra}"
         return None
 
     def rounds_over_budget() -> str | None:
-        # Session 13: a fresh machine's 32K run spent its whole --budget-s on warm-ups and cold
-        # prefills and ran no decode round at all (results/gpu_speed_h200_s13_32k_b.json).
-        elapsed = time.perf_counter() - t0
-        if elapsed > args.budget_s + args.rounds_allowance_s:
-            return (f"budget: {elapsed:.0f} s spent of --budget-s {args.budget_s:.0f} "
-                    f"+ --rounds-allowance-s {args.rounds_allowance_s:.0f}")
-        return None
+        # Decode rounds get the allowance on top. Session 13: a fresh machine's 32K run spent its
+        # whole --budget-s on warm-ups and cold prefills and ran no decode round at all
+        # (results/gpu_speed_h200_s13_32k_b.json).
+        return over_budget(args.rounds_allowance_s)
 
     def may_start(spec, case, what: str) -> bool:
         """Whether `what` (a timed repeat, a warm-up) of this case may start; records why not."""

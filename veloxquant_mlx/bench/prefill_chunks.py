@@ -121,7 +121,7 @@ def summarize(fills: list[dict]) -> dict:
         "host_s": statistics.median(host),
         "eval_s": statistics.median(ev),
         "host_ms_per_chunk": statistics.median(c["host_ms"] for c in chunks),
-        "peak_over_start_bytes": max(f.get("peak_over_start_bytes", 0) for f in fills),
+        "peak_over_start_bytes": max(f["peak_over_start_bytes"] for f in fills),
         "eval_fit_ms_per_1k_history": fit,
     }
 
