@@ -13,7 +13,14 @@ from tests.cache import cuda_emulation
 from tests.cache.cuda_marks import cuda_test
 from tests.cache.test_encoder_identity import _bits, _kv
 from tests.cache.test_kernels_nvcc import NVCC, compiled_without_spills
-from veloxquant_mlx.cache import kvquant_encode_kernel, kvquant_fit_kernel, nonuniform_codebook
+from veloxquant_mlx.cache import (
+    kvquant,
+    kvquant_encode_kernel,
+    kvquant_fit_kernel,
+    nonuniform_codebook,
+    outlier_select_kernel,
+    sparse_outliers,
+)
 from veloxquant_mlx.cache.kvquant import KVQuantCache
 from veloxquant_mlx.config import KVCacheConfig
 
@@ -41,6 +48,22 @@ def _later_chunk_both_ways(bits, fraction, keys, values, first_tokens, kernel):
         ours = cache._encode(chunk_k, chunk_v)
         mx.eval(ours)
     return reference, ours, made
+
+
+@pytest.fixture
+def stable_selection(monkeypatch):
+    """The ops' outliers chosen by the rule of outlier_select_kernel.py (a stable ascending
+    argsort's first `count` scores: ties to the lower position, in ascending order) instead of
+    argpartition's, which leaves both to its implementation; the compiled encoders, traced
+    with the patched selection inside, are emptied before and after."""
+    monkeypatch.setattr(sparse_outliers, "outlier_ranking",
+                        lambda blocks, count, axis: mx.argsort(sparse_outliers.outlier_scores(blocks, axis), axis=-1))
+    compiled = (kvquant._compiled_normalize, kvquant._ranking_function)
+    for f in compiled:
+        f.cache_clear()
+    yield
+    for f in compiled:
+        f.cache_clear()
 
 
 def _assert_same_bits(reference: dict, ours: dict) -> None:
@@ -71,7 +94,7 @@ def _batched(keys, values, batch):
 
 @needs_compiler
 @pytest.mark.parametrize("heads, dim, dtype, bits, fraction, data", CASES)
-def test_kernel_encode_is_the_ops_encode_bit_for_bit(heads, dim, dtype, bits, fraction, data):
+def test_kernel_encode_is_the_ops_encode_bit_for_bit(stable_selection, heads, dim, dtype, bits, fraction, data):
     # The degenerate data's later chunk spans all-zero keys (tokens < 300) and -0.0 values (600..900).
     first = 32 * 9 if data == "degenerate" else 32 * 6
     later = 32 * 12 if data == "degenerate" else 32 * 4
@@ -80,7 +103,19 @@ def test_kernel_encode_is_the_ops_encode_bit_for_bit(heads, dim, dtype, bits, fr
         keys, values = _batched(keys, values, 2)
     reference, ours, made = _later_chunk_both_ways(bits, fraction, keys, values, first, cuda_emulation.emulated_kernels)
     names = sorted(k.name for k in made)
-    assert names == (["vq_kvquant_block_encode", "vq_kvquant_encode_masked"] if fraction else ["vq_kvquant_block_encode"])
+    expected = ["vq_kvquant_block_encode", "vq_kvquant_encode_masked", "vq_outlier_select"]
+    assert names == (expected if fraction else ["vq_kvquant_block_encode"])
+    _assert_same_bits(reference, ours)
+
+
+@needs_compiler
+def test_without_the_selection_kernel_the_argpartition_is_read_in_place(monkeypatch):
+    """outlier_select_kernel.ENABLED = False: the encode kernels read the whole argpartition
+    (its first `count` per block), bit for bit the ops' encode with argpartition's own picks."""
+    monkeypatch.setattr(outlier_select_kernel, "ENABLED", False)
+    keys, values = _kv(32 * 10, 2, 128, mx.bfloat16, seed=3, real_shaped=True)
+    reference, ours, made = _later_chunk_both_ways(3, 0.01, keys, values, 32 * 6, cuda_emulation.emulated_kernels)
+    assert sorted(k.name for k in made) == ["vq_kvquant_block_encode", "vq_kvquant_encode_masked"]
     _assert_same_bits(reference, ours)
 
 
@@ -142,7 +177,7 @@ class _KernelsOn:
 
 @cuda_test
 @pytest.mark.parametrize("heads, dim, dtype, bits, fraction, data", CASES + [(8, 128, mx.bfloat16, 3, 0.01, True)])
-def test_kernel_encode_on_cuda_is_the_ops_encode_bit_for_bit(monkeypatch, heads, dim, dtype, bits, fraction, data):
+def test_kernel_encode_on_cuda_is_the_ops_encode_bit_for_bit(stable_selection, monkeypatch, heads, dim, dtype, bits, fraction, data):
     monkeypatch.setattr(kvquant_encode_kernel, "enabled", lambda: False)
     keys, values = _kv(2048 + 2048, heads, dim, dtype, seed=bits, real_shaped=data)
     reference, ours, _ = _later_chunk_both_ways(bits, fraction, keys, values, 2048, _KernelsOn(monkeypatch))
@@ -157,8 +192,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
         cache._encode(keys[:, :, 64:], values[:, :, 64:])
     sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
-    # The encode kernel for keys (per channel) and values (per token); one masked kernel serves
-    # both (same block shape and outlier count).
-    assert len(sources) == 3
+    # The encode kernel for keys (per channel) and values (per token); one masked kernel and one
+    # selection kernel serve both (same block shape and outlier count).
+    assert len(sources) == 4
     for i, source in enumerate(sources):
         compiled_without_spills(source, tmp_path, i)

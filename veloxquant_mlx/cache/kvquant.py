@@ -98,7 +98,12 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode_codebook, kvquant_encode_kernel, kvquant_prefill_kernel
+from veloxquant_mlx.cache import (
+    fused_decode_codebook,
+    kvquant_encode_kernel,
+    kvquant_prefill_kernel,
+    outlier_select_kernel,
+)
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.kvquant_attention import (
     chunks,
@@ -114,6 +119,7 @@ from veloxquant_mlx.cache.sparse_outliers import (
     gather_entries,
     outlier_count,
     outlier_ranking,
+    outlier_scores,
     replace_with_vector_mean,
     select_outliers,
 )
@@ -276,7 +282,7 @@ class KVQuantCache(CompressedKVCache):
             count = self._outliers(blocks.shape[-1])
             ranking = kept = None
             if count:
-                ranking = _ranking_function(count, axis, _fusion_is_exact(blocks.shape[axis]))(blocks)
+                ranking = _outlier_ranking(blocks, count, axis)
                 kept = kvquant_encode_kernel.masked_blocks(blocks, ranking, count).sum(axis=axis)
             codes, zero, scale, positions, exact = kvquant_encode_kernel.encode_blocks(
                 blocks, self.store[f"{prefix}_codebook"], self.code_bits, axis == -2, MIN_SCALE, count, ranking, kept
@@ -535,6 +541,28 @@ def _ranking_function(count: int, axis: int, compiled: bool):
         return outlier_ranking(blocks, count, axis)
 
     return mx.compile(ranking) if compiled else ranking
+
+
+def _outlier_ranking(blocks: mx.array, count: int, axis: int) -> mx.array:
+    """The outliers' ranking kvquant_encode_kernel.py reads, per block: on CUDA the selection
+    kernel's `count` picks from the compiled scores (outlier_select_kernel.py: no sort; the
+    same outliers wherever the count-th score is not tied, in ascending score order), else the
+    whole argpartition, its first `count` read in place."""
+    exact = _fusion_is_exact(blocks.shape[axis])
+    if outlier_select_kernel.enabled() and outlier_select_kernel.fits(blocks.shape[-2] * blocks.shape[-1], count):
+        return outlier_select_kernel.smallest(_scores_function(axis, exact)(blocks), count)
+    return _ranking_function(count, axis, exact)(blocks)
+
+
+@lru_cache(maxsize=None)
+def _scores_function(axis: int, compiled: bool):
+    """blocks -> sparse_outliers.outlier_scores, through mx.compile where fusion is exact (as
+    `_ranking_function`)."""
+
+    def scores(blocks: mx.array) -> mx.array:
+        return outlier_scores(blocks, axis)
+
+    return mx.compile(scores) if compiled else scores
 
 
 @lru_cache(maxsize=None)

@@ -84,10 +84,11 @@ _HOLES = r"""
   __shared__ unsigned char hole[E];
   for (int e = tid; e < E; e += blockDim.x) hole[e] = 0;
   __syncthreads();
-  // ranking: the block's argpartition (sparse_outliers.outlier_ranking), E entries per block,
-  // read in place: its first NO entries are the outliers' positions.
+  // ranking: RS entries per block whose first NO are the outliers' positions: the block's
+  // argpartition read in place (RS = E: sparse_outliers.outlier_ranking) or the selection
+  // kernel's picks (RS = NO: outlier_select_kernel.py).
   if (NO > 0) {
-    for (int o = tid; o < NO; o += blockDim.x) hole[ranking[blk * E + o]] = 1;
+    for (int o = tid; o < NO; o += blockDim.x) hole[ranking[blk * RS + o]] = 1;
   }
   __syncthreads();
   const CT* x = blocks + blk * E;
@@ -112,7 +113,7 @@ _ENCODE_SOURCE = _HOLES + r"""
   }
   if (NO > 0) {
     for (int o = tid; o < NO; o += blockDim.x) {
-      const unsigned p = ranking[blk * E + o];
+      const unsigned p = ranking[blk * RS + o];
       positions[blk * NO + o] = (unsigned short)p;
       exact[blk * NO + o] = x[p];
     }
@@ -216,10 +217,11 @@ def _launch(kernel, blocks: mx.array, inputs: list, template: list, shapes: list
 
 def masked_blocks(blocks: mx.array, ranking: mx.array, count: int) -> mx.array:
     """blocks (B, H, nb, G, D) in the cache dtype, ranking (B, H, nb, G * D) uint32 (the
-    outliers' positions first: sparse_outliers.outlier_ranking) -> float32 blocks with the
-    `count` outliers' entries multiplied by 0 and the others by 1."""
+    outliers' positions first: sparse_outliers.outlier_ranking) or (B, H, nb, count) (just
+    them: outlier_select_kernel.smallest) -> float32 blocks with the `count` outliers' entries
+    multiplied by 0 and the others by 1."""
     G, D = blocks.shape[3:]
-    template = [("G", G), ("D", D), ("NO", count), ("CT", blocks.dtype)]
+    template = [("G", G), ("D", D), ("NO", count), ("RS", ranking.shape[-1]), ("CT", blocks.dtype)]
     return _launch(_masked_kernel(), blocks, [ranking], template, [blocks.shape], [mx.float32])[0]
 
 
@@ -231,7 +233,7 @@ def encode_blocks(blocks: mx.array, codebook: mx.array, bits: int, per_channel: 
 
     blocks (B, H, nb, G, D) in the cache dtype; codebook (B, H, 2**bits) sorted levels;
     `per_channel`: the vectors are channels (keys) else tokens (values); with `count`
-    outliers, ranking (B, H, nb, G * D) uint32 (sparse_outliers.outlier_ranking) and kept
+    outliers, ranking (B, H, nb, G * D) or (B, H, nb, count) uint32 (`masked_blocks`) and kept
     (B, H, nb, vectors) float32, the sums of the vectors' kept entries (`masked_blocks` summed
     along the vector by MLX)."""
     B, H, nb, G, D = blocks.shape
@@ -241,7 +243,9 @@ def encode_blocks(blocks: mx.array, codebook: mx.array, bits: int, per_channel: 
     words = (G * D + per - 1) // per
     if not count:
         ranking, kept = fused_decode.absent_input(mx.uint32), fused_decode.absent_input(mx.float32)
-    template = [("G", G), ("D", D), ("BITS", bits), ("PER_CHANNEL", int(per_channel)), ("NO", count), ("CT", dtype)]
+    stride = ranking.shape[-1] if count else 0
+    template = [("G", G), ("D", D), ("BITS", bits), ("PER_CHANNEL", int(per_channel)), ("NO", count), ("RS", stride),
+                ("CT", dtype)]
     meta = mx.array([nb], dtype=mx.int32)
     sparse_shape = (B, H, nb, count) if count else (1,)
     codes, zero, scale, positions, exact = _launch(

@@ -52,6 +52,15 @@ def outlier_ranking(blocks: mx.array, count: int, axis: int) -> mx.array:
     each block whose first `count` are select_outliers' positions, in the same order. A kernel
     can read those from this array in place (kvquant_encode_kernel.py), where the uint16 slice
     would cost a launch of its own."""
+    # argpartition puts the `count` smallest of -score (largest scores) first; their order
+    # does not matter to the method, but it is what is stored: keep this exact call.
+    return mx.argpartition(outlier_scores(blocks, axis), kth=count - 1, axis=-1)
+
+
+def outlier_scores(blocks: mx.array, axis: int) -> mx.array:
+    """Each entry's outlier score, negated, one row per block: blocks (..., R, C) -> (..., R * C)
+    float32 -|x - mean| / std (`select_outliers`): the outliers are a row's `count` smallest
+    (outlier_ranking's argpartition, or outlier_select_kernel.py on CUDA)."""
     x = blocks.astype(mx.float32)
     # The vector's mean as mx.mean computes it (its sum times 1 / length), written twice: as
     # (1 / length) * sum - x, squared, for the variance and as x - sum * (1 / length) in the
@@ -67,10 +76,7 @@ def outlier_ranking(blocks: mx.array, count: int, axis: int) -> mx.array:
     std = mx.sqrt(((mean_first - x) ** 2).mean(axis=axis, keepdims=True)) + 1e-6
     # Negated before the reshape, so that under mx.compile (kvquant's encoder) the negation
     # fuses with the score's other elementwise ops instead of costing a pass of its own.
-    negated = (-(mx.abs(x - total * inverse) / std)).reshape(*x.shape[:-2], -1)
-    # argpartition puts the `count` smallest of -score (largest scores) first; their order
-    # does not matter to the method, but it is what is stored: keep this exact call.
-    return mx.argpartition(negated, kth=count - 1, axis=-1)
+    return (-(mx.abs(x - total * inverse) / std)).reshape(*x.shape[:-2], -1)
 
 
 def gather_entries(blocks: mx.array, positions: mx.array) -> mx.array:
