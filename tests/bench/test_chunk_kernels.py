@@ -1,0 +1,59 @@
+"""chunk_kernels: the ncu workload runs (the profiler calls are no-ops off CUDA) and the CSV summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from veloxquant_mlx.bench import chunk_kernels
+
+_CSV = """==PROF== Connected to process 1
+"ID","Process ID","Kernel Name","Metric Name","Metric Unit","Metric Value"
+"0","1","void mlx::copy_s<__nv_bfloat16, unsigned int, 8>(const T1 *, T2 *)","gpu__time_duration.sum","ns","4,832"
+"1","1","cudnn_generated_sdpa_fprop","gpu__time_duration.sum","ns","1,601,472"
+"2","1","void mlx::copy_s<float, unsigned int, 4>(const T1 *, T2 *)","gpu__time_duration.sum","ns","3,168"
+==PROF== Disconnected from process 1
+"""
+
+
+def test_summary_sums_each_kernel_family_largest_first(tmp_path):
+    path = tmp_path / "fp16.csv"
+    path.write_text(_CSV)
+    out = tmp_path / "out.json"
+    assert chunk_kernels.main(["summarize", "--csv", f"fp16={path}", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())["methods"]["fp16"]
+    assert got["kernels"] == 3
+    assert got["total_us"] == pytest.approx((4832 + 1601472 + 3168) / 1e3)
+    assert got["by_kernel"] == [
+        {"kernel": "cudnn_generated_sdpa_fprop", "launches": 1, "us": pytest.approx(1601.472)},
+        {"kernel": "mlx::copy_s", "launches": 2, "us": pytest.approx(8.0)},
+    ]
+
+
+def test_a_csv_of_another_metric_is_refused_with_its_row(tmp_path):
+    path = tmp_path / "x.csv"
+    path.write_text(_CSV.replace('"2","1","void mlx::copy_s<float, unsigned int, 4>(const T1 *, T2 *)","gpu__time_duration.sum"',
+                                 '"2","1","k","sm__cycles_elapsed.avg"'))
+    with pytest.raises(ValueError, match=r"x.csv: CSV row 4: metric 'sm__cycles_elapsed.avg'"):
+        chunk_kernels.read_csv(str(path))
+
+
+def test_a_file_without_csv_rows_is_refused(tmp_path):
+    path = tmp_path / "empty.csv"
+    path.write_text("==PROF== nothing\n")
+    with pytest.raises(ValueError, match="empty.csv: no CSV rows"):
+        chunk_kernels.read_csv(str(path))
+
+
+def test_a_context_shorter_than_two_chunks_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        chunk_kernels.parse_args(["profile", "--method", "kivi", "--context", "256", "--chunk", "256"])
+    assert "--context 256 / --chunk 256" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["fp16", "kvquant"])
+def test_profile_runs_the_last_chunk_and_times_it(method):
+    got = chunk_kernels.profile(method, context=192, chunk=64, timed=2)
+    assert got["method"] == method and got["chunk"] == 64
+    assert len(got["timed_chunk_s"]) == 2 and all(s > 0 for s in got["timed_chunk_s"])

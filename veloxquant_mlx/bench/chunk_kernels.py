@@ -1,0 +1,174 @@
+"""Every kernel one layer's last prefill chunk launches, timed by Nsight Compute: where a chunk's device time goes.
+
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+        --log-file ncu_kvquant.csv python3 -m veloxquant_mlx.bench.chunk_kernels profile --method kvquant
+    python -m veloxquant_mlx.bench.chunk_kernels summarize --csv fp16=ncu_fp16.csv \
+        --csv kvquant=ncu_kvquant.csv --out results/ncu_prefill_chunk_h200.json
+
+Why: prefill_chunks.py splits a model's prefill into host building and evaluation, but not the
+evaluation into kernels. Here one layer (the 8B attention shape: 32 query / 8 KV heads x 128,
+bf16) is filled up to the last `--chunk` tokens of `--context` in a fresh cache, chunk by chunk
+with their attention (only the last chunk is profiled), after a first cache has run
+the same steps so that every kernel is compiled; then the profiler is started (cuProfilerStart,
+so ncu's `--profile-from-start off` records just that) around that chunk's `update_and_fetch`, its
+attention (`cache.attention` for ours, mlx-lm's SDPA call for fp16) and their evaluation.
+Nsight Compute runs each kernel alone: the durations add up to the chunk's device time without
+overlap or launch gaps, an upper bound on what the chunk costs the GPU in a model. `--timed N`
+then times the same chunk N more times unprofiled (fresh caches; under ncu these include its
+interception overhead).
+
+`summarize` reads the CSVs (`--page details`' default, one metric) into per-method totals and
+per-kernel sums (templates cut off the names), largest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import re
+import sys
+import time
+
+MODULE = "veloxquant_mlx.bench.chunk_kernels"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    prof = sub.add_parser("profile", help="the workload to run under ncu")
+    prof.add_argument("--method", required=True, help="fp16 or one of our methods (bench spec syntax)")
+    prof.add_argument("--context", type=int, default=32768, help="prompt tokens (default 32768)")
+    prof.add_argument("--chunk", type=int, default=2048, help="prefill chunk tokens (default 2048)")
+    prof.add_argument("--timed", type=int, default=5, help="unprofiled timings of the same chunk (default 5)")
+    summ = sub.add_parser("summarize", help="ncu CSVs -> JSON")
+    summ.add_argument("--csv", action="append", required=True, metavar="METHOD=FILE")
+    summ.add_argument("--out", required=True)
+    summ.add_argument("--top", type=int, default=25, help="kernels kept per method (default 25)")
+    args = p.parse_args(argv)
+    if args.command == "profile" and (args.chunk < 1 or args.context < 2 * args.chunk or args.context % args.chunk):
+        p.error(f"--context {args.context} / --chunk {args.chunk}: allowed is a context of at least two "
+                "chunks, a whole number of them")
+    return args
+
+
+def _profiler():
+    """(start, stop) of the CUDA profiler; no-ops where there is no CUDA driver (the CPU)."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return (lambda: None), (lambda: None)
+    return cuda.cuProfilerStart, cuda.cuProfilerStop
+
+
+def profile(method: str, context: int, chunk: int, timed: int) -> dict:
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench.drive import cache_arrays
+    from veloxquant_mlx.bench.kernel_probe import D, prefill_inputs
+    from veloxquant_mlx.bench.layer_specs import parse_layer_spec
+    from veloxquant_mlx.cache.base import CompressedKVCache
+
+    k, v, q = prefill_inputs(context)
+    spec = parse_layer_spec(method)
+    last = context - chunk
+
+    def step(cache, s0: int) -> None:
+        part = slice(s0, s0 + chunk)
+        keys, values = cache.update_and_fetch(k[:, :, part], v[:, :, part])
+        if isinstance(cache, CompressedKVCache):
+            out = cache.attention(q[:, :, part], scale=D**-0.5, mask="causal")
+        else:
+            out = mx.fast.scaled_dot_product_attention(q[:, :, part], keys, values, scale=D**-0.5, mask="causal")
+        mx.eval(out, cache_arrays([cache]))
+
+    def filled():
+        cache = spec.make()
+        for s0 in range(0, last, chunk):
+            # Every chunk attended, as in a model: our caches encode a chunk at the next call
+            # after it (its attention reads it from the window), so a chunk left unattended
+            # would be encoded inside the profiled step too.
+            step(cache, s0)
+        mx.synchronize()
+        return cache
+
+    t0 = time.perf_counter()
+    step(filled(), last)  # compiles every kernel of the profiled step
+    warm_s = time.perf_counter() - t0
+    start, stop = _profiler()
+    cache = filled()
+    start()
+    step(cache, last)
+    mx.synchronize()
+    stop()
+    seconds = []
+    for _ in range(timed):
+        cache = filled()
+        t = time.perf_counter()
+        step(cache, last)
+        mx.synchronize()
+        seconds.append(time.perf_counter() - t)
+    return {"method": method, "context": context, "chunk": chunk, "warm_up_s": warm_s, "timed_chunk_s": seconds}
+
+
+def _kernel_family(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list."""
+    name = re.sub(r"\(.*", "", name)
+    return re.sub(r"<.*", "", name).replace("void ", "").strip()
+
+
+def read_csv(path: str) -> list[tuple[str, float]]:
+    """(kernel family, nanoseconds) per kernel of an ncu --csv log (its ==PROF== lines skipped)."""
+    with open(path, newline="") as f:
+        lines = [line for line in f if line.startswith('"')]
+    rows = list(csv.reader(lines))
+    if not rows:
+        raise ValueError(f"{path}: no CSV rows (expected ncu --csv output with gpu__time_duration.sum)")
+    head = rows[0]
+    missing = [c for c in ("Kernel Name", "Metric Name", "Metric Value") if c not in head]
+    if missing:
+        raise ValueError(f"{path}: line 1 lacks the columns {missing}: allowed is ncu's --csv details page")
+    name, metric, value = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value")
+    out = []
+    for i, r in enumerate(rows[1:], start=2):
+        if r[metric] != "gpu__time_duration.sum":
+            raise ValueError(f"{path}: CSV row {i}: metric {r[metric]!r}: allowed is gpu__time_duration.sum alone")
+        out.append((_kernel_family(r[name]), float(r[value].replace(",", ""))))
+    return out
+
+
+def summarize(kernels: list[tuple[str, float]], top: int) -> dict:
+    sums: dict[str, list] = {}
+    for family, ns in kernels:
+        entry = sums.setdefault(family, [0, 0.0])
+        entry[0] += 1
+        entry[1] += ns
+    ranked = sorted(sums.items(), key=lambda kv: -kv[1][1])
+    return {"kernels": len(kernels), "total_us": sum(ns for _, ns in kernels) / 1e3,
+            "by_kernel": [{"kernel": k, "launches": n, "us": ns / 1e3} for k, (n, ns) in ranked[:top]]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.command == "profile":
+        got = profile(args.method, args.context, args.chunk, args.timed)
+        times = sorted(got["timed_chunk_s"])
+        median = f"{times[len(times) // 2] * 1e3:.3f} ms" if times else "-"
+        print(f"{args.method}: warm-up {got['warm_up_s']:.1f} s, last chunk median {median}", flush=True)
+        return 0
+    from veloxquant_mlx.bench import report
+
+    result = {**report.header(), "command": " ".join(["python -m", MODULE, *sys.argv[1:]]), "methods": {}}
+    for item in args.csv:
+        method, sep, path = item.partition("=")
+        if not sep or not method or not path:
+            raise SystemExit(f"--csv {item!r}: allowed is METHOD=FILE")
+        result["methods"][method] = summarize(read_csv(path), args.top)
+        print(f"{method}: {result['methods'][method]['kernels']} kernels, "
+              f"{result['methods'][method]['total_us']:.1f} us", flush=True)
+    report.write_json(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
