@@ -13,13 +13,12 @@ from tests.cache import cuda_emulation
 from tests.cache.cuda_marks import cuda_test
 from tests.cache.test_encoder_identity import _bits, _kv
 from tests.cache.test_kernels_nvcc import NVCC, compiled_without_spills
+from tests.cache.stable_selection import stable_argpartition
 from veloxquant_mlx.cache import (
-    kvquant,
     kvquant_encode_kernel,
     kvquant_fit_kernel,
     nonuniform_codebook,
     outlier_select_kernel,
-    sparse_outliers,
 )
 from veloxquant_mlx.cache.kvquant import KVQuantCache
 from veloxquant_mlx.config import KVCacheConfig
@@ -51,19 +50,10 @@ def _later_chunk_both_ways(bits, fraction, keys, values, first_tokens, kernel):
 
 
 @pytest.fixture
-def stable_selection(monkeypatch):
-    """The ops' outliers chosen by the rule of outlier_select_kernel.py (a stable ascending
-    argsort's first `count` scores: ties to the lower position, in ascending order) instead of
-    argpartition's, which leaves both to its implementation; the compiled encoders, traced
-    with the patched selection inside, are emptied before and after."""
-    monkeypatch.setattr(sparse_outliers, "outlier_ranking",
-                        lambda blocks, count, axis: mx.argsort(sparse_outliers.outlier_scores(blocks, axis), axis=-1))
-    compiled = (kvquant._compiled_normalize, kvquant._ranking_function)
-    for f in compiled:
-        f.cache_clear()
-    yield
-    for f in compiled:
-        f.cache_clear()
+def stable_selection():
+    """The ops' outliers chosen by the selection kernel's rule (tests/cache/stable_selection.py)."""
+    with stable_argpartition():
+        yield
 
 
 def _assert_same_bits(reference: dict, ours: dict) -> None:

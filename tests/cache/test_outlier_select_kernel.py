@@ -49,6 +49,8 @@ CASES = [
     ((3, 1000), 300, "signed"),  # a row length that is no multiple of the block's threads
     ((2, 64), 64, "random"),  # every entry picked
     ((2, 100), 1, "ties"),
+    ((1, 2, 32768), 328, "random"),  # GEAR's 256 x 128 blocks: keys made again from the scores
+    ((1, 16384), 50, "ties"),
 ]
 
 
@@ -74,11 +76,12 @@ def test_the_picks_are_argpartitions_set_where_the_count_th_score_is_not_tied():
 
 
 def test_what_does_not_fit_is_refused_with_the_limit():
-    assert outlier_select_kernel.fits(8192, 164) and outlier_select_kernel.fits(4096, 2048)
-    assert not outlier_select_kernel.fits(4096, 4096) and not outlier_select_kernel.fits(16384, 10) and not outlier_select_kernel.fits(100, 0)
+    assert outlier_select_kernel.fits(8192, 164) and outlier_select_kernel.fits(32768, 328)
+    assert outlier_select_kernel.fits(4096, 4096)  # the keys then left in global memory
+    assert not outlier_select_kernel.fits(8192, 8192) and not outlier_select_kernel.fits(100, 0)
     assert not outlier_select_kernel.fits(100, 101)
-    with pytest.raises(ValueError, match="outlier selection of 10 among 16384 entries"):
-        outlier_select_kernel.smallest(mx.zeros((1, 16384)), 10)
+    with pytest.raises(ValueError, match="outlier selection of 8192 among 8192 entries"):
+        outlier_select_kernel.smallest(mx.zeros((1, 8192)), 8192)
 
 
 def test_enabled_follows_the_switch_and_the_backend(monkeypatch):
@@ -107,7 +110,8 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path):
     with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
         outlier_select_kernel.smallest(mx.zeros((2, 4096)), 41)
         outlier_select_kernel.smallest(mx.zeros((2, 8192)), 164)
+        outlier_select_kernel.smallest(mx.zeros((2, 32768)), 328)
     sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
-    assert len(sources) == 2
+    assert len(sources) == 3
     for i, source in enumerate(sources):
         compiled_without_spills(source, tmp_path, i)

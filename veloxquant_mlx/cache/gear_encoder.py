@@ -12,7 +12,10 @@ from elementwise ops. CPU time hardly moves (1.02-1.06x; the
 argpartition and mx.quantize dominate there); on a GPU fewer launches should matter more, not
 yet measured. Every reduction, argpartition, scatter, quantize and matmul is the same op on the
 same array as in the uncompiled encoder, so the stored arrays are bit-identical (checked
-against the encoder of main 2e28496 by tests/cache/test_encoder_identity.py).
+against the encoder of main 2e28496 by tests/cache/test_encoder_identity.py). On CUDA the
+argpartition is replaced by outlier_select_kernel.py (MLX's CUDA argpartition sorts whole rows):
+the same outliers wherever the count-th score is not tied, stored in ascending score order
+(tests/cache/test_gear_encode_kernel.py compares under that rule: tests/cache/stable_selection.py).
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import gear_encode_kernel
+from veloxquant_mlx.cache import gear_encode_kernel, outlier_select_kernel
 from veloxquant_mlx.cache.gear_lowrank import low_rank_factors
-from veloxquant_mlx.cache.gear_outliers import index_dtype, select_outliers
+from veloxquant_mlx.cache.gear_outliers import index_dtype, outlier_mask, outlier_scores, select_outliers
 
 
 class EncoderSetting(NamedTuple):
@@ -43,7 +46,15 @@ def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | N
     "out_values", "out_index"); `centres`: what outlier distances are measured from, None for
     each entry's group mean."""
     with_centres = centres is not None
-    dense_parts = _compiled_quantize(setting, with_centres)(blocks, *([centres] if with_centres else []))
+    centre_args = [centres] if with_centres else []
+    # On CUDA the outliers are picked by outlier_select_kernel.py (no sort) between the scores'
+    # and the quantizing stage; elsewhere stage 1 picks them with argpartition.
+    picks = []
+    if setting.outliers and _select_kernel_applies(setting, blocks.shape):
+        scores = _compiled_scores(setting, with_centres)(blocks, *centre_args)
+        picks = [outlier_select_kernel.smallest(scores, setting.outliers)]
+        centre_args = []
+    dense_parts = _compiled_quantize(setting, with_centres and not picks, bool(picks))(blocks, *centre_args, *picks)
     codes, scales, zeros, approx, *rest = dense_parts
     out = {"codes": codes, "scales": scales, "zeros": zeros}
     # On CUDA the sparse part is one kernel that also adds the low rank at the outliers only
@@ -70,20 +81,40 @@ def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | N
     return out
 
 
+def _select_kernel_applies(setting: EncoderSetting, shape: tuple) -> bool:
+    return outlier_select_kernel.enabled() and outlier_select_kernel.fits(shape[-2] * shape[-1], setting.outliers)
+
+
 @lru_cache(maxsize=None)
-def _compiled_quantize(setting: EncoderSetting, with_centres: bool):
+def _compiled_scores(setting: EncoderSetting, with_centres: bool):
+    """The outliers' scores (gear_outliers.outlier_scores) for outlier_select_kernel.py."""
+
+    def scores(blocks: mx.array, centres: mx.array | None = None):
+        if centres is None:
+            centres = group_means(blocks, setting.group, setting.per_channel)
+        return outlier_scores(blocks, centres)
+
+    return mx.compile(scores)
+
+
+@lru_cache(maxsize=None)
+def _compiled_quantize(setting: EncoderSetting, with_centres: bool, with_picks: bool = False):
     """Stage 1: outliers out (holes filled with the mean of the rest of their group), Q(D)
-    with mx.quantize, its dequantized value and the residual D - Q(D) the low rank fits."""
+    with mx.quantize, its dequantized value and the residual D - Q(D) the low rank fits.
+    `with_picks`: the outliers' positions are given (outlier_select_kernel.smallest), not
+    selected here."""
     bits, g, count, side = setting.bits, setting.group, setting.outliers, setting.side_dtype
 
-    def quantize(blocks: mx.array, centres: mx.array | None = None):
+    def quantize(blocks: mx.array, *given: mx.array):
         B, H, n_blocks, nb, d = blocks.shape
         n = n_blocks * nb
         dense, index = blocks, []
         if count:
-            if centres is None:
-                centres = group_means(blocks, g, setting.per_channel)
-            selected, mask = select_outliers(blocks, centres, count)
+            if with_picks:
+                selected, mask = given[-1].astype(mx.int32), outlier_mask(given[-1], blocks.shape)
+            else:
+                centres = given[0] if with_centres else group_means(blocks, g, setting.per_channel)
+                selected, mask = select_outliers(blocks, centres, count)
             index = [selected]
             # Fill the holes with the mean of the rest of their group: inside its range, so a
             # removed outlier no longer widens the group's scale.

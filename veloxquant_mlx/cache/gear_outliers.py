@@ -28,13 +28,24 @@ def select_outliers(blocks: mx.array, group_means: mx.array, count: int):
     (groups along tokens per channel) it skips channels whose large but steady offset the
     per-channel zero point already absorbs, and takes the entries that widen a group's range.
     """
+    index = mx.argpartition(outlier_scores(blocks, group_means), kth=count - 1, axis=-1)[..., :count]
+    return index.astype(mx.int32), outlier_mask(index, blocks.shape)
+
+
+def outlier_scores(blocks: mx.array, group_means: mx.array) -> mx.array:
+    """Each entry's distance from its group's mean, negated, one row per block: blocks (..., nb,
+    d) -> (..., nb * d); the outliers are a row's `count` smallest (`select_outliers`'
+    argpartition, or outlier_select_kernel.py on CUDA)."""
     nb, d = blocks.shape[-2:]
     # Negated before the reshape: under mx.compile (gear_encoder) it fuses with the distance.
-    negated = (-mx.abs(blocks - group_means)).reshape(*blocks.shape[:-2], nb * d)
-    index = mx.argpartition(negated, kth=count - 1, axis=-1)[..., :count]
-    mask = mx.zeros(negated.shape, mx.bool_)
+    return (-mx.abs(blocks - group_means)).reshape(*blocks.shape[:-2], nb * d)
+
+
+def outlier_mask(index: mx.array, shape: tuple) -> mx.array:
+    """index (..., count) over nb * d -> bool (..., nb, d), True at the outliers."""
+    mask = mx.zeros((*shape[:-2], shape[-2] * shape[-1]), mx.bool_)
     mask = mx.put_along_axis(mask, index, mx.array(True), axis=-1)
-    return index.astype(mx.int32), mask.reshape(blocks.shape)
+    return mask.reshape(shape)
 
 
 def block_positions(index: mx.array, block_tokens: int, dim: int):

@@ -8,7 +8,8 @@ of 4096 per part) those sorts were 384 us of the chunk's 3.5 ms of kernels in Ns
 two encode kernels together.
 
 This kernel selects instead of sorting, one CUDA block per row: the row's scores as order-keeping
-unsigned keys in shared memory, a radix select (four passes of an 8-bit histogram) for the key of
+unsigned keys (in shared memory where the row fits, else made again from the scores at each
+pass), a radix select (four passes of an 8-bit histogram) for the key of
 the count-th smallest, then the entries below it and, among those equal to it, the first by
 position; the picks are written in ascending (score, position) order. That is what a stable
 ascending sort's first `count` entries are: the rule MLX's CPU argsort follows (std::stable_sort),
@@ -16,7 +17,9 @@ which the tests compare it with. MLX's argpartition leaves both the choice among
 the order of its first `count` entries to its implementation (the CPU's nth_element and the CUDA
 sort differ), so a cache encoded through this kernel stores the same outliers as the ops wherever
 the count-th score is not tied, possibly in another order; the reading side sums them, so the
-order changes nothing read.
+order changes nothing read. Its callers: KVQuant's later-chunk encode (kvquant.py, its 32 x 128
+blocks' keys in shared memory) and GEAR's encoder (gear_encoder.py, 256 x 128 blocks: keys made
+again from the scores at each pass), on CUDA.
 
 -0.0 is keyed as +0.0 (equal floats, equal keys). NaN scores are not handled (scores are finite:
 a vector's std has 1e-6 added).
@@ -40,24 +43,32 @@ THREADS = 256
 SHARED_BYTES = 48 * 1024
 _FIXED_SHARED_BYTES = 4 * 256 + 4 * THREADS + 64
 
+_HEADER = r"""
+// Ascending floats -> ascending unsigned keys (negatives bit-flipped, positives' sign set);
+// -0.0 first made +0.0 so that equal floats have equal keys.
+__device__ __forceinline__ unsigned vq_order_key(float f) {
+  const unsigned u = __float_as_uint(f == 0.0f ? 0.0f : f);
+  return (u >> 31) ? ~u : (u | 0x80000000u);
+}
+#define VQ_KEY(e) (KS ? key[e] : vq_order_key(s[e]))
+"""
+
 _SOURCE = r"""
   constexpr int TPB = 256;
   constexpr int S = (N + TPB - 1) / TPB;  // each thread's run of positions, for the tie order
   const size_t row = blockIdx.x;
   const int tid = threadIdx.x;
-  __shared__ unsigned key[N];
+  // KS: the row's keys kept in shared memory (rows that fit), else made again from the scores
+  // at every pass (GEAR's 256 x 128 blocks: 128 KB of keys; the row stays in L2).
+  __shared__ unsigned key[KS ? N : 1];
   __shared__ unsigned hist[256];
   __shared__ unsigned ties_before[TPB];
   __shared__ unsigned pick_key[NO];
   __shared__ unsigned pick_pos[NO];
   __shared__ unsigned found_key, found_rank, picked;
   const float* s = scores + row * (size_t)N;
-  for (int e = tid; e < N; e += TPB) {
-    const float f = s[e];
-    // Ascending floats -> ascending unsigned keys (negatives bit-flipped, positives' sign set);
-    // -0.0 first made +0.0 so that equal floats have equal keys.
-    const unsigned u = __float_as_uint(f == 0.0f ? 0.0f : f);
-    key[e] = (u >> 31) ? ~u : (u | 0x80000000u);
+  if (KS) {
+    for (int e = tid; e < N; e += TPB) key[e] = vq_order_key(s[e]);
   }
   // Radix select: after the pass at `shift`, `prefix` holds the top bits of the NO-th smallest
   // key and `rank` its rank (1-based) among the keys that share those bits.
@@ -66,7 +77,7 @@ _SOURCE = r"""
     for (int b = tid; b < 256; b += TPB) hist[b] = 0u;
     __syncthreads();
     for (int e = tid; e < N; e += TPB) {
-      const unsigned k = key[e];
+      const unsigned k = VQ_KEY(e);
       if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
     }
     __syncthreads();
@@ -86,7 +97,7 @@ _SOURCE = r"""
   const int lo = tid * S;
   const int hi = lo + S < N ? lo + S : N;
   unsigned ties = 0u;
-  for (int e = lo; e < hi; ++e) ties += key[e] == prefix ? 1u : 0u;
+  for (int e = lo; e < hi; ++e) ties += VQ_KEY(e) == prefix ? 1u : 0u;
   ties_before[tid] = ties;
   if (tid == 0) picked = 0u;
   __syncthreads();
@@ -97,7 +108,7 @@ _SOURCE = r"""
   __syncthreads();
   unsigned tie = ties_before[tid];
   for (int e = lo; e < hi; ++e) {
-    const unsigned k = key[e];
+    const unsigned k = VQ_KEY(e);
     bool take = k < prefix;
     if (k == prefix) { take = tie < rank; ++tie; }
     if (take) {
@@ -128,6 +139,7 @@ def _kernel():
         input_names=["scores"],
         output_names=["positions"],
         source=_SOURCE,
+        header=_HEADER,
     )
 
 
@@ -138,8 +150,13 @@ def enabled() -> bool:
 
 
 def fits(entries: int, count: int) -> bool:
-    """Whether rows of `entries` scores with `count` picks fit the kernel's shared memory."""
-    return 0 < count <= entries and 4 * entries + 8 * count + _FIXED_SHARED_BYTES <= SHARED_BYTES
+    """Whether `count` picks of rows of `entries` scores fit the kernel's shared memory (the
+    row's keys are kept there too where they fit: `_keys_shared`)."""
+    return 0 < count <= entries and 8 * count + _FIXED_SHARED_BYTES <= SHARED_BYTES
+
+
+def _keys_shared(entries: int, count: int) -> bool:
+    return 4 * entries + 8 * count + _FIXED_SHARED_BYTES <= SHARED_BYTES
 
 
 def smallest(scores: mx.array, count: int) -> mx.array:
@@ -149,14 +166,14 @@ def smallest(scores: mx.array, count: int) -> mx.array:
     *lead, n = scores.shape
     if not fits(n, count):
         raise ValueError(f"outlier selection of {count} among {n} entries does not fit the kernel's shared "
-                         f"memory: allowed is 0 < count <= entries and 4 * entries + 8 * count <= "
+                         f"memory: allowed is 0 < count <= entries and 8 * count <= "
                          f"{SHARED_BYTES - _FIXED_SHARED_BYTES}")
     rows = 1
     for size in lead:
         rows *= size
     return _kernel()(
         inputs=[scores.astype(mx.float32)],
-        template=[("N", n), ("NO", count)],
+        template=[("N", n), ("NO", count), ("KS", int(_keys_shared(n, count)))],
         grid=(rows * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(*lead, count)],
