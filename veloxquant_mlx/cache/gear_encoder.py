@@ -50,7 +50,7 @@ def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | N
     # On CUDA the outliers are picked by outlier_select_kernel.py (no sort) between the scores'
     # and the quantizing stage; elsewhere stage 1 picks them with argpartition.
     picks = []
-    if setting.outliers and _select_kernel_applies(setting, blocks.shape):
+    if setting.outliers and outlier_select_kernel.applies(blocks.shape[-2] * blocks.shape[-1], setting.outliers):
         scores = _compiled_scores(setting, with_centres)(blocks, *centre_args)
         picks = [outlier_select_kernel.smallest(scores, setting.outliers)]
         centre_args = []
@@ -79,10 +79,6 @@ def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | N
         else:
             out["out_values"], out["out_index"] = _compiled_sparse_part(setting)(blocks, approx, index)
     return out
-
-
-def _select_kernel_applies(setting: EncoderSetting, shape: tuple) -> bool:
-    return outlier_select_kernel.enabled() and outlier_select_kernel.fits(shape[-2] * shape[-1], setting.outliers)
 
 
 @lru_cache(maxsize=None)

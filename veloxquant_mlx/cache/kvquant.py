@@ -549,7 +549,7 @@ def _outlier_ranking(blocks: mx.array, count: int, axis: int) -> mx.array:
     same outliers wherever the count-th score is not tied, in ascending score order), else the
     whole argpartition, its first `count` read in place."""
     exact = _fusion_is_exact(blocks.shape[axis])
-    if outlier_select_kernel.enabled() and outlier_select_kernel.fits(blocks.shape[-2] * blocks.shape[-1], count):
+    if outlier_select_kernel.applies(blocks.shape[-2] * blocks.shape[-1], count):
         return outlier_select_kernel.smallest(_scores_function(axis, exact)(blocks), count)
     return _ranking_function(count, axis, exact)(blocks)
 

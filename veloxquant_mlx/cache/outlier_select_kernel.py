@@ -41,7 +41,7 @@ THREADS = 256
 # Static shared memory per block is 48 KB: the row's keys (4 bytes each), the histogram and the
 # per-thread tie counts (1 KB each), the picks' keys and positions (8 bytes each) and slack.
 SHARED_BYTES = 48 * 1024
-_FIXED_SHARED_BYTES = 4 * 256 + 4 * THREADS + 64
+_FIXED_SHARED_BYTES = 4 * 256 + 4 * THREADS + 64  # histogram, tie counts, scalars
 
 _HEADER = r"""
 // Ascending floats -> ascending unsigned keys (negatives bit-flipped, positives' sign set);
@@ -54,7 +54,7 @@ __device__ __forceinline__ unsigned vq_order_key(float f) {
 """
 
 _SOURCE = r"""
-  constexpr int TPB = 256;
+  // TPB: the block's threads (THREADS, a template value so the source cannot disagree with the launch).
   constexpr int S = (N + TPB - 1) / TPB;  // each thread's run of positions, for the tie order
   const size_t row = blockIdx.x;
   const int tid = threadIdx.x;
@@ -149,6 +149,12 @@ def enabled() -> bool:
     return ENABLED and fused_decode.kernels_enabled()
 
 
+def applies(entries: int, count: int) -> bool:
+    """Whether a selection of `count` among rows of `entries` runs through this kernel here:
+    `enabled` and `fits` (the callers' test: kvquant.py, gear_encoder.py)."""
+    return enabled() and fits(entries, count)
+
+
 def fits(entries: int, count: int) -> bool:
     """Whether `count` picks of rows of `entries` scores fit the kernel's shared memory (the
     row's keys are kept there too where they fit: `_keys_shared`)."""
@@ -173,7 +179,7 @@ def smallest(scores: mx.array, count: int) -> mx.array:
         rows *= size
     return _kernel()(
         inputs=[scores.astype(mx.float32)],
-        template=[("N", n), ("NO", count), ("KS", int(_keys_shared(n, count)))],
+        template=[("N", n), ("NO", count), ("KS", int(_keys_shared(n, count))), ("TPB", THREADS)],
         grid=(rows * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(*lead, count)],
