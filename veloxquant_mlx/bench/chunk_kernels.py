@@ -64,23 +64,15 @@ def _profiler():
 def profile(method: str, context: int, chunk: int, timed: int) -> dict:
     import mlx.core as mx
 
-    from veloxquant_mlx.bench.drive import cache_arrays
-    from veloxquant_mlx.bench.kernel_probe import D, prefill_inputs
+    from veloxquant_mlx.bench.kernel_probe import prefill_inputs, prefill_step
     from veloxquant_mlx.bench.layer_specs import parse_layer_spec
-    from veloxquant_mlx.cache.base import CompressedKVCache
 
     k, v, q = prefill_inputs(context)
     spec = parse_layer_spec(method)
     last = context - chunk
 
     def step(cache, s0: int) -> None:
-        part = slice(s0, s0 + chunk)
-        keys, values = cache.update_and_fetch(k[:, :, part], v[:, :, part])
-        if isinstance(cache, CompressedKVCache):
-            out = cache.attention(q[:, :, part], scale=D**-0.5, mask="causal")
-        else:
-            out = mx.fast.scaled_dot_product_attention(q[:, :, part], keys, values, scale=D**-0.5, mask="causal")
-        mx.eval(out, cache_arrays([cache]))
+        prefill_step(cache, k, v, q, slice(s0, s0 + chunk))
 
     def filled():
         cache = spec.make()

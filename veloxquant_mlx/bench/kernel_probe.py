@@ -350,6 +350,23 @@ def prefill_inputs(n: int):
     return k, v, q
 
 
+def prefill_step(cache, k, v, q, part: slice) -> None:
+    """One prefill chunk of one layer, evaluated: `part` of k / v appended, its queries attended
+    (`cache.attention` for ours, mlx-lm's SDPA call for the fp16 KVCache), the cache's arrays
+    evaluated with the output."""
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench.drive import cache_arrays
+    from veloxquant_mlx.cache.base import CompressedKVCache
+
+    keys, values = cache.update_and_fetch(k[:, :, part], v[:, :, part])
+    if isinstance(cache, CompressedKVCache):
+        att = cache.attention(q[:, :, part], scale=D**-0.5, mask="causal")
+    else:
+        att = mx.fast.scaled_dot_product_attention(q[:, :, part], keys, values, scale=D**-0.5, mask="causal")
+    mx.eval(att, cache_arrays([cache]))
+
+
 def probe_prefill_spec(spec, k, v, q, chunk: int = 2048, fills: int = 2) -> dict:
     """One spec's prefill of k/v/q in `chunk`-token chunks, `fills` times (the first paying the
     JIT compiles of every history length) -> {"fills": [s, ...]}, and for ours the pieces of one
@@ -358,7 +375,6 @@ def probe_prefill_spec(spec, k, v, q, chunk: int = 2048, fills: int = 2) -> dict
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from veloxquant_mlx.bench.drive import cache_arrays
     from veloxquant_mlx.cache.base import CompressedKVCache
 
     n = k.shape[2]
@@ -368,13 +384,7 @@ def probe_prefill_spec(spec, k, v, q, chunk: int = 2048, fills: int = 2) -> dict
         ours = isinstance(cache, CompressedKVCache)
         start = time.perf_counter()
         for s0 in range(0, n, chunk):
-            part = slice(s0, s0 + chunk)
-            keys, values = cache.update_and_fetch(k[:, :, part], v[:, :, part])
-            if ours:
-                att = cache.attention(q[:, :, part], scale=D**-0.5, mask="causal")
-            else:
-                att = mx.fast.scaled_dot_product_attention(q[:, :, part], keys, values, scale=D**-0.5, mask="causal")
-            mx.eval(att, cache_arrays([cache]))
+            prefill_step(cache, k, v, q, slice(s0, s0 + chunk))
         out["fills"].append(time.perf_counter() - start)
     if not ours:
         return out
