@@ -85,6 +85,12 @@ def register_with_mlx_lm(cls: type) -> None:
 # and evaluates after, as before session 13 (bench --set base.PREFILL_START_QUERIES=0).
 PREFILL_START_QUERIES = 1
 
+# A store write that needs more capacity grows the store and writes the blocks in one
+# concatenation (`_grow_with`: 2 launches per array for a prefill chunk instead of 4; the same
+# stored history). 0: grow, then write in place, as before session 15, for an A/B
+# (bench --set / prefill_chunks --alternate base.GROW_WITH_WRITE=0).
+GROW_WITH_WRITE = 1
+
 
 class CompressedKVCache(_BaseCache):
     method: ClassVar[str] = ""
@@ -623,13 +629,11 @@ class CompressedKVCache(_BaseCache):
     def _append_compressed(self, encoded: dict[str, mx.array], n: int) -> None:
         """Write the encoded first n window tokens into the store (growing it) and drop them
         from the exact window. Cross-layer caches call it with blocks encoded by a pair."""
-        self._ensure_capacity(self.n_compressed + n)
-        for spec in self._store_layout():
-            start = self.n_compressed // spec.tokens_per_index
-            stop = start + encoded[spec.name].shape[spec.axis]
-            index = [slice(None)] * self.store[spec.name].ndim
-            index[spec.axis] = slice(start, stop)
-            self.store[spec.name][tuple(index)] = encoded[spec.name]
+        if GROW_WITH_WRITE and self.capacity and self.n_compressed + n > self.capacity:
+            self._grow_with(encoded, n)
+        else:
+            self._ensure_capacity(self.n_compressed + n)
+            self._write_in_place(encoded)
         self._store_written()
         self.n_compressed += n
         if self.window_keys.shape[2] == n:
@@ -638,6 +642,52 @@ class CompressedKVCache(_BaseCache):
             # A slice is a view that keeps the whole chunk's buffer alive: copy the remainder.
             self.window_keys = mx.contiguous(self.window_keys[:, :, n:])
             self.window_values = mx.contiguous(self.window_values[:, :, n:])
+
+    def _write_in_place(self, encoded: dict[str, mx.array]) -> None:
+        """Write encoded blocks at n_compressed into the store, whose capacity holds them."""
+        for spec in self._store_layout():
+            start = self.n_compressed // spec.tokens_per_index
+            stop = start + encoded[spec.name].shape[spec.axis]
+            index = [slice(None)] * self.store[spec.name].ndim
+            index[spec.axis] = slice(start, stop)
+            self.store[spec.name][tuple(index)] = encoded[spec.name]
+
+    def _grow_with(self, encoded: dict[str, mx.array], n: int) -> None:
+        """Grow the store to hold n more tokens and write the encoded blocks in the same
+        concatenation: [the filled part, the encoded blocks, zero slack up to the new capacity].
+        Growing first and then writing costs per array a zero fill of the growth, two copies
+        (old, growth) and the write's copy: 4 launches; this is 2 when the encoded blocks end
+        at the new capacity (a prefill chunk of whole growth steps, the common case) and 3
+        plus the zero fill otherwise. On MLX's CUDA backend every launch is host time too
+        (bench/prefill_chunks.py: kvquant's host ~11 ms per 8-layer 2048-token chunk against
+        fp16's 0.9). What lay past n_compressed (stale blocks after a trim) is not carried:
+        nothing reads it (the attention masks every position past the history)."""
+        new_capacity = self._grown_capacity(self.n_compressed + n)
+        for spec in self._store_layout():
+            old = self.store[spec.name]
+            axis = spec.axis % old.ndim
+            start = self.n_compressed // spec.tokens_per_index
+            shape = list(old.shape)
+            part = encoded[spec.name]
+            shape[axis] = part.shape[axis]
+            # Concatenation neither broadcasts nor casts as the slice write did: match both.
+            parts = [mx.broadcast_to(part, shape).astype(spec.dtype)]
+            if start:
+                index = [slice(None)] * old.ndim
+                index[axis] = slice(0, start)
+                parts.insert(0, old[tuple(index)])
+            slack = new_capacity // spec.tokens_per_index - start - shape[axis]
+            if slack:
+                shape[axis] = slack
+                parts.append(mx.zeros(shape, spec.dtype))
+            self.store[spec.name] = mx.concatenate(parts, axis=axis)
+        self.capacity = new_capacity
+
+    def _grown_capacity(self, tokens: int) -> int:
+        """The capacity that holds `tokens`: whole growth steps (the fused decode reads whole
+        tiles of 256 tokens)."""
+        step = max(self.step, self.block_size)
+        return ((tokens + step - 1) // step) * step
 
     def _store_written(self) -> None:
         """Count a write of the store and drop the decode kernel's launch plan, which holds the
@@ -649,8 +699,7 @@ class CompressedKVCache(_BaseCache):
     def _ensure_capacity(self, tokens: int) -> None:
         if tokens <= self.capacity:
             return
-        step = max(self.step, self.block_size)
-        new_capacity = ((tokens + step - 1) // step) * step
+        new_capacity = self._grown_capacity(tokens)
         for spec in self._store_layout():
             shape = [self.batch_size, self.n_kv_heads, *spec.trailing]
             axis = spec.axis % len(shape)

@@ -1,0 +1,85 @@
+"""A store write that needs more capacity grows and writes in one concatenation
+(base.GROW_WITH_WRITE, `_grow_with`): the stored history, the capacity and what attention
+reads are those of growing first and writing in place, for every store layout."""
+
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+
+from veloxquant_mlx.bench.layer_specs import parse_layer_spec
+from veloxquant_mlx.bench.step_census import graph_nodes
+from veloxquant_mlx.cache import base
+
+# One spec per store layout (kivi's affine codes with its sink, turboquant_rvq's rotated codes,
+# kvquant's blocks with per-token and per-block arrays and uint16 outliers, gear's low rank).
+SPECS = ("kivi", "turboquant_rvq", "kvquant", "gear")
+H, D = 2, 64
+
+
+def _run(spec_name: str, grow_with_write: bool, monkeypatch):
+    """Prompt chunks (one past a growth step, one of whole steps), a trim into the history,
+    then single-token steps across a growth: -> (cache, attention outputs of every step)."""
+    monkeypatch.setattr(base, "GROW_WITH_WRITE", grow_with_write)
+    cache = parse_layer_spec(spec_name).make()
+    k = mx.random.normal((1, H, 1200, D), key=mx.random.key(1))
+    v = mx.random.normal((1, H, 1200, D), key=mx.random.key(2))
+    q = mx.random.normal((1, 2 * H, 1200, D), key=mx.random.key(3))
+    outs = []
+    for a, b in ((0, 300), (300, 812)):
+        cache.update_and_fetch(k[:, :, a:b], v[:, :, a:b])
+        outs.append(cache.attention(q[:, :, a:b], scale=D**-0.5, mask="causal"))
+        mx.eval(outs[-1])
+    cache.trim(150)
+    for t in range(662, 1000):
+        cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        outs.append(cache.attention(q[:, :, t : t + 1], scale=D**-0.5))
+        mx.eval(outs[-1])
+    return cache, outs
+
+
+def _filled(cache, spec) -> mx.array:
+    array = cache.store[spec.name]
+    index = [slice(None)] * array.ndim
+    index[spec.axis % array.ndim] = slice(0, cache.n_compressed // spec.tokens_per_index)
+    return array[tuple(index)]
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_growing_with_the_write_stores_and_reads_what_growing_then_writing_does(spec_name, monkeypatch):
+    grown, grown_outs = _run(spec_name, True, monkeypatch)
+    written, written_outs = _run(spec_name, False, monkeypatch)
+    assert grown.capacity == written.capacity and grown.n_compressed == written.n_compressed > 0
+    for spec in grown._store_layout():
+        a, b = grown.store[spec.name], written.store[spec.name]
+        assert a.shape == b.shape and a.dtype == b.dtype, spec.name
+        assert mx.array_equal(_filled(grown, spec), _filled(written, spec)).item(), spec.name
+    assert len(grown_outs) == len(written_outs)
+    for i, (x, y) in enumerate(zip(grown_outs, written_outs)):
+        assert mx.array_equal(x, y).item(), f"step {i}"
+
+
+def _store_graph_after_three_chunks(grow_with_write: bool, monkeypatch) -> tuple[int, Counter]:
+    """(store arrays, primitives of kvquant's store arrays' unevaluated graph after the third 512-token prompt
+    chunk (each chunk's blocks end at the grown capacity: no slack))."""
+    monkeypatch.setattr(base, "GROW_WITH_WRITE", grow_with_write)
+    cache = parse_layer_spec("kvquant").make()
+    k = mx.random.normal((1, H, 1536, D), key=mx.random.key(4))
+    mx.eval(k)
+    for a in (0, 512, 1024):
+        mx.eval(list(cache.store.values()))
+        cache.update_and_fetch(k[:, :, a : a + 512], k[:, :, a : a + 512])
+        cache.attention(k[:, :, a : a + 512], scale=0.1, mask="causal")
+    assert cache.capacity == cache.n_compressed == 1536
+    layout = cache._store_layout()
+    return len(layout), Counter(name for _, name in graph_nodes([cache.store[s.name] for s in layout]))
+
+
+def test_a_prompt_chunk_ending_at_the_new_capacity_grows_without_zero_fill_or_slice_write(monkeypatch):
+    # What the change buys: per store array no zero fill of the growth and no separate write
+    # (each a kernel launch on CUDA); the concatenation itself stays one per array.
+    arrays, grown = _store_graph_after_three_chunks(True, monkeypatch)
+    _, written = _store_graph_after_three_chunks(False, monkeypatch)
+    assert written["SliceUpdate"] == arrays and grown["SliceUpdate"] == 0
+    assert written["Full"] - grown["Full"] == arrays
+    assert grown["Concatenate"] == written["Concatenate"]
