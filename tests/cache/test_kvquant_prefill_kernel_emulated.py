@@ -17,7 +17,7 @@ from veloxquant_mlx.cache.kvquant import KVQuantCache
 from veloxquant_mlx.config import KVCacheConfig
 
 
-def _filled(dtype, tokens: int, *, bits=3, fraction=0.01, dim=64, B=1, H=2, chunk=96, seed=0):
+def _filled(dtype, tokens: int, *, bits=3, fraction=0.01, dim=64, B=1, H=2, chunk=96, seed=0, window=20):
     cache = KVQuantCache(KVCacheConfig(method="kvquant", kvquant_bits=bits, kvquant_outlier_fraction=fraction))
     mx.random.seed(seed)
     k = mx.random.normal((B, H, tokens, dim)) * mx.exp(mx.random.normal((B, H, tokens, dim))) + 0.5
@@ -27,8 +27,9 @@ def _filled(dtype, tokens: int, *, bits=3, fraction=0.01, dim=64, B=1, H=2, chun
         cache.update_and_fetch(k[:, :, s0 : s0 + chunk], v[:, :, s0 : s0 + chunk])
         cache._flush()
         mx.eval(cache.store)
-    # One more (unflushed) chunk: the window the result ends with.
-    cache.update_and_fetch(k[:, :, :20], v[:, :, :20])
+    # One more (unflushed) chunk: the window the result ends with (the kernel's last grid blocks
+    # copy it, G = 32 tokens each, after the fill's unflushed 7 tokens).
+    cache.update_and_fetch(k[:, :, :window], v[:, :, :window])
     return cache
 
 
@@ -51,6 +52,19 @@ CASES = [
     (mx.float32, mx.bfloat16, 4, 0.0, 64, 1),
     (mx.bfloat16, mx.bfloat16, 3, 0.01, 128, 1),
 ]
+
+
+@pytest.mark.skipif(cuda_emulation.COMPILER is None, reason="needs g++ with C++20 for the CUDA emulation")
+def test_kernel_copies_a_window_of_several_blocks_after_the_history():
+    cache = _filled(mx.bfloat16, 32 * 3 + 7, window=70)
+    assert cache.n_compressed == 96 and cache._window_length() == 77  # 2 whole blocks and 13 tokens
+    queries = mx.random.normal((1, 4, 70, 64)).astype(mx.float16)
+    reference = CompressedKVCache._prefill_keys_values(cache, queries)
+    mx.eval(reference)
+    ours = _kernel_path(cache, queries)
+    for a, b in zip(ours, reference):
+        assert a.shape == b.shape == (1, 2, cache.offset, 64) and a.dtype == b.dtype == mx.float16
+        assert bytes(memoryview(a)) == bytes(memoryview(b))
 
 
 @pytest.mark.skipif(cuda_emulation.COMPILER is None, reason="needs g++ with C++20 for the CUDA emulation")

@@ -424,14 +424,11 @@ class KVQuantCache(CompressedKVCache):
         for prefix, dim, window in (("key", self.head_dim, self.window_keys), ("value", self.value_dim, self.window_values)):
             codes, scale, zero, codebook, sink, *sparse = self._reader_args(prefix)
             codes, scale, zero = self._inputs_after_queries((codes, scale, zero), queries)
-            full = kvquant_prefill_kernel.history_decode(
-                codes, scale, zero, codebook, tuple(sparse) or None, sink, n_blocks=n // G, out_tokens=n + w,
-                group=G, dim=dim, bits=self.code_bits, per_token=prefix == "value", cache_dtype=self.dtype,
-                out_dtype=dtype,
-            )
-            if w:
-                full[:, :, n:] = window.astype(dtype)
-            out.append(full)
+            out.append(kvquant_prefill_kernel.history_decode(
+                codes, scale, zero, codebook, tuple(sparse) or None, sink, window if w else None,
+                n_blocks=n // G, group=G, dim=dim, bits=self.code_bits, per_token=prefix == "value",
+                cache_dtype=self.dtype, out_dtype=dtype,
+            ))
         return out[0], out[1]
 
 

@@ -15,7 +15,7 @@ element (bf16), no float32 array at all.
 
 Until session 16 a thread per word also looped over all of its block's outliers to find its
 own, keeping its decoded values in an array indexed by the outlier's position (local memory):
-on the H200 that version's key decode took 0.49 ms at 30K history against the values' 0.19
+on the H200 that version's value decode took 0.49 ms at 30K history, the keys' 0.19
 (Nsight Compute, results/ncu_prefill_chunk_h200_s14.json), where writing the output alone is
 ~0.02 ms of DRAM time.
 
@@ -55,11 +55,20 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 _SOURCE = r"""
   // meta: n_blocks decoded, capacity in blocks, capacity in tokens, output tokens.
   // One CUDA block per (stored block, batch x head): grid (n_blocks * THREADS, B * H).
-  const int cap_blocks = meta[1], cap_tokens = meta[2], out_tokens = meta[3];
+  // Blocks past n_blocks copy the exact window after the history, G tokens each.
+  const int nb = meta[0], cap_blocks = meta[1], cap_tokens = meta[2], out_tokens = meta[3];
   constexpr int PER = 32 / BITS;
   constexpr int W = (G * D + PER - 1) / PER;
   constexpr int SIDE = PER_TOKEN ? G : D;  // one scale and zero per token (values) or channel (keys)
   const int bh = blockIdx.y, blk = blockIdx.x, tid = threadIdx.x;
+  if (blk >= nb) {
+    const int n_window = out_tokens - nb * G, first = (blk - nb) * G;
+    const int count = min(G, n_window - first) * D;
+    const WT* src = window + ((size_t)bh * n_window + first) * D;
+    OT* to = out + ((size_t)bh * out_tokens + (size_t)nb * G + first) * D;
+    for (int c = tid; c < count; c += blockDim.x) to[c] = vq_cast<OT>(vq_f32(src[c]));
+    return;
+  }
   const size_t row = (size_t)bh * cap_blocks + blk;
   const size_t side0 = PER_TOKEN ? (size_t)bh * cap_tokens + (size_t)blk * G : row * D;
   // The block's levels, scales and zeros read once into shared memory as float32, where each
@@ -108,7 +117,7 @@ def _kernel():
     return build_kernel(
         mx.fast.cuda_kernel,
         name="vq_kvquant_history_decode",
-        input_names=["codes", "scale", "zero", "codebook", "positions", "exact", "sink", "meta"],
+        input_names=["codes", "scale", "zero", "codebook", "positions", "exact", "sink", "window", "meta"],
         output_names=["out"],
         source=_SOURCE,
         header=fused_decode._HEADER + _ROUNDING,
@@ -121,27 +130,37 @@ def enabled() -> bool:
     return fused_decode.kernels_enabled()
 
 
-def history_decode(codes, scale, zero, codebook, sparse, sink, *, n_blocks: int, out_tokens: int,
-                   group: int, dim: int, bits: int, per_token: bool, cache_dtype, out_dtype) -> mx.array:
-    """The first n_blocks blocks of one part decoded into a new (B, H, out_tokens, dim) array of
-    out_dtype (tokens past n_blocks * group left for the caller to write: the window).
+def history_decode(codes, scale, zero, codebook, sparse, sink, window, *, n_blocks: int, group: int,
+                   dim: int, bits: int, per_token: bool, cache_dtype, out_dtype) -> mx.array:
+    """The first n_blocks blocks of one part decoded, then the exact window, into a new
+    (B, H, n_blocks * group + window tokens, dim) array of out_dtype.
 
     codes (B, H, cap_blocks, W) uint32, scale / zero (B, H, cap_blocks, dim) for keys or
     (B, H, cap_tokens) for values (`per_token`), codebook (B, H, 2**bits), sparse None or
-    (positions (B, H, cap_blocks, count) uint16, exact values), sink None or (B, H, 1, dim)."""
+    (positions (B, H, cap_blocks, count) uint16, exact values), sink None or (B, H, 1, dim),
+    window None or (B, H, w, dim) in the cache's dtype (read row-contiguous: MLX copies a
+    strided one for the launch, as a slice write of it would read it)."""
     B, H = codes.shape[:2]
     side = scale.dtype
     positions, exact = sparse if sparse is not None else (
         fused_decode.absent_input(mx.uint16), fused_decode.absent_input(side))
     count = sparse[0].shape[-1] if sparse is not None else 0
+    n_window = 0 if window is None else window.shape[2]
+    if window is not None and window.dtype != cache_dtype:
+        raise ValueError(f"kvquant history decode: window dtype {window.dtype}; allowed is the cache's {cache_dtype}")
+    out_tokens = n_blocks * group + n_window
     cap_tokens = scale.shape[2] if per_token else codes.shape[2] * group
     meta = mx.array([n_blocks, codes.shape[2], cap_tokens, out_tokens], dtype=mx.int32)
+    # fit_codebook's levels are float32 already: then no cast op per launch.
+    levels = codebook if codebook.dtype == mx.float32 else codebook.astype(mx.float32)
+    grid_blocks = n_blocks + -(-n_window // group)
     return _kernel()(
-        inputs=[codes, scale, zero, codebook.astype(mx.float32), positions, exact,
-                sink if sink is not None else fused_decode.absent_input(side), meta],
+        inputs=[codes, scale, zero, levels, positions, exact,
+                sink if sink is not None else fused_decode.absent_input(side),
+                window if window is not None else fused_decode.absent_input(cache_dtype), meta],
         template=[("G", group), ("D", dim), ("BITS", bits), ("PER_TOKEN", int(per_token)), ("NO", count),
-                  ("SINK", int(sink is not None)), ("CT", cache_dtype), ("OT", out_dtype)],
-        grid=(n_blocks * THREADS, B * H, 1),
+                  ("SINK", int(sink is not None)), ("CT", cache_dtype), ("WT", cache_dtype), ("OT", out_dtype)],
+        grid=(grid_blocks * THREADS, B * H, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(B, H, out_tokens, dim)],
         output_dtypes=[out_dtype],
