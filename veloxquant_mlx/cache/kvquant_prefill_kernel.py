@@ -8,10 +8,11 @@ head) reads the block's levels, scales and zeros once into shared memory, its th
 decode packed uint32 words (looking the codes up, applying the channel's scale and zero for
 keys, the token's for values), then, after a barrier, a thread per exact outlier writes it over
 its entry, and in the first block the exact sink over token 0. The result is stored in the
-output dtype, straight into the (B, H, history + window, D) array the fused attention reads;
-the window is then written after it (one slice update). Per part and prompt chunk: one launch
-for the whole history, reading the packed codes (3 bits per element) and writing 16 bits per
-element (bf16), no float32 array at all.
+output dtype, straight into the (B, H, history + window, D) array the fused attention reads,
+and the grid's last blocks copy the exact window after it (cast to the output dtype as the ops'
+astype; until session 16 a slice write after the launch). Per part and prompt chunk: one launch
+for the whole history and the window, reading the packed codes (3 bits per element) and writing
+16 bits per element (bf16), no float32 array at all.
 
 Until session 16 a thread per word also looped over all of its block's outliers to find its
 own, keeping its decoded values in an array indexed by the outlier's position (local memory):
