@@ -17,8 +17,9 @@ from veloxquant_mlx.cache.kvquant import KVQuantCache
 from veloxquant_mlx.config import KVCacheConfig
 
 
-def _filled(dtype, tokens: int, *, bits=3, fraction=0.01, dim=64, B=1, H=2, chunk=96, seed=0, window=20):
-    cache = KVQuantCache(KVCacheConfig(method="kvquant", kvquant_bits=bits, kvquant_outlier_fraction=fraction))
+def _filled(dtype, tokens: int, *, bits=3, fraction=0.01, dim=64, B=1, H=2, chunk=96, seed=0, window=20, group=32):
+    cache = KVQuantCache(KVCacheConfig(method="kvquant", kvquant_bits=bits, kvquant_outlier_fraction=fraction,
+                                       kvquant_group_size=group))
     mx.random.seed(seed)
     k = mx.random.normal((B, H, tokens, dim)) * mx.exp(mx.random.normal((B, H, tokens, dim))) + 0.5
     k = mx.concatenate([k[:, :, :1] * 8.0, k[:, :, 1:]], axis=2).astype(dtype)  # a large sink
@@ -52,6 +53,19 @@ CASES = [
     (mx.float32, mx.bfloat16, 4, 0.0, 64, 1),
     (mx.bfloat16, mx.bfloat16, 3, 0.01, 128, 1),
 ]
+
+
+@pytest.mark.skipif(cuda_emulation.COMPILER is None, reason="needs g++ with C++20 for the CUDA emulation")
+def test_blocks_too_large_for_shared_memory_are_written_straight_to_global_memory():
+    # 128 tokens x 128 channels of float32 output: 64 KB, past the kernel's 32 KB staging tile.
+    cache = _filled(mx.bfloat16, 128 * 2 + 7, dim=128, group=128, chunk=128)
+    queries = mx.random.normal((1, 4, 20, 128)).astype(mx.float32)
+    reference = CompressedKVCache._prefill_keys_values(cache, queries)
+    mx.eval(reference)
+    ours = _kernel_path(cache, queries)
+    for a, b in zip(ours, reference):
+        assert a.shape == b.shape and a.dtype == b.dtype == mx.float32
+        assert bytes(memoryview(a)) == bytes(memoryview(b))
 
 
 @pytest.mark.skipif(cuda_emulation.COMPILER is None, reason="needs g++ with C++20 for the CUDA emulation")
