@@ -43,6 +43,12 @@ from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.kernel_name import build_kernel
 
 THREADS = 128
+# The largest block (G x head_dim outputs, bytes) decoded in shared memory and copied out in
+# 16-byte vectors; larger ones write their outputs straight to global memory. 0: every block
+# straight, as before session 16's staging (for an A/B: prefill_chunks --alternate
+# kvquant_prefill_kernel.STAGE_BYTES=0). With the levels, scales and zeros it stays under
+# CUDA's 48 KB of static shared memory per block.
+STAGE_BYTES = 32768
 
 _ROUNDING = r"""
 #if !defined(__CUDACC__)
@@ -88,9 +94,9 @@ _SOURCE = r"""
   // copied out in 16-byte vectors: a thread's PER codes are PER adjacent outputs, so writing them
   // straight to global memory made each warp store touch ~PER x the sectors it filled (on the
   // H200 ~0.15 ms per part at 30K history against ~0.02 ms of DRAM time for the bytes). Blocks
-  // too large for it (G * D outputs over 32 KB) or rows not a multiple of 16 bytes write
+  // too large for it (G * D outputs over STAGE_BYTES) or rows not a multiple of 16 bytes write
   // straight to global memory, each phase after a barrier.
-  constexpr bool STAGE = G * D * sizeof(OT) <= 32768 && (D * sizeof(OT)) % 16 == 0;
+  constexpr bool STAGE = G * D * sizeof(OT) <= STAGE_BYTES && (D * sizeof(OT)) % 16 == 0;
   __shared__ __align__(16) unsigned char tile_bytes[STAGE ? G * D * sizeof(OT) : 16];
   OT* buf = STAGE ? reinterpret_cast<OT*>(tile_bytes) : dst;
   __syncthreads();
@@ -174,7 +180,8 @@ def history_decode(codes, scale, zero, codebook, sparse, sink, window, *, n_bloc
                 sink if sink is not None else fused_decode.absent_input(side),
                 window if window is not None else fused_decode.absent_input(cache_dtype), meta],
         template=[("G", group), ("D", dim), ("BITS", bits), ("PER_TOKEN", int(per_token)), ("NO", count),
-                  ("SINK", int(sink is not None)), ("CT", cache_dtype), ("WT", cache_dtype), ("OT", out_dtype)],
+                  ("SINK", int(sink is not None)), ("STAGE_BYTES", STAGE_BYTES), ("CT", cache_dtype), ("WT", cache_dtype),
+                  ("OT", out_dtype)],
         grid=(grid_blocks * THREADS, B * H, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(B, H, out_tokens, dim)],
