@@ -48,8 +48,8 @@ mx.fast attention and then encodes the chunk. Measured here (one layer, 8 kv hea
     shapes, so those are shared).
 `_prefill_keys_values` now, on MLX's CUDA backend (kernels on, fused_decode.kernels_enabled),
 decodes each part's whole history with one kernel (kvquant_prefill_kernel.py) straight into the
-result in the queries' dtype, then writes the window after it: two launches per part and prompt
-chunk whatever the history, no float32 array, one compile for every length. Elsewhere (the CPU,
+result in the queries' dtype, the exact window copied after it by the same launch: one launch per
+part and prompt chunk whatever the history, no float32 array, one compile for every length. Elsewhere (the CPU,
 or VELOXQUANT_CUDA_KERNELS=0) it writes fixed-size pieces (`_prefill_pieces`: every piece the
 same number of blocks, the last moved back to overlap its neighbour, so the shapes stop
 changing once the history holds one piece) into one result allocated in the queries' dtype: no
@@ -417,8 +417,8 @@ class KVQuantCache(CompressedKVCache):
 
     def _kernel_keys_values(self, queries: mx.array) -> tuple[mx.array, mx.array]:
         """`_prefill_keys_values` on MLX's CUDA backend: the whole history of each part
-        decoded by one kernel (kvquant_prefill_kernel.py) into the result, then the window;
-        the kernels' inputs wait for the queries (the base's ordering step, no host sync)."""
+        and its window written by one kernel (kvquant_prefill_kernel.py) into the result; the
+        kernels' inputs wait for the queries (the base's ordering step, no host sync)."""
         n, w, G, dtype = self.n_compressed, self._window_length(), self.group_size, queries.dtype
         out = []
         for prefix, dim, window in (("key", self.head_dim, self.window_keys), ("value", self.value_dim, self.window_values)):
