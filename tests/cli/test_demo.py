@@ -91,3 +91,27 @@ def test_a_method_without_its_cache_module_is_one_clear_line(tiny, monkeypatch, 
     code = demo_module.run(_args("--method", "kivi", "--prompt", "abc", "--max-tokens", "2", "--quiet"))
     assert code == 1
     assert "has no cache in this install" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["kivi", "xquant", "turboquant_rvq"])
+def test_teacher_forced_from_the_fork_is_the_run_with_its_own_prefill(tiny, method):
+    # 40 steps after a 320-token prompt: the caches flush blocks into their stores (in-place
+    # slice writes) after the fork, which a copy sharing arrays with the greedy run would see.
+    from veloxquant_mlx.bench.methods import parse_spec
+    from veloxquant_mlx.config import KVCacheConfig
+    from veloxquant_mlx.integration import patch_model_kv_cache, unpatch_model_kv_cache
+
+    prompt = list(("It is a truth universally acknowledged. " * 8).encode("utf-8"))
+    n = 40
+    patch_model_kv_cache(tiny, KVCacheConfig.from_dict(parse_spec(method).params))
+    try:
+        greedy, _, _, forked = demo.generate(tiny, tiny.make_cache, prompt, n, method, False, fork=True)
+        assert forked is not None
+        reference = [(t * 7 + 3) % 256 for t in greedy]  # a forced continuation unlike the greedy one
+        from_fork, _ = demo.teacher_forced(tiny, tiny.make_cache, forked, prompt, reference, method, False)
+        own, _ = demo.teacher_forced(tiny, tiny.make_cache, None, prompt, reference, method, False)
+        again, _, _, _ = demo.generate(tiny, tiny.make_cache, prompt, n, method, False)
+    finally:
+        unpatch_model_kv_cache(tiny)
+    assert from_fork == own
+    assert again == greedy  # forking left the greedy run as it was

@@ -10,7 +10,8 @@
    greedy continuations agree (identical prefix, and matching positions).
 and the fairer figure: top-1 agreement when the patched model is fed the fp16 continuation
 token by token (after a first divergence, free-running texts part ways, so positions compared
-after it say nothing); `--no-teacher-forced` skips that third run.
+after it say nothing), continued from a copy of the patched run's prompt-filled caches
+(integration.fork: the prompt is prefilled once per cache kind); `--no-teacher-forced` skips it.
 """
 
 from __future__ import annotations
@@ -136,27 +137,60 @@ def _mib(value) -> str:
 
 
 def generate(model, make_cache, prompt_ids, n_tokens: int, label: str, show: bool,
-             forced: list[int] | None = None):
-    """Greedy tokens (or teacher-forced predictions), the cache and the seconds it took."""
+             forced: list[int] | None = None, fork: bool = False):
+    """Greedy tokens (or teacher-forced predictions), the cache, the seconds it took, and with
+    `fork` the prompt-filled state to continue again: (a copy of the cache right after the prompt,
+    the prompt's last logits) where every layer's cache is ours (integration.fork), else None."""
     import mlx.core as mx
 
     from veloxquant_mlx.bench.drive import prefill
     from veloxquant_mlx.bench.progress import Progress
+    from veloxquant_mlx.cache.base import CompressedKVCache
 
     cache = make_cache()
     start = time.perf_counter()
     with Progress(n_tokens + 1, label, enabled=show, use_tqdm=False) as bar:
         logits = prefill(model, cache, mx.array(prompt_ids, dtype=mx.int32))
         bar.update()
-        predicted = []
-        for i in range(n_tokens):
-            token = int(mx.argmax(logits, axis=-1).item())
-            predicted.append(token)
-            bar.update()
-            if i + 1 < n_tokens:
-                feed = forced[i] if forced is not None else token
-                logits = model(mx.array([[feed]], dtype=mx.int32), cache=cache)[:, -1, :]
-    return predicted, cache, time.perf_counter() - start
+        forked = None
+        if fork and all(isinstance(c, CompressedKVCache) for c in cache):
+            from veloxquant_mlx.integration.fork import fork_caches
+
+            forked = (fork_caches(cache), logits)
+        predicted = continue_prompt(model, cache, logits, n_tokens, bar, forced)
+    return predicted, cache, time.perf_counter() - start, forked
+
+
+def continue_prompt(model, cache, logits, n_tokens: int, bar, forced: list[int] | None = None) -> list[int]:
+    """From the prompt's last logits: n_tokens greedy predictions, each fed back (or, with
+    `forced`, the forced token fed instead)."""
+    import mlx.core as mx
+
+    predicted = []
+    for i in range(n_tokens):
+        token = int(mx.argmax(logits, axis=-1).item())
+        predicted.append(token)
+        bar.update()
+        if i + 1 < n_tokens:
+            feed = forced[i] if forced is not None else token
+            logits = model(mx.array([[feed]], dtype=mx.int32), cache=cache)[:, -1, :]
+    return predicted
+
+
+def teacher_forced(model, make_cache, forked, prompt_ids, reference: list[int], label: str, show: bool):
+    """Predictions along `reference` -> (tokens, seconds): from `forked` (generate's prompt-filled
+    copy) when there is one, else from a prefill of its own."""
+    if forked is None:
+        tokens, _, seconds, _ = generate(model, make_cache, prompt_ids, len(reference), label, show,
+                                         forced=reference)
+        return tokens, seconds
+    from veloxquant_mlx.bench.progress import Progress
+
+    cache, logits = forked
+    start = time.perf_counter()
+    with Progress(len(reference), label, enabled=show, use_tqdm=False) as bar:
+        tokens = continue_prompt(model, cache, logits, len(reference), bar, forced=reference)
+    return tokens, time.perf_counter() - start
 
 
 def identical_prefix(reference: list[int], other: list[int]) -> int:
@@ -198,8 +232,8 @@ def run(args) -> int:
     print("\n".join(lines))
     print(f"cache: {config.to_dict()}")
 
-    ref_tokens, ref_cache, ref_s = generate(model, lambda: make_prompt_cache(model), prompt_ids, n,
-                                            "fp16 KVCache", show)
+    ref_tokens, ref_cache, ref_s, _ = generate(model, lambda: make_prompt_cache(model), prompt_ids, n,
+                                               "fp16 KVCache", show)
     ref_bytes = sum(c.nbytes for c in ref_cache)
     del ref_cache
     try:
@@ -209,13 +243,16 @@ def run(args) -> int:
              "pick another with --method")
         return 1
     try:
-        q_tokens, q_cache, q_s = generate(model, model.make_cache, prompt_ids, n, config.method, show)
+        # The teacher-forced run continues a copy of this run's prompt-filled caches (no second
+        # prefill) where every layer's cache is ours; else it prefills on its own.
+        q_tokens, q_cache, q_s, forked = generate(model, model.make_cache, prompt_ids, n, config.method, show,
+                                                  fork=args.teacher_forced)
         q_bytes = sum(c.nbytes for c in q_cache)
         del q_cache
-        forced_top1 = None
+        forced_top1, tf_s = None, 0.0
         if args.teacher_forced:
-            tf_tokens, _, _ = generate(model, model.make_cache, prompt_ids, n,
-                                       f"{config.method} teacher-forced", show, forced=ref_tokens)
+            tf_tokens, tf_s = teacher_forced(model, model.make_cache, forked, prompt_ids, ref_tokens,
+                                             f"{config.method} teacher-forced", show)
             forced_top1 = sum(a == b for a, b in zip(ref_tokens, tf_tokens)) / n
     finally:
         unpatch_model_kv_cache(model)
@@ -232,7 +269,8 @@ def run(args) -> int:
     print(f"greedy agreement with fp16: the first {prefix} of {n} generated tokens are identical")
     if forced_top1 is not None:
         print(f"teacher-forced top-1 agreement along the fp16 continuation: {forced_top1:.1%}")
-    print(f"time: fp16 run {ref_s:.1f} s, {config.method} run {q_s:.1f} s, total "
+    forced_time = f", teacher-forced run {tf_s:.1f} s" if forced_top1 is not None else ""
+    print(f"time: fp16 run {ref_s:.1f} s, {config.method} run {q_s:.1f} s{forced_time}, total "
           f"{time.perf_counter() - t0:.1f} s")
     return 0
 
