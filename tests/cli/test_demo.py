@@ -34,14 +34,18 @@ def tiny(monkeypatch):
     return model
 
 
-def test_demo_runs_patches_and_unpatches(tiny, capsys):
+@pytest.mark.parametrize("method", ["kivi", "turboquant_rvq", "xquant"])
+def test_demo_runs_patches_and_unpatches(tiny, capsys, method):
+    # The fp16 and the compressed run in two threads, the teacher-forced run from the fork in
+    # this one: turboquant_rvq's caches rebuilt by the fork hold arrays made in the other
+    # thread's stream, which must be evaluated there.
     prompt = "It is a truth universally acknowledged. " * 8  # 320 tokens: KIVI compresses blocks
-    code = demo.run(_args("--method", "kivi", "--prompt", prompt, "--max-tokens", "6", "--quiet"))
+    code = demo.run(_args("--method", method, "--prompt", prompt, "--max-tokens", "6", "--quiet"))
     assert code == 0
     out = capsys.readouterr().out
-    assert "policy skipped: --method kivi" in out
-    assert "'method': 'kivi'" in out
-    assert "KV cache after 325 tokens: kivi holds" in out
+    assert f"policy skipped: --method {method}" in out
+    assert f"'method': '{method}'" in out
+    assert f"KV cache after 325 tokens: {method} holds" in out
     assert "greedy agreement with fp16: the first" in out
     assert "teacher-forced top-1 agreement" in out
     # The patch is undone: the model builds mlx-lm's own caches again.
