@@ -119,3 +119,17 @@ def test_teacher_forced_from_the_fork_is_the_run_with_its_own_prefill(tiny, meth
         unpatch_model_kv_cache(tiny)
     assert from_fork == own
     assert again == greedy  # forking left the greedy run as it was
+
+
+def test_a_long_step_is_redrawn_while_it_runs():
+    import time
+
+    class Bar:
+        notes = []
+
+        def set_postfix_str(self, text):
+            self.notes.append(text)
+
+    bar = Bar()
+    assert demo.while_redrawn(bar, "prefilling 3 prompt tokens", lambda: time.sleep(0.3) or 7, every_s=0.05) == 7
+    assert len(bar.notes) >= 3 and set(bar.notes) == {"prefilling 3 prompt tokens"}

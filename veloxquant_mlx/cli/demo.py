@@ -152,7 +152,9 @@ def generate(model, make_cache, prompt_ids, n_tokens: int, label: str, show: boo
     cache = make_cache()
     start = time.perf_counter()
     with Progress(n_tokens + 1, label, enabled=show, use_tqdm=False) as bar:
-        logits = prefill(model, cache, mx.array(prompt_ids, dtype=mx.int32))
+        logits = while_redrawn(bar, f"prefilling {len(prompt_ids)} prompt tokens",
+                               lambda: prefill(model, cache, mx.array(prompt_ids, dtype=mx.int32)))
+        bar.set_postfix_str("")
         bar.update()
         forked = None
         if fork and all(isinstance(c, CompressedKVCache) for c in cache):
@@ -161,6 +163,28 @@ def generate(model, make_cache, prompt_ids, n_tokens: int, label: str, show: boo
             forked = (fork_caches(cache), logits)
         predicted = continue_prompt(model, cache, logits, n_tokens, bar, forced)
     return predicted, cache, time.perf_counter() - start, forked
+
+
+def while_redrawn(bar, note: str, work, every_s: float = 2.0):
+    """work(), while `bar` is redrawn with `note` every `every_s` seconds: a prompt's prefill is
+    one step of the bar but most of a run on a CPU (~60 s for the demo's prompt), which would
+    otherwise show nothing until it ends. The bar draws at most as often as it allows."""
+    import threading
+
+    done = threading.Event()
+
+    def redraw():
+        bar.set_postfix_str(note)
+        while not done.wait(every_s):
+            bar.set_postfix_str(note)
+
+    ticker = threading.Thread(target=redraw, daemon=True)
+    ticker.start()
+    try:
+        return work()
+    finally:
+        done.set()
+        ticker.join()
 
 
 def continue_prompt(model, cache, logits, n_tokens: int, bar, forced: list[int] | None = None) -> list[int]:
