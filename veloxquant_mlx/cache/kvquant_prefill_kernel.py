@@ -7,12 +7,13 @@ scatter's copy, the casts). Here one CUDA block per stored block (G tokens of on
 head) reads the block's levels, scales and zeros once into shared memory, its threads each
 decode packed uint32 words (looking the codes up, applying the channel's scale and zero for
 keys, the token's for values), then, after a barrier, a thread per exact outlier writes it over
-its entry, and in the first block the exact sink over token 0. The result is stored in the
-output dtype, straight into the (B, H, history + window, D) array the fused attention reads,
-and the grid's last blocks copy the exact window after it (cast to the output dtype as the ops'
-astype; until session 16 a slice write after the launch). Per part and prompt chunk: one launch
-for the whole history and the window, reading the packed codes (3 bits per element) and writing
-16 bits per element (bf16), no float32 array at all.
+its entry, and in the first block the exact sink over token 0, all in a shared-memory tile that
+is then copied out in 16-byte vectors (`STAGE_BYTES`; larger blocks write each phase straight
+to global memory). The result is stored in the output dtype in the (B, H, history + window, D)
+array the fused attention reads, and the grid's last blocks copy the exact window after it
+(cast to the output dtype as the ops' astype; until session 16 a slice write after the launch).
+Per part and prompt chunk: one launch for the whole history and the window, reading the packed
+codes (3 bits per element) and writing 16 bits per element (bf16), no float32 array at all.
 
 Until session 16 a thread per word also looped over all of its block's outliers to find its
 own, keeping its decoded values in an array indexed by the outlier's position (local memory):
@@ -41,6 +42,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.kernel_name import build_kernel
+from veloxquant_mlx.errors import QuantizerConfigError
 
 THREADS = 128
 # The largest block (G x head_dim outputs, bytes) decoded in shared memory and copied out in
@@ -168,7 +170,8 @@ def history_decode(codes, scale, zero, codebook, sparse, sink, window, *, n_bloc
     count = sparse[0].shape[-1] if sparse is not None else 0
     n_window = 0 if window is None else window.shape[2]
     if window is not None and window.dtype != cache_dtype:
-        raise ValueError(f"kvquant history decode: window dtype {window.dtype}; allowed is the cache's {cache_dtype}")
+        raise QuantizerConfigError(
+            f"kvquant history decode: window dtype {window.dtype}; allowed is the cache's {cache_dtype}")
     out_tokens = n_blocks * group + n_window
     cap_tokens = scale.shape[2] if per_token else codes.shape[2] * group
     meta = mx.array([n_blocks, codes.shape[2], cap_tokens, out_tokens], dtype=mx.int32)

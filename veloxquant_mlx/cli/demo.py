@@ -236,7 +236,7 @@ def both_runs(first, second):
     def in_own_stream(run):
         with mx.stream(mx.new_stream(mx.default_device())):
             result = run()
-            mx.eval([a for a in _arrays(result)])
+            mx.eval(list(_arrays(result)))
             return result
 
     with ThreadPoolExecutor(max_workers=2) as pool:
