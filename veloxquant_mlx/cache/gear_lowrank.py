@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import gear_encode_kernel
+from veloxquant_mlx.cache import gear_encode_kernel, gear_power_kernel
 
 # Power-iteration steps. The residual of a uniform quantizer is close to noise; its leading
 # directions (outlier channels, a shared offset) separate quickly, and the paper's code uses a
@@ -32,6 +32,10 @@ POWER_STEPS = 3
 def low_rank_factors(residual: mx.array, rank: int, steps: int = POWER_STEPS):
     """residual (..., n, d) float32 -> (A (..., n, r), B (..., d, r)) with residual ~ A @ B^T."""
     start = start_matrix(residual.shape[-1], rank)
+    if rank <= GRAM_SCHMIDT_MAX_RANK and gear_power_kernel.applies(*residual.shape[-2:], rank):
+        # On CUDA: every step of a block in one kernel (gear_power_kernel.py); the factors
+        # differ from the ops' in their last bits (the order of its sums).
+        return gear_power_kernel.factors(residual, start, steps)
     if rank <= GRAM_SCHMIDT_MAX_RANK and _compile_here():
         return _compiled_iteration(rank, steps)(residual, start)
     if rank <= GRAM_SCHMIDT_MAX_RANK and gear_encode_kernel.enabled():

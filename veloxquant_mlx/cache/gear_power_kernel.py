@@ -1,0 +1,198 @@
+"""GEAR's low rank (gear_lowrank.low_rank_factors) on MLX's CUDA backend: the whole power
+iteration of a block in one CUDA block.
+
+As MLX ops the power iteration is, per step and side, two batched matmuls and a modified
+Gram-Schmidt of the (n, r) iterate whose sums must be MLX's reductions (gear_encode_kernel.py
+keeps them so, for the stored bits): at rank 4 and 3 steps ~60 row reductions, ~42 elementwise
+kernels and 12 matmuls per layer and 2048-token chunk. Nsight Compute on the H200 put those at
+~0.26 ms (reductions), ~0.1 ms (Gram-Schmidt kernels) and ~0.09 ms (matmuls) of gear's 3.09 ms
+chunk at 30K history, fp16's whole chunk being 1.76 ms (results/ncu_prefill_chunk_h200_s16.json),
+and each launch is also host time while the graph is built.
+
+Here one CUDA block of THREADS threads runs every step for one (n, d) block of the residual,
+its iterates in shared memory, the residual read from global memory (L2) twice per step:
+  - Y = R @ right: a warp per row of R, its lanes along d, a shuffle reduction per column;
+  - Y's columns orthonormalized by modified Gram-Schmidt in the ops' order (each column minus
+    its projections on the earlier ones, each projection's sum taken after the previous
+    subtraction, then divided by max(norm, NORM_FLOOR): a zero column stays zero), each sum a
+    block reduction;
+  - right = R^T @ left: a thread per (channel, part of the rows), parts added in a fixed order.
+The sums run in another order than MLX's matmuls and reductions, so the factors differ from the
+ops' in their last bits (tests/cache/test_gear_power_kernel.py bounds the difference on the CPU
+through the CUDA emulation, and checks the result is the same subspace fit); they are stored in
+the side dtype (bf16 / fp16), where most of that difference rounds away. The order is fixed, so
+a block's factors are the same on every run. ENABLED = False restores the ops (and with
+gear_encode_kernel's kernels their bits) for an A/B.
+"""
+
+from __future__ import annotations
+
+import struct
+from functools import lru_cache
+
+import mlx.core as mx
+
+from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.kernel_name import build_kernel
+
+# False: the MLX ops (gear_lowrank's power iteration) instead, whatever the backend (an A/B on
+# the GPU: the measurement modules' `--set gear_power_kernel.ENABLED=0`).
+ENABLED = True
+THREADS = 256
+# Static shared memory per block is 48 KB: the iterates (n x r and d x r floats), the partial
+# sums of R^T @ left (max(THREADS, d) x r floats) and the reduction's per-warp slots.
+SHARED_BYTES = 48 * 1024
+# gear_lowrank._orthonormal's floor of a column's norm.
+NORM_FLOOR = 1e-20
+
+_SOURCE = r"""
+  // N rows (tokens) x D channels of one block; R columns; STEPS power-iteration steps.
+  constexpr int NW = TPB / 32;
+  // Parts of the rows each channel's sum of R^T @ left is split into (a thread per channel
+  // and part, consecutive channels in a warp: the residual's rows are read coalesced).
+  constexpr int P = TPB >= D ? TPB / D : 1;
+  __shared__ float left_s[N * R];
+  __shared__ float right_s[D * R];
+  __shared__ float partial_s[P * D * R];
+  __shared__ float warp_sum[NW];
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const float* res = residual + (size_t)blockIdx.x * N * D;
+
+  for (int i = tid; i < D * R; i += TPB) right_s[i] = start[i];
+  __syncthreads();
+
+  for (int step = 0; step < STEPS; ++step) {
+    // Y = R @ right, a warp per row.
+    for (int n = warp; n < N; n += NW) {
+      float acc[R];
+      #pragma unroll
+      for (int j = 0; j < R; ++j) acc[j] = 0.0f;
+      for (int d = lane; d < D; d += 32) {
+        const float x = res[(size_t)n * D + d];
+        #pragma unroll
+        for (int j = 0; j < R; ++j) acc[j] += x * right_s[d * R + j];
+      }
+      #pragma unroll
+      for (int j = 0; j < R; ++j) {
+        float a = acc[j];
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        if (lane == 0) left_s[n * R + j] = a;
+      }
+    }
+    __syncthreads();
+    // Modified Gram-Schmidt: each thread holds the rows n = tid, tid + TPB, ... of the iterate.
+    for (int J = 0; J < R; ++J) {
+      for (int k = 0; k <= J; ++k) {
+        // k < J: the projection of column J on the finished column k; k == J: J's norm.
+        float part = 0.0f;
+        for (int n = tid; n < N; n += TPB) part += left_s[n * R + k] * left_s[n * R + J];
+        for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+        if (lane == 0) warp_sum[warp] = part;
+        __syncthreads();
+        float total = 0.0f;
+        for (int w = 0; w < NW; ++w) total += warp_sum[w];
+        __syncthreads();  // warp_sum is reused by the next sum
+        if (k < J) {
+          for (int n = tid; n < N; n += TPB) left_s[n * R + J] -= left_s[n * R + k] * total;
+        } else {
+          const float norm = sqrtf(total);
+          // MLX's maximum: a NaN operand first is returned as is, else the larger.
+          const float floor_ = (norm != norm || norm > FLOOR) ? norm : FLOOR;
+          for (int n = tid; n < N; n += TPB) left_s[n * R + J] = left_s[n * R + J] / floor_;
+        }
+        // Each thread updated only its own rows, which only it reads until the next sum's
+        // barrier: no barrier needed here.
+      }
+    }
+    __syncthreads();
+    // right = R^T @ left: partial sums over the rows n = part, part + P, ...
+    for (int i = tid; i < P * D; i += TPB) {
+      const int d = i % D, part = i / D;
+      float acc[R];
+      #pragma unroll
+      for (int j = 0; j < R; ++j) acc[j] = 0.0f;
+      for (int n = part; n < N; n += P) {
+        const float x = res[(size_t)n * D + d];
+        #pragma unroll
+        for (int j = 0; j < R; ++j) acc[j] += x * left_s[n * R + j];
+      }
+      #pragma unroll
+      for (int j = 0; j < R; ++j) partial_s[(part * D + d) * R + j] = acc[j];
+    }
+    __syncthreads();
+    for (int i = tid; i < D * R; i += TPB) {
+      float total = 0.0f;
+      for (int part = 0; part < P; ++part) total += partial_s[part * D * R + i];
+      right_s[i] = total;
+    }
+    __syncthreads();
+  }
+  float* l_out = left + (size_t)blockIdx.x * N * R;
+  float* r_out = right + (size_t)blockIdx.x * D * R;
+  for (int i = tid; i < N * R; i += TPB) l_out[i] = left_s[i];
+  for (int i = tid; i < D * R; i += TPB) r_out[i] = right_s[i];
+"""
+
+
+def _floor_constant() -> str:
+    # The float32 nearest NORM_FLOOR, as an exact hexadecimal literal (no decimal rounding).
+    floor32 = struct.unpack("<f", struct.pack("<f", NORM_FLOOR))[0]
+    return f"  constexpr float FLOOR = {floor32.hex()}f;\n"
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    return build_kernel(
+        mx.fast.cuda_kernel,
+        name="vq_gear_power_iteration",
+        input_names=["residual", "start"],
+        output_names=["left", "right"],
+        source=_floor_constant() + _SOURCE,
+    )
+
+
+def enabled() -> bool:
+    """Whether gear's power iteration runs through this kernel: MLX's CUDA backend, kernels on
+    (fused_decode.kernels_enabled, VELOXQUANT_CUDA_KERNELS), and ENABLED."""
+    return ENABLED and fused_decode.kernels_enabled()
+
+
+def shared_bytes(n: int, d: int, rank: int) -> int:
+    """The kernel's static shared memory for blocks of n x d at `rank`."""
+    parts = THREADS // d if THREADS >= d else 1
+    return 4 * (n * rank + d * rank + parts * d * rank + THREADS // 32)
+
+
+def fits(n: int, d: int, rank: int) -> bool:
+    """Whether blocks of n x d at `rank` fit the kernel's shared memory."""
+    return rank > 0 and shared_bytes(n, d, rank) <= SHARED_BYTES
+
+
+def applies(n: int, d: int, rank: int) -> bool:
+    """`enabled` and `fits`: gear_lowrank's test for taking this kernel."""
+    return enabled() and fits(n, d, rank)
+
+
+def factors(residual: mx.array, start: mx.array, steps: int) -> tuple[mx.array, mx.array]:
+    """residual (..., n, d) float32, start (d, r) float32 -> (A (..., n, r), B (..., d, r))
+    float32 after `steps` power-iteration steps: gear_lowrank._power_iteration's result up to
+    the order of its sums."""
+    *lead, n, d = residual.shape
+    rank = start.shape[-1]
+    if start.shape != (d, rank) or not fits(n, d, rank):
+        raise ValueError(f"gear power iteration of blocks {n} x {d} from a start of shape {start.shape}: allowed "
+                         f"is a start of shape ({d}, r) with r >= 1 and {shared_bytes(n, d, rank)} <= "
+                         f"{SHARED_BYTES} bytes of shared memory")
+    blocks = 1
+    for size in lead:
+        blocks *= size
+    return tuple(_kernel()(
+        inputs=[residual.astype(mx.float32), start.astype(mx.float32)],
+        template=[("N", n), ("D", d), ("R", rank), ("STEPS", steps), ("TPB", THREADS)],
+        grid=(blocks * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(*lead, n, rank), (*lead, d, rank)],
+        output_dtypes=[mx.float32, mx.float32],
+    ))
