@@ -37,7 +37,28 @@ def _rows(kind: str, shape, seed: int = 0) -> np.ndarray:
         x.flat[::7] = np.float32(1e-42)
         x.flat[::11] = np.float32(-1e-42)
         return x
+    if kind == "distinct":  # no two scores equal, both signs: the untied path throughout
+        n = shape[-1]
+        rows = [rng.permutation(n) - n // 2 for _ in range(int(np.prod(shape[:-1])))]
+        return (np.stack(rows).reshape(shape) * np.float32(0.25)).astype(np.float32)
     raise ValueError(kind)
+
+
+def _cut_ties(shape, count: int, tied: int, tied_picked: int, seed: int = 0) -> np.ndarray:
+    """Rows whose count-th smallest score, -1.0, is held by `tied` entries at random positions,
+    `tied_picked` of them among the first `count` (tied > tied_picked: the kernel's ordered path
+    breaks the tie by position; tied == tied_picked: every copy picked, the untied path). The
+    scores below it repeat too (their order among the picks is by position), as do those above."""
+    rng = np.random.default_rng(seed)
+    n = shape[-1]
+    below = count - tied_picked
+    assert 0 <= below and tied_picked <= tied and below + tied <= n
+    rows = []
+    for _ in range(int(np.prod(shape[:-1]))):
+        row = np.concatenate([-rng.integers(2, 6, size=below), np.full(tied, -1),
+                              rng.integers(0, 4, size=n - below - tied)])
+        rows.append(rng.permutation(row))
+    return np.stack(rows).reshape(shape).astype(np.float32)
 
 
 CASES = [
@@ -51,6 +72,10 @@ CASES = [
     ((2, 100), 1, "ties"),
     ((1, 2, 32768), 328, "random"),  # GEAR's 256 x 128 blocks: keys made again from the scores
     ((1, 16384), 50, "ties"),
+    ((2, 4096), 41, "distinct"),
+    ((1, 32768), 328, "distinct"),
+    ((2, 16384), 1, "random"),  # one pick, keys in global memory
+    ((1, 4096), 4096, "ties"),  # the whole row (the picks leave the keys in global memory)
 ]
 
 
@@ -64,6 +89,52 @@ def test_emulated_kernel_picks_a_stable_sorts_first_entries(shape, count, data):
     assert [k.name.split("__")[0] for k in made] == ["vq_outlier_select"]
     assert got.dtype == mx.uint32 and got.shape == (*shape[:-1], count)
     np.testing.assert_array_equal(np.array(got), _stable_first(scores, count))
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape, count, tied, tied_picked", [
+    ((2, 4096), 41, 300, 20),  # keys in shared memory
+    ((1, 32768), 328, 2000, 100),  # GEAR's rows: keys in global memory, 1024 threads
+    ((2, 8192), 164, 164, 1),  # one tie picked
+    ((2, 4096), 41, 30, 30),  # every copy of the count-th score picked: the untied path
+    ((1, 32768), 328, 200, 200),
+    ((2, 1000), 1000, 10, 10),  # the whole row
+])
+def test_emulated_kernel_breaks_a_tie_at_the_count_th_score_by_position(shape, count, tied, tied_picked):
+    scores = _cut_ties(shape, count, tied, tied_picked, seed=count)
+    with cuda_emulation.emulated_kernels():
+        got = np.array(outlier_select_kernel.smallest(mx.array(scores), count))
+    np.testing.assert_array_equal(got, _stable_first(scores, count))
+
+
+@needs_compiler
+@pytest.mark.parametrize("data", ["random", "distinct", "ties", "signed", "zeros"])
+@pytest.mark.parametrize("shape, count", [((2, 4096), 41), ((3, 1000), 300), ((2, 100), 1), ((1, 64), 64)])
+def test_emulated_kernel_with_the_keys_in_global_memory_for_any_row(monkeypatch, shape, count, data):
+    """The 1024-thread launch that reads the keys from the scores at every pass (GEAR's rows),
+    forced on small rows: rows shorter than the block, lengths no multiple of it."""
+    monkeypatch.setattr(outlier_select_kernel, "_keys_shared", lambda entries, count: False)
+    scores = _rows(data, shape, seed=len(data))
+    with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
+        outlier_select_kernel.smallest(mx.array(scores), count)
+    assert dict(captured[0][1].template)["KS"] == 0
+    with cuda_emulation.emulated_kernels():
+        got = np.array(outlier_select_kernel.smallest(mx.array(scores), count))
+    np.testing.assert_array_equal(got, _stable_first(scores, count))
+
+
+@pytest.mark.parametrize("entries, count, keys_shared, threads", [
+    (4096, 41, 1, 256),  # KVQuant's rows
+    (8192, 164, 1, 256),
+    (32768, 328, 0, 1024),  # GEAR's rows
+    (4096, 4096, 0, 1024),  # the picks leave no room for the keys
+])
+def test_the_launch_keeps_the_keys_in_shared_memory_where_they_fit(entries, count, keys_shared, threads):
+    with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
+        outlier_select_kernel.smallest(mx.zeros((3, entries)), count)
+    template = dict(captured[0][1].template)
+    assert (template["KS"], template["TPB"]) == (keys_shared, threads)
+    assert outlier_select_kernel.fits(entries, count)
 
 
 @needs_compiler

@@ -9,17 +9,21 @@ two encode kernels together.
 
 This kernel selects instead of sorting, one CUDA block per row: the row's scores as order-keeping
 unsigned keys (in shared memory where the row fits, else made again from the scores at each
-pass), a radix select (four passes of an 8-bit histogram) for the key of
-the count-th smallest, then the entries below it and, among those equal to it, the first by
-position; the picks are written in ascending (score, position) order. That is what a stable
-ascending sort's first `count` entries are: the rule MLX's CPU argsort follows (std::stable_sort),
-which the tests compare it with. MLX's argpartition leaves both the choice among tied scores and
-the order of its first `count` entries to its implementation (the CPU's nth_element and the CUDA
-sort differ), so a cache encoded through this kernel stores the same outliers as the ops wherever
-the count-th score is not tied, possibly in another order; the reading side sums them, so the
-order changes nothing read. Its callers: KVQuant's later-chunk encode (kvquant.py, its 32 x 128
-blocks' keys in shared memory) and GEAR's encoder (gear_encoder.py, 256 x 128 blocks: keys made
-again from the scores at each pass), on CUDA.
+pass, with 1024 threads a block instead of 256), a radix select (three passes of a histogram of
+11, 11 and 10 key bits, each pass's bin found by a block scan) for the key of the count-th
+smallest, then the picks. Where every key equal to that one is picked (no tie cut: the usual
+case), the picks are all keys up to it, taken in one coalesced pass; otherwise the entries below
+it and, among those equal to it, the first by position (each thread counts the ties of a
+contiguous run of positions, a block scan orders the runs). The picks are written in ascending
+(score, position) order. That is what a stable ascending sort's first `count` entries are: the
+rule MLX's CPU argsort follows (std::stable_sort), which the tests compare it with. MLX's
+argpartition leaves both the choice among tied scores and the order of its first `count` entries
+to its implementation (the CPU's nth_element and the CUDA sort differ), so a cache encoded
+through this kernel stores the same outliers as the ops wherever the count-th score is not tied,
+possibly in another order; the reading side sums them, so the order changes nothing read. Its
+callers: KVQuant's later-chunk encode (kvquant.py, its 32 x 128 blocks' keys in shared memory)
+and GEAR's encoder (gear_encoder.py, 256 x 128 blocks: keys made again from the scores at each
+pass), on CUDA.
 
 -0.0 is keyed as +0.0 (equal floats, equal keys). NaN scores are not handled (scores are finite:
 a vector's std has 1e-6 added).
@@ -37,11 +41,16 @@ from veloxquant_mlx.cache.kernel_name import build_kernel
 # False: mx.argpartition instead, whatever the backend (for an A/B on the GPU: the measurement
 # modules' `--set outlier_select_kernel.ENABLED=0`).
 ENABLED = True
+# Threads per block where the row's keys fit shared memory (KVQuant's 512 rows of 4096: 4 blocks
+# per SM). Rows whose keys stay in global memory (GEAR's 64 rows of 32768 per launch, fewer blocks
+# than the H200's 132 SMs) get WIDE_THREADS: 32 warps per SM keep more L2 loads in flight.
 THREADS = 256
-# Static shared memory per block is 48 KB: the row's keys (4 bytes each), the histogram and the
-# per-thread tie counts (1 KB each), the picks' keys and positions (8 bytes each) and slack.
+WIDE_THREADS = 1024
+# Static shared memory per block is 48 KB: the row's keys where they fit (4 bytes each), the
+# histogram (4 bytes a bin), the picks' keys and positions (8 bytes each), the block scan's
+# per-warp sums and scalars.
 SHARED_BYTES = 48 * 1024
-_FIXED_SHARED_BYTES = 4 * 256 + 4 * THREADS + 64  # histogram, tie counts, scalars
+_FIXED_SHARED_BYTES = 4 * 2048 + 4 * 32 + 64  # histogram (the source's RADIX bins), warp sums, scalars
 
 _HEADER = r"""
 // Ascending floats -> ascending unsigned keys (negatives bit-flipped, positives' sign set);
@@ -51,70 +60,122 @@ __device__ __forceinline__ unsigned vq_order_key(float f) {
   return (u >> 31) ? ~u : (u | 0x80000000u);
 }
 #define VQ_KEY(e) (KS ? key[e] : vq_order_key(s[e]))
+
+// The sum of v over the block's threads before this one (thread order). Every thread calls it
+// (barriers, full-warp shuffles); warp_sum: 32 words of shared scratch, free again after the
+// caller's next __syncthreads.
+template <int TPB>
+__device__ __forceinline__ unsigned vq_block_exclusive_sum(unsigned v, unsigned* warp_sum) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned inclusive = v;
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned other = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += other;
+  }
+  if (lane == 31) warp_sum[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const unsigned own = lane < TPB / 32 ? warp_sum[lane] : 0u;
+    unsigned run = own;
+    for (int d = 1; d < 32; d <<= 1) {
+      const unsigned other = __shfl_up_sync(0xffffffffu, run, d);
+      if (lane >= d) run += other;
+    }
+    if (lane < TPB / 32) warp_sum[lane] = run - own;
+  }
+  __syncthreads();
+  return warp_sum[warp] + inclusive - v;
+}
 """
 
 _SOURCE = r"""
-  // TPB: the block's threads (THREADS, a template value so the source cannot disagree with the launch).
-  constexpr int S = (N + TPB - 1) / TPB;  // each thread's run of positions, for the tie order
+  // TPB: the block's threads (THREADS or WIDE_THREADS, a template value so the source cannot
+  // disagree with the launch).
+  constexpr int RADIX = 1 << 11;  // the digits: bits 31..21, 20..10 and 9..0 of the keys
+  constexpr int BINS_PER_THREAD = RADIX / TPB;
   const size_t row = blockIdx.x;
   const int tid = threadIdx.x;
   // KS: the row's keys kept in shared memory (rows that fit), else made again from the scores
   // at every pass (GEAR's 256 x 128 blocks: 128 KB of keys; the row stays in L2).
   __shared__ unsigned key[KS ? N : 1];
-  __shared__ unsigned hist[256];
-  __shared__ unsigned ties_before[TPB];
+  __shared__ unsigned hist[RADIX];
+  __shared__ unsigned warp_sum[32];
   __shared__ unsigned pick_key[NO];
   __shared__ unsigned pick_pos[NO];
-  __shared__ unsigned found_key, found_rank, picked;
+  __shared__ unsigned found_key, found_rank, found_count, picked;
+  static_assert(RADIX % TPB == 0 && TPB % 32 == 0 && TPB <= 1024, "each thread scans whole bins");
   const float* s = scores + row * (size_t)N;
-  if (KS) {
-    for (int e = tid; e < N; e += TPB) key[e] = vq_order_key(s[e]);
-  }
+  if (tid == 0) picked = 0u;
+  unsigned prefix = 0u, rank = NO;
   // Radix select: after the pass at `shift`, `prefix` holds the top bits of the NO-th smallest
-  // key and `rank` its rank (1-based) among the keys that share those bits.
-  unsigned prefix = 0u, mask = 0u, rank = NO;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = tid; b < 256; b += TPB) hist[b] = 0u;
+  // key and `rank` its rank (1-based) among the keys that share those bits. Scores -|x - mean| /
+  // std have few exponents: 8-bit digits put most of a row's keys in two or three bins, whose
+  // shared atomics from every warp serialize; 11 bits split each exponent's keys in four, over
+  // more banks, and make three passes over the row instead of four.
+#pragma unroll
+  for (int pass = 0; pass < 3; ++pass) {
+    const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;
+    const unsigned digits = pass == 2 ? 1023u : 2047u;
+    const unsigned mask = pass == 0 ? 0u : pass == 1 ? 0xffe00000u : 0xfffffc00u;
+    for (int b = tid; b < RADIX; b += TPB) hist[b] = 0u;
     __syncthreads();
+    // Strided, so a warp's loads are coalesced; unrolled, so several are in flight at once.
+#pragma unroll 8
     for (int e = tid; e < N; e += TPB) {
-      const unsigned k = VQ_KEY(e);
-      if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+      // The first pass makes the keys (and keeps them where they fit): no pass of its own.
+      const unsigned k = pass == 0 ? vq_order_key(s[e]) : VQ_KEY(e);
+      if (KS && pass == 0) key[e] = k;
+      if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & digits], 1u);
     }
     __syncthreads();
-    if (tid == 0) {
-      unsigned below = 0u, b = 0u;
-      while (below + hist[b] < rank) { below += hist[b]; ++b; }
-      found_key = prefix | (b << shift);
+    // The bin where the count of keys so far reaches `rank`: each thread sums its run of bins,
+    // a block scan places the runs, the one thread whose run holds the crossing walks it.
+    const int first = tid * BINS_PER_THREAD;
+    unsigned own = 0u;
+    for (int i = 0; i < BINS_PER_THREAD; ++i) own += hist[first + i];
+    unsigned below = vq_block_exclusive_sum<TPB>(own, warp_sum);
+    if (below < rank && rank <= below + own) {
+      int b = first;
+      while (below + hist[b] < rank) below += hist[b++];
+      found_key = prefix | ((unsigned)b << shift);
       found_rank = rank - below;
+      found_count = hist[b];
     }
     __syncthreads();
     prefix = found_key;
     rank = found_rank;
-    mask |= 255u << shift;
   }
-  // prefix: the NO-th smallest key; rank: how many of the keys equal to it are picked (the
-  // first by position); every key below it is picked (NO - rank of them).
-  const int lo = tid * S;
-  const int hi = lo + S < N ? lo + S : N;
-  unsigned ties = 0u;
-  for (int e = lo; e < hi; ++e) ties += VQ_KEY(e) == prefix ? 1u : 0u;
-  ties_before[tid] = ties;
-  if (tid == 0) picked = 0u;
-  __syncthreads();
-  if (tid == 0) {
-    unsigned run = 0u;
-    for (int t = 0; t < TPB; ++t) { const unsigned c = ties_before[t]; ties_before[t] = run; run += c; }
-  }
-  __syncthreads();
-  unsigned tie = ties_before[tid];
-  for (int e = lo; e < hi; ++e) {
-    const unsigned k = VQ_KEY(e);
-    bool take = k < prefix;
-    if (k == prefix) { take = tie < rank; ++tie; }
-    if (take) {
-      const unsigned slot = atomicAdd(&picked, 1u);
-      pick_key[slot] = k;
-      pick_pos[slot] = (unsigned)e;
+  // prefix: the NO-th smallest key; found_count: how many keys equal it; rank: how many of those
+  // are picked (the first by position); every key below it is picked (NO - rank of them).
+  if (found_count == rank) {
+    // Every key equal to it is picked (no tie to break: the usual case), so every key <= it is:
+    // a coalesced pass in any order, the place step below orders the picks.
+    for (int e = tid; e < N; e += TPB) {
+      const unsigned k = VQ_KEY(e);
+      if (k <= prefix) {
+        const unsigned slot = atomicAdd(&picked, 1u);
+        pick_key[slot] = k;
+        pick_pos[slot] = (unsigned)e;
+      }
+    }
+  } else {
+    // Ties cut: each thread takes a contiguous run of positions, so that the block scan of the
+    // runs' tie counts gives each tie its order by position.
+    constexpr int S = (N + TPB - 1) / TPB;
+    const int lo = tid * S;
+    const int hi = lo + S < N ? lo + S : N;
+    unsigned ties = 0u;
+    for (int e = lo; e < hi; ++e) ties += VQ_KEY(e) == prefix ? 1u : 0u;
+    unsigned tie = vq_block_exclusive_sum<TPB>(ties, warp_sum);
+    for (int e = lo; e < hi; ++e) {
+      const unsigned k = VQ_KEY(e);
+      bool take = k < prefix;
+      if (k == prefix) { take = tie < rank; ++tie; }
+      if (take) {
+        const unsigned slot = atomicAdd(&picked, 1u);
+        pick_key[slot] = k;
+        pick_pos[slot] = (unsigned)e;
+      }
     }
   }
   __syncthreads();
@@ -177,11 +238,13 @@ def smallest(scores: mx.array, count: int) -> mx.array:
     rows = 1
     for size in lead:
         rows *= size
+    keys_shared = _keys_shared(n, count)
+    threads = THREADS if keys_shared else WIDE_THREADS
     return _kernel()(
         inputs=[scores.astype(mx.float32)],
-        template=[("N", n), ("NO", count), ("KS", int(_keys_shared(n, count))), ("TPB", THREADS)],
-        grid=(rows * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1),
+        template=[("N", n), ("NO", count), ("KS", int(keys_shared)), ("TPB", threads)],
+        grid=(rows * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(*lead, count)],
         output_dtypes=[mx.uint32],
     )[0]
