@@ -92,10 +92,10 @@ def test_the_low_rank_takes_the_kernel_on_cuda_and_the_switch_turns_it_off(monke
 
 
 def test_a_start_of_the_wrong_shape_or_too_large_a_block_is_refused():
-    with pytest.raises(ValueError, match=r"start of shape \(64, r\)"):
+    with pytest.raises(ValueError, match=r"start of shape \(64, r\) with r >= 1, d a multiple of 4"):
         gear_power_kernel.factors(mx.zeros((1, 16, 64)), mx.zeros((32, 2)), 3)
     assert gear_power_kernel.fits(256, 128, 8) and not gear_power_kernel.fits(4096, 128, 8)
-    assert not gear_power_kernel.fits(256, 128, 0)
+    assert not gear_power_kernel.fits(256, 128, 0) and not gear_power_kernel.fits(64, 66, 2)  # 16-byte rows
     with pytest.raises(ValueError, match="bytes of shared memory"):
         gear_power_kernel.factors(mx.zeros((1, 4096, 128)), mx.zeros((128, 8)), 3)
 

@@ -11,7 +11,7 @@ and each launch is also host time while the graph is built.
 
 Here one CUDA block of THREADS threads runs every step for one (n, d) block of the residual,
 its iterates in shared memory, the residual read from global memory (L2) twice per step:
-  - Y = R @ right: a warp per row of R, its lanes along d, a shuffle reduction per column;
+  - Y = R @ right: a thread per row of R, read in 16-byte vectors (d a multiple of 4);
   - Y's columns orthonormalized by modified Gram-Schmidt in the ops' order (each column minus
     its projections on the earlier ones, each projection's sum taken after the previous
     subtraction, then divided by max(norm, NORM_FLOOR): a zero column stays zero), each sum a
@@ -45,6 +45,11 @@ SHARED_BYTES = 48 * 1024
 # gear_lowrank._orthonormal's floor of a column's norm.
 NORM_FLOOR = 1e-20
 
+# 16 bytes read as one 128-bit access (a plain struct: CUDA's float4 is not needed).
+_HEADER = r"""
+struct __align__(16) vq_float4 { float x, y, z, w; };
+"""
+
 _SOURCE = r"""
   // N rows (tokens) x D channels of one block; R columns; STEPS power-iteration steps.
   constexpr int NW = TPB / 32;
@@ -64,22 +69,27 @@ _SOURCE = r"""
   __syncthreads();
 
   for (int step = 0; step < STEPS; ++step) {
-    // Y = R @ right, a warp per row.
-    for (int n = warp; n < N; n += NW) {
+    // Y = R @ right, a thread per row, its row read in 16-byte vectors; right_s is read at one
+    // address by the whole warp. (A warp per row with a shuffle reduction per column: 32 rows
+    // x R columns x 5 dependent shuffles per warp and step, one after another; the launch took
+    // 52 us for 3 steps at 256 x 128, rank 4, on the H200, results/ncu_prefill_chunk_h200_s17.json.)
+    for (int n = tid; n < N; n += TPB) {
       float acc[R];
       #pragma unroll
       for (int j = 0; j < R; ++j) acc[j] = 0.0f;
-      for (int d = lane; d < D; d += 32) {
-        const float x = res[(size_t)n * D + d];
+      const vq_float4* row = reinterpret_cast<const vq_float4*>(res + (size_t)n * D);
+      #pragma unroll 4
+      for (int q = 0; q < D / 4; ++q) {
+        const vq_float4 x = row[q];
+        const float xs[4] = {x.x, x.y, x.z, x.w};
         #pragma unroll
-        for (int j = 0; j < R; ++j) acc[j] += x * right_s[d * R + j];
+        for (int c = 0; c < 4; ++c) {
+          #pragma unroll
+          for (int j = 0; j < R; ++j) acc[j] += xs[c] * right_s[(4 * q + c) * R + j];
+        }
       }
       #pragma unroll
-      for (int j = 0; j < R; ++j) {
-        float a = acc[j];
-        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-        if (lane == 0) left_s[n * R + j] = a;
-      }
+      for (int j = 0; j < R; ++j) left_s[n * R + j] = acc[j];
     }
     __syncthreads();
     // Modified Gram-Schmidt: each thread holds the rows n = tid, tid + TPB, ... of the iterate.
@@ -113,6 +123,7 @@ _SOURCE = r"""
       float acc[R];
       #pragma unroll
       for (int j = 0; j < R; ++j) acc[j] = 0.0f;
+      #pragma unroll 8
       for (int n = part; n < N; n += P) {
         const float x = res[(size_t)n * D + d];
         #pragma unroll
@@ -150,6 +161,7 @@ def _kernel():
         input_names=["residual", "start"],
         output_names=["left", "right"],
         source=_floor_constant() + _SOURCE,
+        header=_HEADER,
     )
 
 
@@ -166,8 +178,9 @@ def shared_bytes(n: int, d: int, rank: int) -> int:
 
 
 def fits(n: int, d: int, rank: int) -> bool:
-    """Whether blocks of n x d at `rank` fit the kernel's shared memory."""
-    return rank > 0 and shared_bytes(n, d, rank) <= SHARED_BYTES
+    """Whether blocks of n x d at `rank` fit the kernel's shared memory (and its rows its
+    16-byte reads: d a multiple of 4)."""
+    return rank > 0 and d % 4 == 0 and shared_bytes(n, d, rank) <= SHARED_BYTES
 
 
 def applies(n: int, d: int, rank: int) -> bool:
@@ -183,8 +196,8 @@ def factors(residual: mx.array, start: mx.array, steps: int) -> tuple[mx.array, 
     rank = start.shape[-1]
     if start.shape != (d, rank) or not fits(n, d, rank):
         raise ValueError(f"gear power iteration of blocks {n} x {d} from a start of shape {start.shape}: allowed "
-                         f"is a start of shape ({d}, r) with r >= 1 and {shared_bytes(n, d, rank)} <= "
-                         f"{SHARED_BYTES} bytes of shared memory")
+                         f"is a start of shape ({d}, r) with r >= 1, d a multiple of 4 and "
+                         f"{shared_bytes(n, d, rank)} <= {SHARED_BYTES} bytes of shared memory")
     blocks = 1
     for size in lead:
         blocks *= size
