@@ -45,7 +45,7 @@ def _emulated(residual: mx.array, rank: int):
     return ours
 
 
-def _assert_close_to_the_ops(residual: mx.array, ours, rank: int) -> None:
+def _assert_close_to_the_ops(residual: mx.array, ours, rank: int, tolerance: float = 1e-4) -> None:
     left, right = gear_lowrank._power_iteration(residual, rank, gear_lowrank.POWER_STEPS)
     a, b = np.array(ours[0]), np.array(ours[1])
     assert a.shape == left.shape and b.shape == right.shape
@@ -59,8 +59,8 @@ def _assert_close_to_the_ops(residual: mx.array, ours, rank: int) -> None:
     # The fit A B^T, per block relative to the residual's size: rounding of float32 sums in
     # another order, amplified at most by the power iteration's few steps.
     scale = np.abs(res[full]).max(axis=(-2, -1), keepdims=True)
-    assert (np.abs(fitted - expected) <= 1e-4 * scale).all()
-    np.testing.assert_allclose(a[full], np.array(left)[full], rtol=0, atol=2e-4)
+    assert (np.abs(fitted - expected) <= tolerance * scale).all()
+    np.testing.assert_allclose(a[full], np.array(left)[full], rtol=0, atol=2 * tolerance)
 
 
 @needs_compiler
@@ -135,14 +135,45 @@ def test_the_encoder_with_the_kernel_stores_what_the_ops_store_up_to_the_low_ran
         np.testing.assert_allclose(got, want, rtol=0, atol=3e-2)
 
 
+def _power_iteration_float64(residual: np.ndarray, start: np.ndarray, steps: int):
+    """The power iteration in float64 (numpy), modified Gram-Schmidt as gear_lowrank's."""
+    right = np.broadcast_to(start.astype(np.float64), (*residual.shape[:-2], *start.shape))
+    for _ in range(steps):
+        y = residual @ right
+        columns = []
+        for j in range(y.shape[-1]):
+            v = y[..., j : j + 1]
+            for c in columns:
+                v = v - c * (c * v).sum(axis=-2, keepdims=True)
+            columns.append(v / np.maximum(np.sqrt((v * v).sum(axis=-2, keepdims=True)), 1e-20))
+        left = np.concatenate(columns, axis=-1)
+        right = residual.swapaxes(-1, -2) @ left
+    return left, right
+
+
 @cuda_test
 @pytest.mark.parametrize("n, d, rank", [(256, 128, 4), (64, 64, 1), (32, 512, 8), (48, 96, 3)])
-def test_factors_on_cuda_match_the_ops_power_iteration(n, d, rank):
+def test_factors_on_cuda_fit_as_well_as_the_power_iteration_in_float64(n, d, rank):
+    # On CUDA neither the ops (cuBLAS's float32 matmuls: session 17 on the H200, up to ~1e-3 of
+    # the residual's size from the kernel at 32 x 512, rank 8) nor float64 are a reference to
+    # the factors' bits: where the residual's next singular values are close (noise), which of
+    # their directions three steps pick follows every rounding. What must hold is the fit: on
+    # the blocks of full rank, |R - A B^T| as small as the same iteration's in float64.
     residual = _residuals(n, d, seed=n + d + rank)
     start = gear_lowrank.start_matrix(d, rank)
     ours = gear_power_kernel.factors(residual, start, gear_lowrank.POWER_STEPS)
     mx.eval(ours)
-    _assert_close_to_the_ops(residual, ours, rank)
+    res = np.array(residual).astype(np.float64)
+    left, right = _power_iteration_float64(res, np.array(start), gear_lowrank.POWER_STEPS)
+    a, b = np.array(ours[0]).astype(np.float64), np.array(ours[1]).astype(np.float64)
+    assert np.isfinite(a).all() and np.isfinite(b).all()
+    # Rank at float32's resolution (the blocks are float32: the rank-1 block's rounding is not rank).
+    full = np.linalg.matrix_rank(np.array(residual).reshape(-1, n, d)).reshape(res.shape[:-2]) >= rank
+    error = np.linalg.norm(res - a @ b.swapaxes(-1, -2), axis=(-2, -1))[full]
+    reference = np.linalg.norm(res - left @ right.swapaxes(-1, -2), axis=(-2, -1))[full]
+    # Emulated (the same float32 order): within 1e-8 of the residual's norm.
+    assert (np.abs(error - reference) <= 1e-5 * np.linalg.norm(res, axis=(-2, -1))[full]).all()
+    assert not a[0, 1, 1].any() and not b[0, 1, 1].any()  # the zero block
 
 
 @pytest.mark.slow
