@@ -2,7 +2,7 @@
 the thread-level emulation (tests/cache/cuda_emulation.py), against the portable
 GEARCache._prefill_keys_values (kernels off): bit for bit, the low-rank and sparse terms
 included (the module docstring says why that is exact on the CPU). The @cuda_test at the end
-compares the real kernel with the portable path on the H200 (next GPU session).
+compares the real kernel on the H200 with the portable path run on the CPU there.
 """
 
 from contextlib import contextmanager
@@ -210,21 +210,28 @@ def test_off_cuda_the_portable_path_runs():
 
 @cuda_test
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=["bf16", "fp16", "fp32"])
-def test_on_cuda_the_kernel_is_the_portable_path(monkeypatch, dtype):
-    # The real kernel against the portable path on the GPU (the kernels switched off for it).
-    # Expected bit for bit; the one possible difference is the order of the low-rank sum, if
-    # cuBLAS split its K = rank reduction: printed, and bounded by one rounding of the cache
-    # dtype at a few elements.
+def test_on_cuda_the_kernel_is_the_portable_path_run_on_the_cpu(monkeypatch, dtype):
+    # The real kernel against the portable path run on the CPU stream (the order the kernel
+    # copies: the module docstring), bit for bit. Against the portable path run on CUDA it was
+    # expected bit for bit too, and is not (session 17 on the H200, results/
+    # cuda_tests_h200_s17.txt): with fp32 factors ~23% of the keys differ by up to 3.8e-6 (the
+    # products of float32 factors are inexact, and cuBLAS's K = rank sum is not the kernel's
+    # add-after-multiply chain); with fp16 238 elements by up to one rounding of the cache
+    # dtype. Those differences are printed here, not bounded.
     cache = filled(heads=8, dim=128, dtype=dtype, chunks=(2048, 2048, 100))
     queries = mx.random.normal((1, 32, 16, 128)).astype(dtype)
+    mx.eval(queries, *cache.store.values())
     got = cache._prefill_keys_values(queries)
     mx.eval(*got)
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: False)
-    expected = cache._prefill_keys_values(queries)
-    mx.eval(*expected)
-    for label, g, e in zip(("keys", "values"), got, expected):
-        a, b = np.array(g.astype(mx.float32)), np.array(e.astype(mx.float32))
-        differ = int((a != b).sum())
-        print(label, dtype, "elements that differ:", differ, "max |diff|:", float(np.abs(a - b).max()))
-        assert differ <= a.size // 1000
-        assert np.allclose(a, b, rtol=2 ** -7, atol=0)
+    on_cuda = cache._prefill_keys_values(queries)
+    mx.eval(*on_cuda)
+    with mx.stream(mx.cpu):
+        expected = cache._prefill_keys_values(queries)
+        mx.eval(*expected)
+    for label, g, c, e in zip(("keys", "values"), got, on_cuda, expected):
+        a, b, r = (np.array(x.astype(mx.float32)) for x in (g, c, e))
+        print(label, dtype, "elements that differ from CUDA's portable path:", int((a != b).sum()),
+              "max |diff|:", float(np.abs(a - b).max()))
+        assert g.dtype == e.dtype and np.array_equal(a, r), (
+            f"{label}: {int((a != r).sum())} elements differ from the portable path on the CPU")
