@@ -12,7 +12,10 @@ kernel launch on a GPU, a Compiled node one fused kernel), by primitive name, fo
     uncompiled: gear_lowrank.COMPILE_ON_GPU; gear_encode_kernel.ENABLED = False);
   - `cuda_kernels`: the same with gear_encode_kernel's kernels on, each launch one node (through
     bench_kvquant_encode's stand-in for mx.fast.cuda_kernel, which computes nothing);
-    `cuda_kernels_sum_per_column` with gear_encode_kernel.BATCHED_SUMS = False.
+    `cuda_kernels_sum_per_column` with gear_encode_kernel.BATCHED_SUMS = False (these three with
+    gear_power_kernel.ENABLED = False, as before session 17);
+  - `cuda_power_kernel`: as MLX's CUDA backend runs it since session 17: the power iteration one
+    launch per side (gear_power_kernel.py), the sparse part gear_encode_kernel's.
 On the CPU mx.dequantize is built from elementwise ops where a GPU runs one kernel: at 2 bits 16
 shift pairs, a concatenation and the multiply-add (fused under mx.compile into 16 Compiled...Shift
 nodes, a Concatenate and a Compiled...MultiplyBroadcastAdd: 18 per dequantize, counted by
@@ -36,10 +39,10 @@ from tests.cache.bench_kvquant_encode import _graph, _nothing, _stand_in_kernels
 from tests.cache.bench_output import bench_header, emit
 from tests.cache.test_encoder_identity import _kv
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.cache import gear_encode_kernel, gear_encoder, gear_lowrank
+from veloxquant_mlx.cache import gear_encode_kernel, gear_encoder, gear_lowrank, gear_power_kernel
 from veloxquant_mlx.cache.gear import GEARCache
 
-PATHS = ("cpu", "cuda_ops", "cuda_kernels", "cuda_kernels_sum_per_column")
+PATHS = ("cpu", "cuda_ops", "cuda_kernels", "cuda_kernels_sum_per_column", "cuda_power_kernel")
 DEQUANTIZE_PER_ENCODE = 2  # keys and values: one mx.dequantize each
 DEQUANTIZE_MULTIPLY_ADD = "CompiledAsTypeBroadcastMultiplyBroadcastAdd"  # its w * s + z on the CPU
 
@@ -47,19 +50,22 @@ DEQUANTIZE_MULTIPLY_ADD = "CompiledAsTypeBroadcastMultiplyBroadcastAdd"  # its w
 @contextmanager
 def _path(path: str):
     """The encode as `path` builds it (see the module docstring); yields the launches list."""
-    saved = gear_lowrank._compile_here, gear_encode_kernel.ENABLED, gear_encode_kernel.BATCHED_SUMS
+    saved = (gear_lowrank._compile_here, gear_encode_kernel.ENABLED, gear_encode_kernel.BATCHED_SUMS,
+             gear_power_kernel.ENABLED)
     try:
         if path == "cpu":
             with _nothing():
                 yield []
         else:
             gear_lowrank._compile_here = lambda: False
-            gear_encode_kernel.ENABLED = path.startswith("cuda_kernels")
+            gear_encode_kernel.ENABLED = path.startswith("cuda_kernels") or path == "cuda_power_kernel"
             gear_encode_kernel.BATCHED_SUMS = path == "cuda_kernels"
+            gear_power_kernel.ENABLED = path == "cuda_power_kernel"
             with _stand_in_kernels() as launches:
                 yield launches
     finally:
-        gear_lowrank._compile_here, gear_encode_kernel.ENABLED, gear_encode_kernel.BATCHED_SUMS = saved
+        (gear_lowrank._compile_here, gear_encode_kernel.ENABLED, gear_encode_kernel.BATCHED_SUMS,
+         gear_power_kernel.ENABLED) = saved
 
 
 def _primed(keys, values) -> GEARCache:
