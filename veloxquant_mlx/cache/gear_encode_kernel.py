@@ -1,5 +1,10 @@
 """GEAR's chunk encode on MLX's CUDA backend: its elementwise runs between reductions as kernels.
 
+Since session 17 the power iteration on CUDA is gear_power_kernel.py (one launch per side, its
+own order of sums) wherever that kernel takes the shape; the Gram-Schmidt kernels below are the
+path for the shapes it refuses and with gear_power_kernel.ENABLED = False, and keep the ops'
+bits. The sparse part below runs either way.
+
 On CUDA gear's encode (gear_encoder.py) built 376 primitives for a later 2048-token chunk of one
 8 x 128 layer in bf16, and the same for a 256-token decode flush (~342 launches on a GPU, where
 mx.dequantize is one kernel; `python -m tests.cache.bench_gear_encode`, which counts them on the

@@ -6,7 +6,8 @@ column of every block (the low rank's Gram-Schmidt), become single kernels. For 
 chunk of one layer (8 KV heads x 128, K and V) the encoder's lazy graph shrinks from 440
 non-view nodes to 292 (376 with the power iteration left uncompiled, as on CUDA: see
 gear_lowrank.COMPILE_ON_GPU; 188 there with gear_encode_kernel's kernels, which do the power
-iteration's Gram-Schmidt steps between its sums and the sparse part); counted by `python -m
+iteration's Gram-Schmidt steps between its sums and the sparse part; 88 since session 17, with
+gear_power_kernel.py's one launch per side for the whole power iteration); counted by `python -m
 tests.cache.bench_encoders` / `bench_gear_encode` on the CPU, where mx.dequantize is itself built
 from elementwise ops. CPU time hardly moves (1.02-1.06x; the
 argpartition and mx.quantize dominate there); on a GPU fewer launches should matter more, not

@@ -87,7 +87,9 @@ GRAM_SCHMIDT_MAX_RANK = 8
 # --fmad=true, and the projection v - c * <c, v> is the one product-then-add of the encoder
 # whose product is inexact, so a contracted FMA could change the factors' last bits. Set
 # COMPILE_ON_GPU = True and run tests/cache/test_encoder_identity.py on the GPU to check. Meanwhile
-# on CUDA the Gram-Schmidt steps between its sums run as kernels with round-to-nearest intrinsics
+# on CUDA the whole iteration of a block is one kernel (gear_power_kernel.py, since session 17:
+# its own order of sums, so not these bits), and where that kernel does not take the shape the
+# Gram-Schmidt steps between its sums run as kernels with round-to-nearest intrinsics
 # (gear_encode_kernel.py: 15 launches per orthonormalization at rank 4 instead of 45).
 COMPILE_ON_GPU = False
 
