@@ -17,7 +17,9 @@ CUDA backend a decode step computes the same in two kernels (fused_decode_gear.p
 
 The encoder (gear_encoder.py) runs in compiled stages around the argpartition, mx.quantize and
 the power iteration; it stores the same bits as the uncompiled ops did
-(tests/cache/test_encoder_identity.py). On the CPU that is hardly faster (1.02-1.06x for a
+(tests/cache/test_encoder_identity.py). On CUDA the power iteration is one kernel per side
+(gear_power_kernel.py, session 17: gear's 32K prefill on the H200 2.02x -> 1.33x fp16's in one
+process), whose factors differ from the ops' in their last bits (its own order of sums). On the CPU that is hardly faster (1.02-1.06x for a
 2048-token chunk of one 8 x 128 layer: argpartition and mx.quantize dominate); on a GPU it
 removes kernel launches (unmeasured; see gear_encoder.py and gear_lowrank.COMPILE_ON_GPU).
 
@@ -43,7 +45,8 @@ traced once: a chunk is always 2048 tokens). The history decode was one uncompil
 whatever the history, holding float32 intermediates of the whole history: one layer's decode
 added 7.5-7.9x the history's fp16 K/V at its peak (bf16, 16K and 32K). The encoder builds ~290
 primitives per chunk (~390 on CUDA before session 6's gear_encode_kernel.py, ~206 with it: the
-power iteration is not compiled there, see gear_lowrank.COMPILE_ON_GPU), the same at every history. `_prefill_keys_values` now
+power iteration is not compiled there, see gear_lowrank.COMPILE_ON_GPU; 88 since session 17's
+gear_power_kernel.py), the same at every history. `_prefill_keys_values` now
   1. decodes the history in pieces of `prefill_decode_bytes` of float32 (8192 tokens of 8 x 128)
      through one compiled function (decode_side under mx.compile: the adds, casts and index
      arithmetic fuse; ~32 primitives per piece pair on a GPU, estimated the same way), so its input
