@@ -23,6 +23,13 @@ through the CUDA emulation, and checks the result is the same subspace fit); the
 the side dtype (bf16 / fp16), where most of that difference rounds away. The order is fixed, so
 a block's factors are the same on every run. ENABLED = False restores the ops (and with
 gear_encode_kernel's kernels their bits) for an A/B.
+
+Measured on the H200 (session 17, results/README.md has the commands): gear's 32K prefill in
+one process, fills alternating, 2.02x fp16's without this kernel and 1.33x with it
+(results/prefill_chunks_h200_s17_32k_power.json); one layer's chunk at 30K history 210 -> 92
+kernels (Nsight Compute), this kernel 47 us per side. It is latency-bound (one CUDA block of 256
+threads per 256 x 128 block, 64 blocks per side for 132 SMs): more threads per block is the next
+step.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.kernel_name import build_kernel
+from veloxquant_mlx.errors import QuantizerConfigError
 
 # False: the MLX ops (gear_lowrank's power iteration) instead, whatever the backend (an A/B on
 # the GPU: the measurement modules' `--set gear_power_kernel.ENABLED=0`).
@@ -72,7 +80,8 @@ _SOURCE = r"""
     // Y = R @ right, a thread per row, its row read in 16-byte vectors; right_s is read at one
     // address by the whole warp. (A warp per row with a shuffle reduction per column: 32 rows
     // x R columns x 5 dependent shuffles per warp and step, one after another; the launch took
-    // 52 us for 3 steps at 256 x 128, rank 4, on the H200, results/ncu_prefill_chunk_h200_s17.json.)
+    // 52 us for 3 steps at 256 x 128, rank 4, on the H200, results/ncu_prefill_chunk_h200_s17_power.json;
+    // this way 47 us, results/ncu_prefill_chunk_h200_s17.json.)
     for (int n = tid; n < N; n += TPB) {
       float acc[R];
       #pragma unroll
@@ -195,7 +204,7 @@ def factors(residual: mx.array, start: mx.array, steps: int) -> tuple[mx.array, 
     *lead, n, d = residual.shape
     rank = start.shape[-1]
     if start.shape != (d, rank) or not fits(n, d, rank):
-        raise ValueError(f"gear power iteration of blocks {n} x {d} from a start of shape {start.shape}: allowed "
+        raise QuantizerConfigError(f"gear power iteration of blocks {n} x {d} from a start of shape {start.shape}: allowed "
                          f"is a start of shape ({d}, r) with r >= 1, d a multiple of 4 and "
                          f"{shared_bytes(n, d, rank)} <= {SHARED_BYTES} bytes of shared memory")
     blocks = 1
