@@ -186,7 +186,7 @@ def test_a_corrupted_source_is_caught(monkeypatch, builder, text, replacement):
 
 
 SPARSE_CORRUPTIONS = [
-    ("HAS_LOW ? __fadd_rn(approx[at], low[at]) : approx[at]", "approx[at]"),  # the low rank left out
+    ("if (LOW == 1) fitted = __fadd_rn(fitted, low[at]);", ""),  # the low rank left out
     ("const size_t at = blk * E + (size_t)p;", "const size_t at = blk * E + (size_t)(p ^ 1);"),  # wrong entry
     ("vq_cast<VT>(__fsub_rn(blocks[at], fitted))", "vq_cast<VT>(__fsub_rn(fitted, blocks[at]))"),  # sign
 ]
@@ -204,6 +204,70 @@ def test_a_corrupted_sparse_source_is_caught(monkeypatch, uncompiled, text, repl
         ours = gear_encoder.encode_side(setting, blocks)["out_values"]
         mx.eval(ours)
     assert not np.array_equal(_bits(reference), _bits(ours))
+
+
+def _sparse_inputs(side, rank: int, dim: int, seed: int):
+    """blocks, approx (1, 2, 3, 256, dim) float32, factors in the side dtype, 1% outliers."""
+    k = mx.random.split(mx.random.key(seed), 5)
+    shape = (1, 2, 3, 256, dim)
+    blocks = mx.random.normal(shape, key=k[0]) * 3
+    approx = mx.round(blocks * 2) / 2
+    tokens = mx.random.normal((1, 2, 3 * 256, rank), key=k[1]).astype(side)
+    channels = (mx.random.normal((1, 2, 3, dim, rank), key=k[2]) * 0.1).astype(side)
+    count = max(1, round(0.01 * 256 * dim))
+    index = mx.argsort(mx.random.uniform(shape=(1, 2, 3, 256 * dim), key=k[3]), axis=-1)[..., :count]
+    return blocks, approx, (tokens, channels), index.astype(mx.int32)
+
+
+@needs_compiler
+@pytest.mark.parametrize("side, rank, dim", [(mx.bfloat16, 4, 128), (mx.float16, 1, 64), (mx.float32, 3, 64)])
+def test_sparse_part_from_the_factors_is_the_ops_with_the_cpu_s_product(side, rank, dim):
+    """LOW = 2 (A B^T at each outlier from the stored factors, a sequential sum) against the ops'
+    stage 3 with the CPU's matmul product, and against the kernel reading that product (LOW = 1):
+    bit for bit, float32 factors (inexact products) included."""
+    blocks, approx, (tokens, channels), index = _sparse_inputs(side, rank, dim, seed=rank + dim)
+    B, H, n_blocks, nb, d = blocks.shape
+    a = tokens.astype(mx.float32).reshape(B, H, n_blocks, nb, rank)
+    low = a @ channels.astype(mx.float32).swapaxes(-1, -2)
+    missing = (blocks - (approx + low)).reshape(B, H, n_blocks, nb * d)
+    expected = mx.take_along_axis(missing, index, axis=-1).astype(side)
+    with cuda_emulation.emulated_kernels():
+        from_factors = gear_encode_kernel.sparse_part(blocks, approx, None, index, side, mx.uint16,
+                                                      factors=(tokens, channels))
+        from_product = gear_encode_kernel.sparse_part(blocks, approx, low, index, side, mx.uint16)
+        mx.eval(from_factors, from_product)
+    _same_bits(expected, from_factors[0])
+    _same_bits(from_product[0], from_factors[0])
+    _same_bits(index.astype(mx.uint16), from_factors[1])
+
+
+FACTOR_CORRUPTIONS = [
+    ("const int t = p / DIM, c = p - t * DIM;", "const int c = p / DIM, t = p - c * DIM;"),  # A's and B's rows swapped
+    ("vq_f32(channels[b0 + j])", "vq_f32(channels[b0])"),  # one column of B for every r
+    ("lr = __fadd_rn(lr, __fmul_rn(", "lr = __fadd_rn(lr * 0.5f, __fmul_rn("),  # a wrong sum
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("text, replacement", FACTOR_CORRUPTIONS)
+def test_a_corrupted_factor_sum_is_caught(monkeypatch, text, replacement):
+    assert text in gear_encode_kernel._SPARSE_SOURCE
+    monkeypatch.setattr(gear_encode_kernel, "_SPARSE_SOURCE", gear_encode_kernel._SPARSE_SOURCE.replace(text, replacement))
+    blocks, approx, factors, index = _sparse_inputs(mx.float32, 3, 64, seed=11)
+    with cuda_emulation.emulated_kernels():
+        reference = gear_encode_kernel.sparse_part(blocks, approx, None, index, mx.float32, mx.uint16, factors=factors)
+        mx.eval(reference)
+    monkeypatch.setattr(gear_encode_kernel, "_SPARSE_SOURCE", gear_encode_kernel._SPARSE_SOURCE.replace(replacement, text))
+    with cuda_emulation.emulated_kernels():
+        ours = gear_encode_kernel.sparse_part(blocks, approx, None, index, mx.float32, mx.uint16, factors=factors)
+        mx.eval(ours)
+    assert not np.array_equal(_bits(reference[0]), _bits(ours[0]))
+
+
+def test_the_sparse_part_takes_the_product_or_the_factors_not_both():
+    blocks, approx, factors, index = _sparse_inputs(mx.bfloat16, 2, 64, seed=1)
+    with pytest.raises(ValueError, match="both `low` and `factors`"):
+        gear_encode_kernel.sparse_part(blocks, approx, blocks, index, mx.bfloat16, mx.uint16, factors=factors)
 
 
 @cuda_test

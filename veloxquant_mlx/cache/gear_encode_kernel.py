@@ -58,6 +58,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.kernel_name import build_kernel
+from veloxquant_mlx.errors import QuantizerConfigError
 
 # False: the MLX ops instead, whatever the backend (for an A/B on the GPU: the measurement
 # modules' `--set gear_encode_kernel.ENABLED=0`).
@@ -221,6 +222,11 @@ def orthonormal(y: mx.array) -> mx.array:
 # index dtype. As ops that is an add and a subtract over the whole (n, d) side (two float32
 # passes), a gather and two casts: 5 launches per side; here one, which reads only the outliers'
 # entries. One thread per outlier; the add and subtract are the ops' (float32, rounded once each).
+# LOW: 0 no low rank; 1 low[p] read from the (n, d) float32 product A B^T the ops made; 2 low[p]
+# computed here from the stored factors (side dtype): A's row t and B's row c of the entry
+# p = t * DIM + c, r = 0, 1, ... summed from 0, a rounding per product and per sum: what a
+# sequential K = RANK sgemm gives (the CPU's matmul: the emulated tests compare) and what
+# gear_prefill_kernel.py adds back when it decodes the entry.
 _SPARSE_SOURCE = r"""
   const size_t o = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   const size_t total = (size_t)index_shape[0] * index_shape[1] * index_shape[2] * NO;
@@ -228,7 +234,15 @@ _SPARSE_SOURCE = r"""
   const size_t blk = o / NO;
   const int p = index[o];
   const size_t at = blk * E + (size_t)p;
-  const float fitted = HAS_LOW ? __fadd_rn(approx[at], low[at]) : approx[at];
+  float fitted = approx[at];
+  if (LOW == 1) fitted = __fadd_rn(fitted, low[at]);
+  if (LOW == 2) {
+    const int t = p / DIM, c = p - t * DIM;
+    const size_t a0 = (blk * (E / DIM) + (size_t)t) * RANK, b0 = (blk * DIM + (size_t)c) * RANK;
+    float lr = 0.0f;
+    for (int j = 0; j < RANK; ++j) lr = __fadd_rn(lr, __fmul_rn(vq_f32(tokens[a0 + j]), vq_f32(channels[b0 + j])));
+    fitted = __fadd_rn(fitted, lr);
+  }
   values[o] = vq_cast<VT>(__fsub_rn(blocks[at], fitted));
   positions[o] = (IT)p;
 """
@@ -239,7 +253,7 @@ def _sparse_kernel():
     return build_kernel(
         mx.fast.cuda_kernel,
         name="vq_gear_sparse_part",
-        input_names=["blocks", "approx", "low", "index"],
+        input_names=["blocks", "approx", "low", "tokens", "channels", "index"],
         output_names=["values", "positions"],
         source=_SPARSE_SOURCE,
         header=fused_decode._HEADER + _ROUNDING,
@@ -247,18 +261,28 @@ def _sparse_kernel():
 
 
 def sparse_part(blocks: mx.array, approx: mx.array, low: mx.array | None, index: mx.array,
-                side_dtype: mx.Dtype, index_dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+                side_dtype: mx.Dtype, index_dtype: mx.Dtype, factors=None) -> tuple[mx.array, mx.array]:
     """blocks, approx (B, H, n_blocks, nb, d) float32 (the side and Q(D)); low the same shape
-    (A B^T as the stored factors give it) or None without a low rank; index (B, H, n_blocks,
-    count) int32 over nb * d -> (values (B, H, n_blocks, count) in side_dtype, positions in
-    index_dtype): bit for bit gear_encoder's stage 3 after `approx + low`."""
+    (A B^T as the stored factors give it) or None; `factors` (tokens (B, H, n_blocks * nb, r),
+    channels (B, H, n_blocks, d, r), both in side_dtype) to compute A B^T at the outliers from
+    instead (not with `low`); neither: no low rank. index (B, H, n_blocks, count) int32 over
+    nb * d -> (values (B, H, n_blocks, count) in side_dtype, positions in index_dtype): bit for
+    bit gear_encoder's stage 3 after `approx + low` (with `factors`, where `low` would be the
+    sequential K = r product of the factors: the CPU's)."""
     B, H, n_blocks, nb, d = blocks.shape
     count = index.shape[-1]
     total = B * H * n_blocks * count
-    has_low = low is not None
+    if low is not None and factors is not None:
+        raise QuantizerConfigError("gear sparse part: both `low` and `factors` given; allowed is one of them or neither")
+    mode = 1 if low is not None else 2 if factors is not None else 0
+    absent_side = fused_decode.absent_input(side_dtype)
+    tokens, channels = factors if factors is not None else (absent_side, absent_side)
+    rank = tokens.shape[-1] if factors is not None else 0
     return _sparse_kernel()(
-        inputs=[blocks, approx, low if has_low else fused_decode.absent_input(mx.float32), index],
-        template=[("E", nb * d), ("NO", count), ("HAS_LOW", int(has_low)), ("VT", side_dtype), ("IT", index_dtype)],
+        inputs=[blocks, approx, low if low is not None else fused_decode.absent_input(mx.float32), tokens, channels,
+                index],
+        template=[("E", nb * d), ("DIM", d), ("RANK", rank), ("NO", count), ("LOW", mode), ("VT", side_dtype),
+                  ("IT", index_dtype)],
         grid=(-(-total // THREADS) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[index.shape, index.shape],

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from veloxquant_mlx.cache import gear_encode_kernel, outlier_select_kernel
-from veloxquant_mlx.cache.gear_lowrank import low_rank_factors
+from veloxquant_mlx.cache.gear_lowrank import low_rank_factors, takes_power_kernel
 from veloxquant_mlx.cache.gear_outliers import index_dtype, outlier_mask, outlier_scores, select_outliers
 
 
@@ -60,22 +60,30 @@ def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | N
     out = {"codes": codes, "scales": scales, "zeros": zeros}
     # On CUDA the sparse part is one kernel that also adds the low rank at the outliers only
     # (gear_encode_kernel.sparse_part): stage 2 then returns A B^T instead of Q(D) + A B^T.
+    # With the power-iteration kernel (whose factors are not the ops' bits anyway) the sparse
+    # kernel computes A B^T at each outlier from the stored factors itself, in the order
+    # gear_prefill_kernel.py adds it back: no (n, d) float32 product, no matmul.
     sparse_kernel = bool(setting.outliers) and gear_encode_kernel.enabled()
-    low = None
+    n_tokens, d = blocks.shape[-2:]
+    low_at_outliers = sparse_kernel and bool(setting.rank) and takes_power_kernel(n_tokens, d, setting.rank)
+    low = factors = None
     if setting.rank:
         residual = rest[0]
         tokens, channels = low_rank_factors(residual, setting.rank)
-        parts = _compiled_low_rank_parts(setting, add_to_approx=not sparse_kernel)
-        out["lr_tokens"], out["lr_channels"], fitted = parts(tokens, channels, approx)
-        if sparse_kernel:
-            low = fitted
+        if low_at_outliers:
+            out["lr_tokens"], out["lr_channels"] = factors = _compiled_stored_factors(setting)(tokens, channels)
         else:
-            approx = fitted
+            parts = _compiled_low_rank_parts(setting, add_to_approx=not sparse_kernel)
+            out["lr_tokens"], out["lr_channels"], fitted = parts(tokens, channels, approx)
+            if sparse_kernel:
+                low = fitted
+            else:
+                approx = fitted
     if setting.outliers:
         index = rest[-1]
         if sparse_kernel:
             out["out_values"], out["out_index"] = gear_encode_kernel.sparse_part(
-                blocks, approx, low, index, setting.side_dtype, index_dtype(blocks.shape[-2] * blocks.shape[-1])
+                blocks, approx, low, index, setting.side_dtype, index_dtype(n_tokens * d), factors=factors
             )
         else:
             out["out_values"], out["out_index"] = _compiled_sparse_part(setting)(blocks, approx, index)
@@ -147,6 +155,19 @@ def _compiled_low_rank_parts(setting: EncoderSetting, add_to_approx: bool = True
         return tokens.reshape(B, H, n_blocks * nb, setting.rank), channels, fitted
 
     return mx.compile(parts)
+
+
+@lru_cache(maxsize=None)
+def _compiled_stored_factors(setting: EncoderSetting):
+    """Stage 2 without the product (the CUDA sparse kernel computes A B^T at the outliers):
+    the factors as stored, tokens (B, H, n_blocks * nb, r) and channels (B, H, n_blocks, d, r)."""
+    side = setting.side_dtype
+
+    def stored(tokens: mx.array, channels: mx.array):
+        B, H, n_blocks, nb, _ = tokens.shape
+        return tokens.astype(side).reshape(B, H, n_blocks * nb, setting.rank), channels.astype(side)
+
+    return mx.compile(stored)
 
 
 @lru_cache(maxsize=None)

@@ -32,7 +32,7 @@ POWER_STEPS = 3
 def low_rank_factors(residual: mx.array, rank: int, steps: int = POWER_STEPS):
     """residual (..., n, d) float32 -> (A (..., n, r), B (..., d, r)) with residual ~ A @ B^T."""
     start = start_matrix(residual.shape[-1], rank)
-    if rank <= GRAM_SCHMIDT_MAX_RANK and gear_power_kernel.applies(*residual.shape[-2:], rank):
+    if takes_power_kernel(*residual.shape[-2:], rank):
         # On CUDA: every step of a block in one kernel (gear_power_kernel.py); the factors
         # differ from the ops' in their last bits (the order of its sums).
         return gear_power_kernel.factors(residual, start, steps)
@@ -42,6 +42,12 @@ def low_rank_factors(residual: mx.array, rank: int, steps: int = POWER_STEPS):
         # On CUDA, uncompiled: Gram-Schmidt's elementwise steps as kernels, its sums MLX's.
         return _power_iteration(residual, rank, steps, start, orthonormal=gear_encode_kernel.orthonormal)
     return _power_iteration(residual, rank, steps, start)
+
+
+def takes_power_kernel(n: int, d: int, rank: int) -> bool:
+    """Whether low_rank_factors of (..., n, d) residuals at `rank` runs gear_power_kernel.py here
+    (CUDA, kernels on, a shape it takes; the ranks Gram-Schmidt handles)."""
+    return rank <= GRAM_SCHMIDT_MAX_RANK and gear_power_kernel.applies(n, d, rank)
 
 
 def start_matrix(d: int, rank: int) -> mx.array:
