@@ -83,3 +83,45 @@ def test_a_prompt_chunk_ending_at_the_new_capacity_grows_without_zero_fill_or_sl
     assert written["SliceUpdate"] == arrays and grown["SliceUpdate"] == 0
     assert written["Full"] - grown["Full"] == arrays
     assert grown["Concatenate"] == written["Concatenate"]
+
+
+def _run_with_slack_fill(spec_name: str, from_write: bool, monkeypatch):
+    monkeypatch.setattr(base, "SLACK_FROM_WRITE", from_write)
+    return _run(spec_name, True, monkeypatch)
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_slack_filled_from_the_write_stores_and_reads_what_zero_slack_does(spec_name, monkeypatch):
+    # The 300-token chunk ends its blocks inside a 256-token tile (kivi and turboquant_rvq keep
+    # an exact residual too): the growth has slack, filled from the written blocks or with zeros.
+    ours, ours_outs = _run_with_slack_fill(spec_name, True, monkeypatch)
+    zeros, zero_outs = _run_with_slack_fill(spec_name, False, monkeypatch)
+    assert ours.capacity == zeros.capacity and ours.n_compressed == zeros.n_compressed > 0
+    for spec in ours._store_layout():
+        a, b = ours.store[spec.name], zeros.store[spec.name]
+        assert a.shape == b.shape and a.dtype == b.dtype, spec.name
+        assert mx.array_equal(_filled(ours, spec), _filled(zeros, spec)).item(), spec.name
+    for i, (x, y) in enumerate(zip(ours_outs, zero_outs)):
+        assert mx.array_equal(x, y).item(), f"step {i}"
+
+
+def test_a_growth_with_slack_needs_no_zero_fill(monkeypatch):
+    """turboquant_rvq keeps 64 exact tokens: a prompt chunk after the first ends its blocks 64
+    tokens short of a tile, so its growth has slack; filled from the write, no Full node (a zero
+    fill launch on CUDA) is left in the store arrays' graph."""
+    counts = {}
+    for from_write in (True, False):
+        monkeypatch.setattr(base, "SLACK_FROM_WRITE", from_write)
+        cache = parse_layer_spec("turboquant_rvq").make()
+        k = mx.random.normal((1, H, 2048, D), key=mx.random.key(5))
+        mx.eval(k)
+        for a in (0, 1024):  # the first chunk's store is made, the second's grows it
+            mx.eval(list(cache.store.values()))
+            cache.update_and_fetch(k[:, :, a : a + 1024], k[:, :, a : a + 1024])
+            cache._flush()
+        assert cache.n_compressed == 2048 - 64 and cache.capacity == 2048
+        layout = cache._store_layout()
+        counts[from_write] = Counter(name for _, name in graph_nodes([cache.store[s.name] for s in layout]))
+    assert counts[True]["Full"] == 0 and counts[False]["Full"] == len(layout)
+    # One concatenation per store array either way (the encoder makes a few of its own).
+    assert counts[True]["Concatenate"] == counts[False]["Concatenate"] >= len(layout)

@@ -91,6 +91,16 @@ PREFILL_START_QUERIES = 1
 # (bench --set / prefill_chunks --alternate base.GROW_WITH_WRITE=0).
 GROW_WITH_WRITE = 1
 
+# The growth's slack past the written blocks (capacity is whole 256-token tiles; a cache keeping
+# an exact residual, e.g. turboquant_rvq's 64 tokens, ends each prompt chunk's blocks inside a
+# tile) is filled by the concatenation from a broadcast of the written blocks' first entry (a
+# view) instead of a zero array: one launch fewer per store array and chunk on CUDA (a zero fill:
+# turboquant_rvq's 10 per layer and 2048-token chunk, Nsight's copy_s in
+# results/ncu_prefill_chunk_h200_s16.json). Nothing reads the slack as history: attention masks
+# every position past n_compressed, and the values there are finite copies of stored ones.
+# 0: zeros, as before session 17 (an A/B: prefill_chunks --alternate base.SLACK_FROM_WRITE=0).
+SLACK_FROM_WRITE = 1
+
 
 class CompressedKVCache(_BaseCache):
     method: ClassVar[str] = ""
@@ -654,11 +664,11 @@ class CompressedKVCache(_BaseCache):
 
     def _grow_with(self, encoded: dict[str, mx.array], n: int) -> None:
         """Grow the store to hold n more tokens and write the encoded blocks in the same
-        concatenation: [the filled part, the encoded blocks, zero slack up to the new capacity].
-        Growing first and then writing costs per array a zero fill of the growth, two copies
-        (old, growth) and the write's copy: 4 launches; this is 2 when the encoded blocks end
-        at the new capacity (a prefill chunk of whole growth steps, the common case) and 3
-        plus the zero fill otherwise. On MLX's CUDA backend every launch is host time too
+        concatenation: [the filled part, the encoded blocks, slack up to the new capacity (a
+        broadcast of the blocks' first entry: SLACK_FROM_WRITE)]. Growing first and then writing
+        costs per array a zero fill of the growth, two copies (old, growth) and the write's
+        copy: 4 launches; this is 2 when the encoded blocks end at the new capacity (a prefill
+        chunk of whole growth steps) and 3 otherwise (and a zero fill with SLACK_FROM_WRITE = 0). On MLX's CUDA backend every launch is host time too
         (bench/prefill_chunks.py: kvquant's host ~11 ms per 8-layer 2048-token chunk against
         fp16's 0.9). What lay past n_compressed (stale blocks after a trim) is not carried:
         nothing reads it (the attention masks every position past the history)."""
@@ -679,7 +689,12 @@ class CompressedKVCache(_BaseCache):
             slack = new_capacity // spec.tokens_per_index - start - shape[axis]
             if slack:
                 shape[axis] = slack
-                parts.append(mx.zeros(shape, spec.dtype))
+                if SLACK_FROM_WRITE:
+                    index = [slice(None)] * old.ndim
+                    index[axis] = slice(0, 1)
+                    parts.append(mx.broadcast_to(parts[-1][tuple(index)], shape))
+                else:
+                    parts.append(mx.zeros(shape, spec.dtype))
             self.store[spec.name] = mx.concatenate(parts, axis=axis)
         self.capacity = new_capacity
 
