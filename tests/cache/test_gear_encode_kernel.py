@@ -289,20 +289,26 @@ def test_orthonormal_on_cuda_is_the_ops_bit_for_bit(rank, batched):
     _same_bits(gear_lowrank._orthonormal(y), gear_encode_kernel.orthonormal(y))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
-def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch):
-    monkeypatch.setattr(gear_lowrank, "_compile_here", lambda: False)
-    monkeypatch.setattr(gear_encode_kernel, "BATCHED_SUMS", True)  # first the batched sources
-    # The selection kernel has its own nvcc test; here its recorded launch would hand the
-    # quantizing stage placeholder positions (signatures_only runs no kernel).
+def encoder_sources(monkeypatch) -> set[str]:
+    """The CUDA sources of the kernels one gear `_encode` (2 KV heads x 128, bf16, 256 tokens)
+    launches, as MLX's backend would compile them (signatures only: nothing runs). The selection
+    kernel off (it has its own nvcc test): its recorded launch would hand the quantizing stage
+    placeholder positions."""
     monkeypatch.setattr(outlier_select_kernel, "ENABLED", False)
     keys, values = _kv(256, 2, 128, mx.bfloat16, seed=1, real_shaped=True)
     cache = GEARCache(KVCacheConfig(method="gear"))
     cache.batch_size, cache.n_kv_heads, cache.head_dim, cache.value_dim, cache.dtype = 1, 2, 128, 128, mx.bfloat16
     with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
         cache._encode(keys, values)
-    sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
+    return {kernel.cuda_source(sig) for kernel, sig in captured}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
+def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch):
+    monkeypatch.setattr(gear_lowrank, "_compile_here", lambda: False)
+    monkeypatch.setattr(gear_encode_kernel, "BATCHED_SUMS", True)  # first the batched sources
+    sources = sorted(encoder_sources(monkeypatch))
     # normalize with 3, 2, 1, 0 later columns; project with 3, 2, 1; the sparse part (keys and
     # values share it: same block entries, count and dtypes); then the per-column sums' kernels
     assert len(sources) == 8

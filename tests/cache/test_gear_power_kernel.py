@@ -15,8 +15,9 @@ from tests.cache import cuda_emulation
 from tests.cache.cuda_marks import cuda_test
 from tests.cache.stable_selection import stable_argpartition
 from tests.cache.test_encoder_identity import _bits, _kv
+from tests.cache.test_gear_encode_kernel import encoder_sources
 from tests.cache.test_kernels_nvcc import NVCC, compiled_without_spills
-from veloxquant_mlx.cache import gear_lowrank, gear_power_kernel, outlier_select_kernel
+from veloxquant_mlx.cache import gear_lowrank, gear_power_kernel
 from veloxquant_mlx.cache.gear import GEARCache
 from veloxquant_mlx.config import KVCacheConfig
 
@@ -187,15 +188,8 @@ def test_the_kernel_compiles_for_sm90_without_spills(tmp_path, monkeypatch):
         sources += [kernel.cuda_source(sig) for kernel, sig in captured]
     assert len(sources) == 3
     # The encoder's launches with the kernel: the power iteration and the sparse part computing
-    # A B^T from the factors (LOW = 2). The selection kernel off: its recorded launch would hand
-    # the quantizing stage placeholder positions (signatures_only runs no kernel).
-    monkeypatch.setattr(outlier_select_kernel, "ENABLED", False)
-    keys, values = _kv(256, 2, 128, mx.bfloat16, seed=1, real_shaped=True)
-    cache = GEARCache(KVCacheConfig(method="gear"))
-    cache.batch_size, cache.n_kv_heads, cache.head_dim, cache.value_dim, cache.dtype = 1, 2, 128, 128, mx.bfloat16
-    with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
-        cache._encode(keys, values)
-    encoder = {kernel.cuda_source(sig) for kernel, sig in captured}
+    # A B^T from the factors (LOW = 2).
+    encoder = encoder_sources(monkeypatch)
     assert any("LOW = 2;" in source for source in encoder)
     for i, source in enumerate(sources + sorted(encoder - set(sources))):
         compiled_without_spills(source, tmp_path, i)

@@ -45,18 +45,21 @@ def _filled(cache, spec) -> mx.array:
     return array[tuple(index)]
 
 
+def _assert_same_history(ours, ours_outs, theirs, theirs_outs) -> None:
+    """The same capacity, stored history (up to n_compressed) and attention outputs."""
+    assert ours.capacity == theirs.capacity and ours.n_compressed == theirs.n_compressed > 0
+    for spec in ours._store_layout():
+        a, b = ours.store[spec.name], theirs.store[spec.name]
+        assert a.shape == b.shape and a.dtype == b.dtype, spec.name
+        assert mx.array_equal(_filled(ours, spec), _filled(theirs, spec)).item(), spec.name
+    assert len(ours_outs) == len(theirs_outs)
+    for i, (x, y) in enumerate(zip(ours_outs, theirs_outs)):
+        assert mx.array_equal(x, y).item(), f"step {i}"
+
+
 @pytest.mark.parametrize("spec_name", SPECS)
 def test_growing_with_the_write_stores_and_reads_what_growing_then_writing_does(spec_name, monkeypatch):
-    grown, grown_outs = _run(spec_name, True, monkeypatch)
-    written, written_outs = _run(spec_name, False, monkeypatch)
-    assert grown.capacity == written.capacity and grown.n_compressed == written.n_compressed > 0
-    for spec in grown._store_layout():
-        a, b = grown.store[spec.name], written.store[spec.name]
-        assert a.shape == b.shape and a.dtype == b.dtype, spec.name
-        assert mx.array_equal(_filled(grown, spec), _filled(written, spec)).item(), spec.name
-    assert len(grown_outs) == len(written_outs)
-    for i, (x, y) in enumerate(zip(grown_outs, written_outs)):
-        assert mx.array_equal(x, y).item(), f"step {i}"
+    _assert_same_history(*_run(spec_name, True, monkeypatch), *_run(spec_name, False, monkeypatch))
 
 
 def _store_graph_after_three_chunks(grow_with_write: bool, monkeypatch) -> tuple[int, Counter]:
@@ -94,15 +97,8 @@ def _run_with_slack_fill(spec_name: str, from_write: bool, monkeypatch):
 def test_slack_filled_from_the_write_stores_and_reads_what_zero_slack_does(spec_name, monkeypatch):
     # The 300-token chunk ends its blocks inside a 256-token tile (kivi and turboquant_rvq keep
     # an exact residual too): the growth has slack, filled from the written blocks or with zeros.
-    ours, ours_outs = _run_with_slack_fill(spec_name, True, monkeypatch)
-    zeros, zero_outs = _run_with_slack_fill(spec_name, False, monkeypatch)
-    assert ours.capacity == zeros.capacity and ours.n_compressed == zeros.n_compressed > 0
-    for spec in ours._store_layout():
-        a, b = ours.store[spec.name], zeros.store[spec.name]
-        assert a.shape == b.shape and a.dtype == b.dtype, spec.name
-        assert mx.array_equal(_filled(ours, spec), _filled(zeros, spec)).item(), spec.name
-    for i, (x, y) in enumerate(zip(ours_outs, zero_outs)):
-        assert mx.array_equal(x, y).item(), f"step {i}"
+    _assert_same_history(*_run_with_slack_fill(spec_name, True, monkeypatch),
+                         *_run_with_slack_fill(spec_name, False, monkeypatch))
 
 
 def test_a_growth_with_slack_needs_no_zero_fill(monkeypatch):
