@@ -102,6 +102,13 @@ GROW_WITH_WRITE = 1
 SLACK_FROM_WRITE = 1
 
 
+def _along(ndim: int, axis: int, part: slice) -> tuple:
+    """The index of `part` along `axis` of an ndim-dimensional array, everything of the rest."""
+    index = [slice(None)] * ndim
+    index[axis] = part
+    return tuple(index)
+
+
 class CompressedKVCache(_BaseCache):
     method: ClassVar[str] = ""
     step: ClassVar[int] = 256
@@ -658,9 +665,8 @@ class CompressedKVCache(_BaseCache):
         for spec in self._store_layout():
             start = self.n_compressed // spec.tokens_per_index
             stop = start + encoded[spec.name].shape[spec.axis]
-            index = [slice(None)] * self.store[spec.name].ndim
-            index[spec.axis] = slice(start, stop)
-            self.store[spec.name][tuple(index)] = encoded[spec.name]
+            store = self.store[spec.name]
+            store[_along(store.ndim, spec.axis, slice(start, stop))] = encoded[spec.name]
 
     def _grow_with(self, encoded: dict[str, mx.array], n: int) -> None:
         """Grow the store to hold n more tokens and write the encoded blocks in the same
@@ -668,10 +674,11 @@ class CompressedKVCache(_BaseCache):
         broadcast of the blocks' first entry: SLACK_FROM_WRITE)]. Growing first and then writing
         costs per array a zero fill of the growth, two copies (old, growth) and the write's
         copy: 4 launches; this is 2 when the encoded blocks end at the new capacity (a prefill
-        chunk of whole growth steps) and 3 otherwise (and a zero fill with SLACK_FROM_WRITE = 0). On MLX's CUDA backend every launch is host time too
-        (bench/prefill_chunks.py: kvquant's host ~11 ms per 8-layer 2048-token chunk against
-        fp16's 0.9). What lay past n_compressed (stale blocks after a trim) is not carried:
-        nothing reads it (the attention masks every position past the history)."""
+        chunk of whole growth steps) and 3 otherwise (and a zero fill with SLACK_FROM_WRITE = 0).
+        On MLX's CUDA backend every launch is host time too (bench/prefill_chunks.py: kvquant's
+        host ~11 ms per 8-layer 2048-token chunk against fp16's 0.9). What lay past n_compressed
+        (stale blocks after a trim) is not carried: nothing reads it (the attention masks every
+        position past the history)."""
         new_capacity = self._grown_capacity(self.n_compressed + n)
         for spec in self._store_layout():
             old = self.store[spec.name]
@@ -683,16 +690,12 @@ class CompressedKVCache(_BaseCache):
             # Concatenation neither broadcasts nor casts as the slice write did: match both.
             parts = [mx.broadcast_to(part, shape).astype(spec.dtype)]
             if start:
-                index = [slice(None)] * old.ndim
-                index[axis] = slice(0, start)
-                parts.insert(0, old[tuple(index)])
+                parts.insert(0, old[_along(old.ndim, axis, slice(0, start))])
             slack = new_capacity // spec.tokens_per_index - start - shape[axis]
             if slack:
                 shape[axis] = slack
                 if SLACK_FROM_WRITE:
-                    index = [slice(None)] * old.ndim
-                    index[axis] = slice(0, 1)
-                    parts.append(mx.broadcast_to(parts[-1][tuple(index)], shape))
+                    parts.append(mx.broadcast_to(parts[-1][_along(old.ndim, axis, slice(0, 1))], shape))
                 else:
                     parts.append(mx.zeros(shape, spec.dtype))
             self.store[spec.name] = mx.concatenate(parts, axis=axis)

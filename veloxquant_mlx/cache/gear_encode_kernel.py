@@ -143,7 +143,7 @@ def _project_source(later: int, batched: bool) -> str:
 """
 
 
-def _floor_constant() -> str:
+def floor_constant() -> str:
     # The float32 nearest NORM_FLOOR (MLX's rounding of the Python scalar), as an exact literal.
     floor32 = struct.unpack("<f", struct.pack("<f", NORM_FLOOR))[0]
     return f"  constexpr float FLOOR = {floor32.hex()}f;\n"
@@ -157,7 +157,7 @@ def _normalize_kernel(later: int, batched: bool):
         name=f"vq_gear_gs_normalize_{later}" + ("_batched" if batched and later else ""),
         input_names=["w", "norm_sum"],
         output_names=["out", *products],
-        source=_floor_constant() + _normalize_source(later, batched),
+        source=floor_constant() + _normalize_source(later, batched),
         header=_ROUNDING,
     )
 

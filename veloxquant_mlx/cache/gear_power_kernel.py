@@ -14,8 +14,8 @@ its iterates in shared memory, the residual read from global memory (L2) twice p
   - Y = R @ right: a thread per row of R, read in 16-byte vectors (d a multiple of 4);
   - Y's columns orthonormalized by modified Gram-Schmidt in the ops' order (each column minus
     its projections on the earlier ones, each projection's sum taken after the previous
-    subtraction, then divided by max(norm, NORM_FLOOR): a zero column stays zero), each sum a
-    block reduction;
+    subtraction, then divided by max(norm, gear_encode_kernel.NORM_FLOOR): a zero column stays
+    zero), each sum a block reduction;
   - right = R^T @ left: a thread per (channel, part of the rows), parts added in a fixed order.
 The sums run in another order than MLX's matmuls and reductions, so the factors differ from the
 ops' in their last bits (tests/cache/test_gear_power_kernel.py bounds the difference on the CPU
@@ -34,12 +34,11 @@ step.
 
 from __future__ import annotations
 
-import struct
 from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, gear_encode_kernel
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -50,8 +49,6 @@ THREADS = 256
 # Static shared memory per block is 48 KB: the iterates (n x r and d x r floats), the partial
 # sums of R^T @ left (max(THREADS, d) x r floats) and the reduction's per-warp slots.
 SHARED_BYTES = 48 * 1024
-# gear_lowrank._orthonormal's floor of a column's norm.
-NORM_FLOOR = 1e-20
 
 # 16 bytes read as one 128-bit access (a plain struct: CUDA's float4 is not needed).
 _HEADER = r"""
@@ -156,12 +153,6 @@ _SOURCE = r"""
 """
 
 
-def _floor_constant() -> str:
-    # The float32 nearest NORM_FLOOR, as an exact hexadecimal literal (no decimal rounding).
-    floor32 = struct.unpack("<f", struct.pack("<f", NORM_FLOOR))[0]
-    return f"  constexpr float FLOOR = {floor32.hex()}f;\n"
-
-
 @lru_cache(maxsize=None)
 def _kernel():
     return build_kernel(
@@ -169,7 +160,7 @@ def _kernel():
         name="vq_gear_power_iteration",
         input_names=["residual", "start"],
         output_names=["left", "right"],
-        source=_floor_constant() + _SOURCE,
+        source=gear_encode_kernel.floor_constant() + _SOURCE,  # the Gram-Schmidt kernels' FLOOR
         header=_HEADER,
     )
 
