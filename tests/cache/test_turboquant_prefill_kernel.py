@@ -61,8 +61,9 @@ def same_bytes(a: mx.array, b: mx.array) -> bool:
 
 CASES = [
     # (cache dtype, queries dtype, key bits, value bits, head dim, sink, history, window, block)
-    # The kernel's tile is 8 tokens (a warp each): the totals 139, 68, 67 and 69 end inside a
-    # tile, 64 does not; 4-token encode blocks give a history (68) that is not whole tiles.
+    # A warp takes TOKENS_PER_WARP (4) consecutive tokens, a block 8 warps: the totals 139, 67
+    # and 69 end inside a warp's tokens, 64 and 68 do not; 4-token encode blocks give a history
+    # (68) that is not whole blocks of 32.
     pytest.param(mx.bfloat16, mx.bfloat16, 4, 4, 64, True, 128, 11, 64, id="bf16-4-4-d64-sink"),
     pytest.param(mx.float16, mx.float32, 1, 3, 64, False, 68, 0, 4, id="fp16-to-f32-1-3-d64"),
     pytest.param(mx.float32, mx.bfloat16, 2, 4, 128, True, 64, 3, 4, id="f32-to-bf16-2-4-d128-sink"),
@@ -84,6 +85,20 @@ def test_kernel_history_is_the_portable_path_bit_for_bit(dtype, qdtype, kb, vb, 
     for a, b, c in zip(ours, pieces, one_graph):
         assert a.shape[2] == history + window and a.dtype == qdtype
         assert same_bytes(a, b) and same_bytes(a, c)
+
+
+@needs_emulation
+@pytest.mark.parametrize("per_warp", [1, 3])
+def test_tokens_per_warp_leave_the_bits(monkeypatch, per_warp):
+    """Other TOKENS_PER_WARP (1: a warp per token, the A/B's; 3: warps ending inside the window
+    and inside the history) give the portable path's bytes too."""
+    monkeypatch.setattr(tpk, "TOKENS_PER_WARP", per_warp)
+    cache = filled(mx.bfloat16, 68, 5, key_bits=4, value_bits=3, dim=64, block=4)
+    queries = mx.random.normal((2, 2, 9, 64)).astype(mx.bfloat16)
+    reference = cache._prefill_keys_values(queries)
+    mx.eval(reference)
+    for a, b in zip(kernel_path(cache, queries), reference):
+        assert same_bytes(a, b)
 
 
 @needs_emulation
@@ -113,18 +128,18 @@ def test_prefill_chunk_attention_through_the_kernel_is_unchanged():
 
 # Source changes the comparison must catch (each compiles one more emulated program).
 CORRUPTIONS = [
-    # a butterfly's difference taken the other way round (b - a for a - b). Not here: the
+    # a butterfly across lanes with its sum and difference swapped (other - y for y + other). Not here: the
     # stages in the other order, which gave the same bytes: the stage values carry ~11-13
     # significant bits, so the transform's float32 sums were exact whatever their order.
-    ("upper ? __fadd_rn(other, -y[e])", "upper ? __fadd_rn(y[e], -other)"),
+    ("y[e] = __fmaf_rn(own, y[e], other);", "y[e] = __fmaf_rn(-own, y[e], other);"),
     # the centered-out key mean not added back
-    ("k[e] = __fadd_rn(k[e], vq_f32(kmean", "k[e] = __fadd_rn(0.f * k[e], k[e] + 0.f * vq_f32(kmean"),
+    ("k[e] = __fadd_rn(k[e], km[e]);", "k[e] = __fadd_rn(k[e], 0.f * km[e]);"),
     # the sink's correction forgotten for the values
     ("v[e] = __fadd_rn(v[e], vq_f32(dv[", "v[e] = __fadd_rn(v[e], 0.f * vq_f32(dv["),
     # a 3-bit code's bits in the next word dropped
-    ("if (sh + B1 > 32) code |=", "if (false) code |="),
+    ("if (sh0 + E * B1 > 32) bits |=", "if (false) bits |="),
     # the values' rotation signs not applied
-    ("vq_rvq_unrotate<EV>(v, lane, value_scale, vsg);", "vq_rvq_unrotate<EV>(v, lane, value_scale, ksg);"),
+    ("vq_rvq_unrotate<EV>(v, lane, vss);", "vq_rvq_unrotate<EV>(v, lane, kss);"),
 ]
 
 

@@ -38,9 +38,10 @@ E = N / 32), for keys then values:
   t >= n: the window's token;
   then cast to the cache's dtype and to the queries' dtype, as the portable path does
   (`_decode_range` casts to the cache dtype, `_prefill_keys_values` to the queries').
-Every float operation is a __fadd_rn / __fmul_rn, which nvrtc never contracts into an FMA: the
-portable ops round each step (scale * code is exact anyway: an fp16 scale times a code < 8 fits
-float32, so an FMA there could not differ either).
+Every float operation is a __fadd_rn / __fmul_rn / __fmaf_rn, which nvrtc never contracts or
+splits: the portable ops round each step, and a fused multiply-add stands only where its product
+is exact (a 16-bit scale times a code < 8, 2a times a bit, +-1 times a butterfly's operand), so
+its one rounding is the sum's the portable path rounds (session 18: one instruction for two).
 
 Exactness. On MLX's CPU backend (the thread-level emulation, tests/cache/cuda_emulation.py) the
 result is the portable path's bit for bit: the same operations in the same order, each rounded
@@ -57,19 +58,21 @@ place of the output dtype). Perhaps none: the stage values are fp16 side data ti
 which is why that corruption is not among the test's); what rounds besides is the N^-1/2 scale
 (d 128), the key mean and the sink correction, single operations in any order.
 
-Work split: blocks of 256 threads, 8 warps, 8 consecutive tokens of one (batch, kv head); the
-grid covers the n + W output positions. A lane reads its E codes (E * B1 bits: inside one word
-or across one boundary), its group's scale and zero (one group per lane: E divides G), its E sign
+Work split: blocks of 256 threads, 8 warps, each warp TOKENS_PER_WARP consecutive tokens of one
+(batch, kv head), one after the other (the signs times the scale and the key mean read once per
+warp); the grid covers the n + W output positions. A lane reads its E codes (E * B1 bits: one
+word, or two where they cross a boundary, read once for all E), its group's scale and zero (one group per lane: E divides G), its E sign
 bits (inside one word: E divides 32), the token's magnitudes (warp broadcasts), and stores its E
 outputs as one vector (alignas(min(16, E * sizeof(OT)))): a warp writes the token's row of N
 outputs contiguously. Per layer and chunk: one launch, the store read once, K/V written once in
 the output dtype; no float32 array exists.
 
-Not yet compiled by nvrtc nor timed on a GPU (no device time was left in session 6). nvcc 13 for
-sm_90 (`-Xptxas -v`, the sources the cache launches): 53 registers at bf16 d 128 4 bits, 42 at
-bf16 d 64 3 bits, 32 at float32 d 64 2 / 3 bits and fp16 d 256 1 bit, 64 at float32 d 256 4 bits;
-no spills; in the PTX (bf16 d 128) the outputs are st.global.v4.u16 stores, and there is no fma
-(every sum and product is add.rn / mul.rn). No speedup is claimed. What it should do: remove the
+Session 6 wrote it untimed (53 registers at bf16 d 128 4 bits under nvcc 13 for sm_90). Session
+18's Nsight Compute run on the H200 (one layer's 30K history + 2048 window, 188 us,
+results/ncu_full_s18_turboquant_rvq.csv) found it issue-bound: 77% of issue slots, 150.9 M
+instructions, 58% of its global-load sectors excess (each code read by its own load); hence the
+tokens per warp, the codes' words read once and the fused multiply-adds (80 registers at bf16
+d 128 4 bits with 4 tokens per warp, 56 with 1; no spills). Session 6's aim: remove the
 portable path's host syncs (one per 16 MiB piece plus the queries': ~9 per layer and chunk at 16K
 history tokens, 8 kv heads, d 128) and the compiled decoder's launches per piece, leaving one
 launch that reads the store once and writes the K/V once. The next GPU session must
@@ -97,8 +100,13 @@ from veloxquant_mlx.cache.fused_decode_rotated import store_arrays
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
-THREADS = 256  # 8 warps: 8 tokens per block
-TOKENS_PER_BLOCK = THREADS // 32
+THREADS = 256  # 8 warps
+# Consecutive tokens per warp. One token per warp (session 6's kernel) spent its instructions
+# on per-token set-up (meta, the signs, the key mean, the addresses): Nsight Compute had it
+# issue-bound (77% of issue slots, 150.9 M instructions for one layer's 30K-token history plus a
+# 2048-token window on the H200, results/ncu_full_s18_turboquant_rvq.csv). 1 for an A/B
+# (prefill_chunks --alternate turboquant_prefill_kernel.TOKENS_PER_WARP=1).
+TOKENS_PER_WARP = 4
 MIN_DIM, MAX_DIM = 32, 256  # a lane holds N / 32 channels: 1..8
 SUPPORTED_BITS = (1, 2, 3, 4)
 MAX_GROUP = 64  # TurboQuantRVQCache.max_group_size: G = min(64, N)
@@ -111,16 +119,20 @@ INPUTS = ("kc1", "ks1", "kz1", "kc2", "km2", "vc1", "vs1", "vz1", "vc2", "vm2",
 _HELPERS = r"""
 #if !defined(__CUDACC__)
 // Only for compilers without CUDA's intrinsics (the CPU emulation): plain float ops, which
-// round each result once as __fmul_rn / __fadd_rn do.
+// round each result once as __fmul_rn / __fadd_rn / __fmaf_rn do.
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmaf_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 #endif
 
 // One compressed token's vector of 32 * E channels read back in the rotated basis, y = y1 + y2;
 // the lane holds channels [E lane, E lane + E). B1: stage-1 bits (0: none, 1: a sign plane,
 // 2 / 3: uniform codes with a scale and zero per group of G channels). A sign plane reads as
 // mx.dequantize reads its widened 0/1 codes with scale 2a and zero -a (sign_plane.sign_values):
-// 2a * bit - a, each step rounded as there (the same zeros' signs too).
+// 2a * bit - a, each step rounded as there (the same zeros' signs too). Where a product is
+// exact in float32 (2a * bit with bit 0 / 1; a 16-bit scale, <= 11 significant bits, times a
+// code < 8) one fused multiply-add rounds once, as the product's exact value then the sum's
+// rounding did: the same bits in one instruction.
 template <int E, int B1, int G, typename ST>
 __device__ __forceinline__ void vq_rvq_stages(float (&y)[E], int lane, size_t tok,
                                               const uint32_t* c1, const ST* s1, const ST* z1,
@@ -136,25 +148,31 @@ __device__ __forceinline__ void vq_rvq_stages(float (&y)[E], int lane, size_t to
     const unsigned sw1 = __ldg(c1 + tok * WS + (j0 >> 5)) >> (j0 & 31);
     const float a1 = vq_f32(s1[tok]);
     #pragma unroll
-    for (int e = 0; e < E; ++e) v1[e] = __fadd_rn(__fmul_rn(2.f * a1, (float)((sw1 >> e) & 1u)), -a1);
+    for (int e = 0; e < E; ++e) v1[e] = __fmaf_rn(2.f * a1, (float)((sw1 >> e) & 1u), -a1);
   } else if (B1 > 1) {
     constexpr int W1 = N * (B1 > 1 ? B1 : 1) / 32;  // stage-1 words per token
     constexpr unsigned MASK = (1u << (B1 > 1 ? B1 : 1)) - 1u;
+    // A float32 scale times a code may round: there the product is rounded first, as the
+    // portable path does.
+    constexpr bool EXACT_PRODUCT = sizeof(ST) == 2;
     const uint32_t* row = c1 + tok * W1;
+    const int bit0 = j0 * B1, sh0 = bit0 & 31;
+    // The lane's E * B1 <= 24 bits: in the word holding the first, or across it and the next
+    // (inside the row: the bits end within it). One or two loads for all E codes.
+    unsigned long long bits = __ldg(row + (bit0 >> 5));
+    if (sh0 + E * B1 > 32) bits |= (unsigned long long)__ldg(row + (bit0 >> 5) + 1) << 32;
+    bits >>= sh0;
     const size_t g = tok * (N / G) + j0 / G;  // E divides G: one group per lane
     const float sc = vq_f32(s1[g]), zp = vq_f32(z1[g]);
     #pragma unroll
     for (int e = 0; e < E; ++e) {
-      const int bit = (j0 + e) * B1;
-      const int w = bit >> 5, sh = bit & 31;
-      unsigned code = __ldg(row + w) >> sh;
-      if (sh + B1 > 32) code |= __ldg(row + w + 1) << (32 - sh);  // a 3-bit code across words
-      v1[e] = __fadd_rn(__fmul_rn(sc, (float)(code & MASK)), zp);
+      const float code = (float)((unsigned)(bits >> (e * B1)) & MASK);
+      v1[e] = EXACT_PRODUCT ? __fmaf_rn(sc, code, zp) : __fadd_rn(__fmul_rn(sc, code), zp);
     }
   }
   #pragma unroll
   for (int e = 0; e < E; ++e) {
-    const float v2 = __fadd_rn(__fmul_rn(two_a2, (float)((sw2 >> e) & 1u)), -a2);
+    const float v2 = __fmaf_rn(two_a2, (float)((sw2 >> e) & 1u), -a2);
     y[e] = B1 > 0 ? __fadd_rn(v1[e], v2) : v2;
   }
 }
@@ -162,9 +180,13 @@ __device__ __forceinline__ void vq_rvq_stages(float (&y)[E], int lane, size_t to
 // x = s * (H y) * scale over the warp's 32 * E channels: the butterflies of MLX's CPU
 // hadamard_transform in its order (pairs h = 1, 2, ..., N / 2 apart; h < E inside the lane,
 // h >= E with the lane (lane ^ h / E)), each sum and difference rounded once, then the scale
-// (MLX applies it in the last stage: the same rounding) and the signs (exact: +-1).
+// (MLX applies it in the last stage: the same rounding) and the signs. Across lanes the pair's
+// first element takes y + other, its second other - y: both are other + (+-1) y, one fused
+// multiply-add (the product by +-1 is exact; a sum is the same in either order). `scaled_signs`
+// holds scale * s per channel of the lane: (y * scale) * s equals y * (scale * s) for s = +-1
+// (rounding to nearest is symmetric).
 template <int E>
-__device__ __forceinline__ void vq_rvq_unrotate(float (&y)[E], int lane, float scale, const float* signs) {
+__device__ __forceinline__ void vq_rvq_unrotate(float (&y)[E], int lane, const float (&scaled_signs)[E]) {
   #pragma unroll
   for (int h = 1; h < E; h <<= 1) {
     #pragma unroll
@@ -177,15 +199,15 @@ __device__ __forceinline__ void vq_rvq_unrotate(float (&y)[E], int lane, float s
   }
   #pragma unroll
   for (int m = 1; m < 32; m <<= 1) {
-    const bool upper = (lane & m) != 0;  // holds the pair's second element (j + h)
+    const float own = (lane & m) ? -1.f : 1.f;  // -1: the lane holds the pair's second element
     #pragma unroll
     for (int e = 0; e < E; ++e) {
       const float other = __shfl_xor_sync(0xffffffffu, y[e], m);
-      y[e] = upper ? __fadd_rn(other, -y[e]) : __fadd_rn(y[e], other);
+      y[e] = __fmaf_rn(own, y[e], other);
     }
   }
   #pragma unroll
-  for (int e = 0; e < E; ++e) y[e] = __fmul_rn(__fmul_rn(y[e], scale), signs[lane * E + e]);
+  for (int e = 0; e < E; ++e) y[e] = __fmul_rn(y[e], scaled_signs[e]);
 }
 
 // The lane's E outputs, one vector store (a warp writes the token's row contiguously).
@@ -195,58 +217,76 @@ struct alignas(sizeof(T) * E < 16 ? sizeof(T) * E : 16) vq_rvq_row { T v[E]; };
 
 # Template constants: D, DV (key / value head dims), KB1, VB1 (stage-1 bits: total - 1), KG, VG
 # (stage-1 groups), ST (side data), MT (key mean), DT (sink deltas), WT (window), CT (cache), OT
-# (output: the queries' dtype). meta = [n (history tokens), W (window), S (sink tokens), capacity
-# (store tokens per head), key scale and value scale (N^-1/2) as float bits].
+# (output: the queries' dtype), TPW (consecutive tokens per warp). meta = [n (history tokens),
+# W (window), S (sink tokens), capacity (store tokens per head), key scale and value scale
+# (N^-1/2) as float bits].
 _SOURCE = r"""
   constexpr int EK = D / 32, EV = DV / 32;
   const int n = meta[0], n_window = meta[1], n_sink = meta[2], cap = meta[3];
-  const float key_scale = __int_as_float(meta[4]), value_scale = __int_as_float(meta[5]);
   const int total = n + n_window;
   const int lane = threadIdx.x & 31;
-  // One token per warp: t is the same for the warp's 32 lanes, so every branch below is
-  // warp-uniform and the shuffles see the whole warp.
-  const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (t >= total) return;
+  // TPW consecutive tokens per warp: t is the same for the warp's 32 lanes, so every branch
+  // below is warp-uniform and the shuffles see the whole warp.
+  const int first = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * TPW;
+  if (first >= total) return;
   const int bh = blockIdx.y;
-  vq_rvq_row<OT, EK>* key_out = reinterpret_cast<vq_rvq_row<OT, EK>*>(keys + ((size_t)bh * total + t) * D) + lane;
-  vq_rvq_row<OT, EV>* value_out = reinterpret_cast<vq_rvq_row<OT, EV>*>(values + ((size_t)bh * total + t) * DV) + lane;
-  vq_rvq_row<OT, EK> kr;
-  vq_rvq_row<OT, EV> vr;
-  if (t >= n) {  // the exact window, cast to the output dtype
-    const WT* wkr = wk + ((size_t)bh * n_window + (t - n)) * D + lane * EK;
-    const WT* wvr = wv + ((size_t)bh * n_window + (t - n)) * DV + lane * EV;
+  // Per lane and (batch, head), read once for the warp's tokens: the signs times the scale,
+  // the key mean.
+  const float key_scale = __int_as_float(meta[4]), value_scale = __int_as_float(meta[5]);
+  float kss[EK], vss[EV], km[EK];
+  #pragma unroll
+  for (int e = 0; e < EK; ++e) {
+    kss[e] = __fmul_rn(key_scale, ksg[lane * EK + e]);
+    km[e] = vq_f32(kmean[(size_t)bh * D + lane * EK + e]);
+  }
+  #pragma unroll
+  for (int e = 0; e < EV; ++e) vss[e] = __fmul_rn(value_scale, vsg[lane * EV + e]);
+  // Not unrolled: four tokens' registers at once (96 per thread at bf16 d 128 4 bits, from 56
+  // one at a time) would halve the blocks an SM holds.
+  #pragma unroll 1
+  for (int i = 0; i < TPW; ++i) {
+    const int t = first + i;
+    if (t >= total) return;
+    vq_rvq_row<OT, EK>* key_out = reinterpret_cast<vq_rvq_row<OT, EK>*>(keys + ((size_t)bh * total + t) * D) + lane;
+    vq_rvq_row<OT, EV>* value_out = reinterpret_cast<vq_rvq_row<OT, EV>*>(values + ((size_t)bh * total + t) * DV) + lane;
+    vq_rvq_row<OT, EK> kr;
+    vq_rvq_row<OT, EV> vr;
+    if (t >= n) {  // the exact window, cast to the output dtype
+      const WT* wkr = wk + ((size_t)bh * n_window + (t - n)) * D + lane * EK;
+      const WT* wvr = wv + ((size_t)bh * n_window + (t - n)) * DV + lane * EV;
+      #pragma unroll
+      for (int e = 0; e < EK; ++e) kr.v[e] = vq_cast<OT>(vq_f32(wkr[e]));
+      #pragma unroll
+      for (int e = 0; e < EV; ++e) vr.v[e] = vq_cast<OT>(vq_f32(wvr[e]));
+      *key_out = kr;
+      *value_out = vr;
+      continue;
+    }
+    const size_t tok = (size_t)bh * cap + t;
+    float k[EK];
+    vq_rvq_stages<EK, KB1, KG, ST>(k, lane, tok, kc1, ks1, kz1, kc2, km2);
+    vq_rvq_unrotate<EK>(k, lane, kss);
     #pragma unroll
-    for (int e = 0; e < EK; ++e) kr.v[e] = vq_cast<OT>(vq_f32(wkr[e]));
+    for (int e = 0; e < EK; ++e) k[e] = __fadd_rn(k[e], km[e]);
+    if (t < n_sink) {
+      #pragma unroll
+      for (int e = 0; e < EK; ++e) k[e] = __fadd_rn(k[e], vq_f32(dk[((size_t)bh * n_sink + t) * D + lane * EK + e]));
+    }
     #pragma unroll
-    for (int e = 0; e < EV; ++e) vr.v[e] = vq_cast<OT>(vq_f32(wvr[e]));
+    for (int e = 0; e < EK; ++e) kr.v[e] = vq_cast<OT>(vq_f32(vq_cast<CT>(k[e])));
     *key_out = kr;
-    *value_out = vr;
-    return;
-  }
-  const size_t tok = (size_t)bh * cap + t;
-  float k[EK];
-  vq_rvq_stages<EK, KB1, KG, ST>(k, lane, tok, kc1, ks1, kz1, kc2, km2);
-  vq_rvq_unrotate<EK>(k, lane, key_scale, ksg);
-  #pragma unroll
-  for (int e = 0; e < EK; ++e) k[e] = __fadd_rn(k[e], vq_f32(kmean[(size_t)bh * D + lane * EK + e]));
-  if (t < n_sink) {
-    #pragma unroll
-    for (int e = 0; e < EK; ++e) k[e] = __fadd_rn(k[e], vq_f32(dk[((size_t)bh * n_sink + t) * D + lane * EK + e]));
-  }
-  #pragma unroll
-  for (int e = 0; e < EK; ++e) kr.v[e] = vq_cast<OT>(vq_f32(vq_cast<CT>(k[e])));
-  *key_out = kr;
 
-  float v[EV];
-  vq_rvq_stages<EV, VB1, VG, ST>(v, lane, tok, vc1, vs1, vz1, vc2, vm2);
-  vq_rvq_unrotate<EV>(v, lane, value_scale, vsg);
-  if (t < n_sink) {
+    float v[EV];
+    vq_rvq_stages<EV, VB1, VG, ST>(v, lane, tok, vc1, vs1, vz1, vc2, vm2);
+    vq_rvq_unrotate<EV>(v, lane, vss);
+    if (t < n_sink) {
+      #pragma unroll
+      for (int e = 0; e < EV; ++e) v[e] = __fadd_rn(v[e], vq_f32(dv[((size_t)bh * n_sink + t) * DV + lane * EV + e]));
+    }
     #pragma unroll
-    for (int e = 0; e < EV; ++e) v[e] = __fadd_rn(v[e], vq_f32(dv[((size_t)bh * n_sink + t) * DV + lane * EV + e]));
+    for (int e = 0; e < EV; ++e) vr.v[e] = vq_cast<OT>(vq_f32(vq_cast<CT>(v[e])));
+    *value_out = vr;
   }
-  #pragma unroll
-  for (int e = 0; e < EV; ++e) vr.v[e] = vq_cast<OT>(vq_f32(vq_cast<CT>(v[e])));
-  *value_out = vr;
 """
 
 
@@ -367,14 +407,15 @@ def rotated_prefill_keys_values(stores, key_signs, value_signs, key_mean, window
                 f"rotated prefill kernel: {label} dtype {dtype}; allowed are float16, bfloat16, float32")
     total = n + W
     meta = mx.array([n, W, S, cap, _float_bits(D**-0.5), _float_bits(DV**-0.5)], dtype=mx.int32)
-    blocks = -(-total // TOKENS_PER_BLOCK)
+    per_block = THREADS // 32 * TOKENS_PER_WARP
+    blocks = -(-total // per_block)
     keys, values = _kernel()(
         inputs=[kc1, ks1, kz1, kc2, km2, vc1, vs1, vz1, vc2, vm2, key_signs.astype(mx.float32),
                 value_signs.astype(mx.float32), key_mean, dk, dv, window_keys, window_values, meta],
         template=[("D", D), ("DV", DV), ("KB1", key_bits - 1), ("VB1", value_bits - 1),
                   ("KG", min(MAX_GROUP, D)), ("VG", min(MAX_GROUP, DV)), ("ST", side),
                   ("MT", key_mean.dtype), ("DT", dk.dtype), ("WT", exact_dtype), ("CT", cache_dtype),
-                  ("OT", out_dtype)],
+                  ("OT", out_dtype), ("TPW", TOKENS_PER_WARP)],
         grid=(THREADS * blocks, B * H, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(B, H, total, D), (B, H, total, DV)],
