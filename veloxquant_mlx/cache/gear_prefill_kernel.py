@@ -54,8 +54,8 @@ block's B transposed to [r][channel]: a pair's B values one 8-byte read per r, a
 broadcast), where they fit (staged_rank; STAGE_FACTORS); otherwise read from global memory per
 thread (a token's A row a warp-wide broadcast, a pair's two B rows 2 x RANK contiguous 16-bit
 values), the layout Nsight Compute found L1-bound. Shared memory: 4 x (KB x (D + 2) + 2 x (D + 2)
-+ TT x max(D, DV) + (TT + max(D, DV)) x staged rank) bytes with the sparse part kept (18.0 KB at
-D = 128, 2 bits, 20.5 KB with rank 4 staged; supports() bounds it without the factors by CUDA's
++ TT x max(D, DV) + (TT + max(D, DV)) x staged rank) bytes with the sparse part kept (20.5 KB at
+D = 128, 2 bits, 25.0 KB with rank 4 staged; supports() bounds it without the factors by CUDA's
 static 48 KB).
 
 The portable path stays the fallback and the reference: on the CPU and Metal, with the kernels
