@@ -41,6 +41,5 @@ def test_the_gear_prefill_kernel_compiles_for_sm90_without_spills(tmp_path, name
     shared = re.search(r"(\d+) bytes smem", report)
     sparse = cache.outlier_fraction > 0
     assert shared and int(shared.group(1)) <= gear_prefill_kernel.SHARED_LIMIT
-    staged = gear_prefill_kernel.staged_rank(cache.head_dim, cache.value_dim, cache.code_bits, sparse, cache.rank)
     assert int(shared.group(1)) == gear_prefill_kernel.shared_bytes(cache.head_dim, cache.value_dim,
-                                                                   cache.code_bits, sparse, staged)
+                                                                   cache.code_bits, sparse)

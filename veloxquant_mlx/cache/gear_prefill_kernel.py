@@ -48,15 +48,11 @@ or all window (n is whole blocks). Keys: the block loads the tile's code words o
 pairs that fall into the tile into a (TT x D) float32 correction tile (zeroed first); then
 consecutive threads write consecutive channel pairs of a position (one 8-byte store in 16-bit).
 Values: the same correction tile refilled from the value pairs, then consecutive threads on
-consecutive channel pairs of a token read the pair's code word(s) and group scale. A and B:
-since session 18 staged once per block in shared memory as floats (the tile's A rows, the
-block's B transposed to [r][channel]: a pair's B values one 8-byte read per r, a token's A row a
-broadcast), where they fit (staged_rank; STAGE_FACTORS); otherwise read from global memory per
-thread (a token's A row a warp-wide broadcast, a pair's two B rows 2 x RANK contiguous 16-bit
-values), the layout Nsight Compute found L1-bound. Shared memory: 4 x (KB x (D + 2) + 2 x (D + 2)
-+ TT x max(D, DV) + (TT + max(D, DV)) x staged rank) bytes with the sparse part kept (20.5 KB at
-D = 128, 2 bits, 25.0 KB with rank 4 staged; supports() bounds it without the factors by CUDA's
-static 48 KB).
+consecutive channel pairs of a token read the pair's code word(s) and group scale. A and B are
+read from global memory (a token's A row is a warp-wide broadcast; a pair's two B rows are
+2 x RANK contiguous values, a warp's 32 pairs one contiguous sweep). Shared memory: 4 x (KB x
+(D + 2) + 2 x (D + 2) + TT x max(D, DV)) bytes when the sparse part is kept (20.5 KB at D = 128,
+2 bits; supports() bounds it by CUDA's static 48 KB).
 
 The portable path stays the fallback and the reference: on the CPU and Metal, with the kernels
 switched off (VELOXQUANT_CUDA_KERNELS=0), for shapes `supports` refuses, and for subclasses with
@@ -85,13 +81,6 @@ SUPPORTED_BITS = (2, 3, 4, 8)
 TILE = 32  # positions per block: a whole number of 32-token key words at every width
 THREADS = 256
 SHARED_LIMIT = 48 * 1024
-# The low-rank factors a block reads (its tile's A rows, its block's B) staged in shared memory
-# once per block, where they fit (staged_rank): every thread had read its 2 x RANK B values and
-# RANK A values from global memory as 16-bit loads, and Nsight Compute had the kernel bound by the
-# L1 (78% of its throughput, 4.1 of each 32-byte sector used, 254 us for one layer's 30K history,
-# results/ncu_full_s18_gear.csv). 0: global reads, for an A/B (prefill_chunks --alternate
-# gear_prefill_kernel.STAGE_FACTORS=0).
-STAGE_FACTORS = 1
 
 INPUTS = ("kc", "ks", "kz", "kat", "kbc", "koi", "kov", "vc", "vs", "vz", "vat", "vbc", "voi", "vov",
           "wk", "wv", "meta")
@@ -99,8 +88,7 @@ INPUTS = ("kc", "ks", "kz", "kat", "kbc", "koi", "kov", "vc", "vs", "vz", "vat",
 # Template constants: D, DV (key / value head dims), G (group), KB (bits), RANK (0: no low
 # rank), NB (tokens per low-rank / outlier block), KCNT, VCNT (sparse pairs per block; 0: none),
 # ST (side dtype: scales, zeros, factors, sparse values), KIT, VIT (index dtypes), CT (the
-# cache's dtype), WT (the window's), OT (the output's: the queries' dtype), SF (1: the low-rank
-# factors staged in shared memory, staged_rank).
+# cache's dtype), WT (the window's), OT (the output's: the queries' dtype).
 # meta = [n (history tokens), W (window tokens)].
 _SOURCE = r"""
   constexpr int TT = 32;                      // positions per block (TILE)
@@ -119,9 +107,6 @@ _SOURCE = r"""
   __shared__ __align__(8) float ks_s[DP];
   __shared__ __align__(8) float kz_s[DP];
   __shared__ __align__(8) float corr[SPARSE ? TT * CD : 2];
-  // With SF: the tile's A rows and the block's B, as floats, B transposed ([r][channel]).
-  __shared__ __align__(8) float fa[SF ? TT * RK : 2];
-  __shared__ __align__(8) float fb[SF ? RK * CD : 2];
 
   const int n = meta[0];
   const int n_window = meta[1];
@@ -166,25 +151,6 @@ _SOURCE = r"""
     x0 = x0 + l0;
     x1 = x1 + l1;
   };
-  // SF: the same sum from shared memory, staged once per block by stage_factors (the floats the
-  // global reads above convert to: the same products and sums). A thread's B pair is one 8-byte
-  // read of row r, a warp's 32 pairs consecutive; a token's A row a broadcast.
-  const auto stage_factors = [&](const ST* a_rows, const ST* b_block, int dim) {
-    for (int i = tid; i < rows * RK; i += nthreads) fa[i] = vq_f32(a_rows[i]);
-    for (int i = tid; i < dim * RK; i += nthreads) fb[(i % RK) * CD + i / RK] = vq_f32(b_block[i]);
-  };
-  const auto low_rank_staged = [&](int tl, int d, float& x0, float& x1) {
-    float l0 = 0.f, l1 = 0.f;
-    #pragma unroll
-    for (int r = 0; r < RK; ++r) {
-      const float a = fa[tl * RK + r];
-      const vq_f2 b = *reinterpret_cast<const vq_f2*>(fb + r * CD + d);
-      l0 = l0 + a * b.x;
-      l1 = l1 + a * b.y;
-    }
-    x0 = x0 + l0;
-    x1 = x1 + l1;
-  };
   // The block's sparse pairs that fall inside this tile into `corr` ([position][channel],
   // zero elsewhere): (x + 0) + corr is add_block_entries' sum, signed zeros included.
   const auto load_sparse = [&](const auto* index, const ST* value, int count, int dim) {
@@ -217,10 +183,6 @@ _BODY = r"""
     }
   }
   if (KCNT > 0 && hist) load_sparse(koi, kov, KCNT, D);
-  if (SF && RANK > 0 && hist) {
-    stage_factors(kat + ((size_t)bh * kat_shape[2] + t_start) * RK,
-                  kbc + ((size_t)bh * kbc_shape[2] + blk) * D * RK, D);
-  }
   __syncthreads();
 
   for (int i = tid; i < rows * (D / 2); i += nthreads) {
@@ -241,9 +203,7 @@ _BODY = r"""
       const vq_f2 zp = *reinterpret_cast<const vq_f2*>(kz_s + d);
       float x0 = sc.x * (float)(c0 & MASK) + zp.x;
       float x1 = sc.y * (float)(c1 & MASK) + zp.y;
-      if (RANK > 0 && SF) {
-        low_rank_staged(tl, d, x0, x1);
-      } else if (RANK > 0) {
+      if (RANK > 0) {
         low_rank(kat + ((size_t)bh * kat_shape[2] + t) * RK,
                  kbc + (((size_t)bh * kbc_shape[2] + blk) * D + d) * RK, x0, x1);
       }
@@ -262,10 +222,6 @@ _BODY = r"""
 
   // ---- values ----
   if (VCNT > 0 && hist) load_sparse(voi, vov, VCNT, DV);
-  if (SF && RANK > 0 && hist) {
-    stage_factors(vat + ((size_t)bh * vat_shape[2] + t_start) * RK,
-                  vbc + ((size_t)bh * vbc_shape[2] + blk) * DV * RK, DV);
-  }
   __syncthreads();
 
   for (int i = tid; i < rows * (DV / 2); i += nthreads) {
@@ -280,9 +236,7 @@ _BODY = r"""
       const float sc = vq_f32(vs_bh[g]), zp = vq_f32(vz_bh[g]);
       float x0 = sc * (float)(c0 & MASK) + zp;
       float x1 = sc * (float)(c1 & MASK) + zp;
-      if (RANK > 0 && SF) {
-        low_rank_staged(tl, c, x0, x1);
-      } else if (RANK > 0) {
+      if (RANK > 0) {
         low_rank(vat + ((size_t)bh * vat_shape[2] + t) * RK,
                  vbc + (((size_t)bh * vbc_shape[2] + blk) * DV + c) * RK, x0, x1);
       }
@@ -325,22 +279,11 @@ def _kernel_for(factory, sparse_blocks_from: str):
     )
 
 
-def shared_bytes(head_dim: int, value_dim: int, bits: int, sparse: bool, staged_rank: int = 0) -> int:
+def shared_bytes(head_dim: int, value_dim: int, bits: int, sparse: bool) -> int:
     """The kernel's static shared memory: the tile's key code words, the group's scales and
-    zeros (floats) over head_dim + 2 channels, the float32 correction tile if kept, and with
-    staged_rank > 0 the staged low-rank factors (TILE + max dim) x rank floats (placeholders of 2
-    floats otherwise are never read, and ptxas drops them)."""
-    return 4 * ((bits + 2) * (head_dim + 2) + (TILE * max(head_dim, value_dim) if sparse else 0)
-                + (TILE + max(head_dim, value_dim)) * staged_rank)
-
-
-def staged_rank(head_dim: int, value_dim: int, bits: int, sparse: bool, rank: int) -> int:
-    """The rank the launch stages in shared memory: `rank` where STAGE_FACTORS is on and the
-    staged factors fit CUDA's static 48 KB beside the rest, else 0 (the factors are then read
-    from global memory, as before session 18)."""
-    if not STAGE_FACTORS or rank == 0:
-        return 0
-    return rank if shared_bytes(head_dim, value_dim, bits, sparse, rank) <= SHARED_LIMIT else 0
+    zeros (floats) over head_dim + 2 channels, and the float32 correction tile if kept (its
+    2-float placeholder otherwise is never read, and ptxas drops it)."""
+    return 4 * ((bits + 2) * (head_dim + 2) + (TILE * max(head_dim, value_dim) if sparse else 0))
 
 
 def supports(head_dim: int, value_dim: int, group: int, bits: int, block_tokens: int, sparse: bool) -> bool:
@@ -405,7 +348,6 @@ def gear_prefill_keys_values(arrays, window_keys, window_values, *, n: int, grou
     keys, values = _kernel(sparse_from)(
         inputs=[*arrays, window_keys, window_values, meta],
         template=[("D", D), ("DV", DV), ("G", group), ("KB", bits), ("RANK", rank), ("NB", block_tokens),
-                  ("SF", int(staged_rank(D, DV, bits, bool(k_count or v_count), rank) > 0)),
                   ("KCNT", k_count), ("VCNT", v_count), ("ST", ks.dtype), ("KIT", arrays[5].dtype),
                   ("VIT", arrays[12].dtype), ("CT", cache_dtype), ("WT", window_keys.dtype), ("OT", out_dtype)],
         grid=(THREADS * tiles, B * H, 1),
