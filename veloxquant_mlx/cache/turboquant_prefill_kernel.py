@@ -107,11 +107,6 @@ THREADS = 256  # 8 warps
 # 2048-token window on the H200, results/ncu_full_s18_turboquant_rvq.csv). 1 for an A/B
 # (prefill_chunks --alternate turboquant_prefill_kernel.TOKENS_PER_WARP=1).
 TOKENS_PER_WARP = 4
-# Blocks of THREADS an SM must hold (__launch_bounds__): nvrtc gave the 4-token loop 96 registers
-# at bf16 d 128 4 bits (2 blocks, 24% of warps active on the H200); 4 blocks cap it at 64, which
-# nvcc 13 reaches without spills. 0: no bounds, for an A/B
-# (prefill_chunks --alternate turboquant_prefill_kernel.MIN_BLOCKS_PER_SM=0).
-MIN_BLOCKS_PER_SM = 4
 MIN_DIM, MAX_DIM = 32, 256  # a lane holds N / 32 channels: 1..8
 SUPPORTED_BITS = (1, 2, 3, 4)
 MAX_GROUP = 64  # TurboQuantRVQCache.max_group_size: G = min(64, N)
@@ -299,19 +294,18 @@ def _kernel():
     """The kernel, built once per kernel factory: keyed by mx.fast.cuda_kernel itself, so a
     kernel built while a test stands the CPU emulation in for it is never served after the real
     factory is back, nor the other way round."""
-    return _kernel_for(mx.fast.cuda_kernel, MIN_BLOCKS_PER_SM)
+    return _kernel_for(mx.fast.cuda_kernel)
 
 
 @lru_cache(maxsize=None)
-def _kernel_for(factory, min_blocks: int):
-    bounds = f"__launch_bounds__({THREADS}, {min_blocks})" if min_blocks else ""
+def _kernel_for(factory):
     return build_kernel(
         factory,
         name="vq_rvq_prefill_kv",
         input_names=list(INPUTS),
         output_names=["keys", "values"],
         source=_SOURCE,
-        header=fused_decode._HEADER + _HELPERS + fused_decode.kernel_declaration_header(bounds),
+        header=fused_decode._HEADER + _HELPERS,
     )
 
 
