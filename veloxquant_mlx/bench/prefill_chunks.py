@@ -7,8 +7,12 @@ mlx-lm's generate_step) feeds it: chunks of `--prefill-step-size`, the cache sta
 MLX's buffer cache cleared after each. Per chunk it records the host seconds spent building the
 model call's graph (`host_ms`: Python, our caches' update and attention dispatch, and any host
 sync a cache makes inside the call) and the seconds the evaluation then takes (`eval_ms`: the
-launches and the device's work, which start only at the eval). Nothing overlaps the two, so a
-chunk's time is their sum, and the spec's excess over fp16 splits into host and evaluation.
+launches and the device's work left at the eval). A chunk's time is their sum. What "host"
+holds differs by cache: since session 13 our caches' prefill attention starts with an
+`mx.async_eval` of its queries (base.PREFILL_START_QUERIES), so their host time includes MLX
+encoding and launching the earlier layers' work, which fp16 does inside its eval (half of
+turboquant_rvq's host time on the H200 in session 18, bench/host_profile.py): the split shows
+where the wall time passes, not what our Python costs.
 
 Per spec: one untimed fill of the whole context (the JIT compiles of every history length),
 then `--fills` timed fills. Summary per spec (medians over the timed fills): total, host and

@@ -1,0 +1,190 @@
+"""Where the host's time goes in a prefill or a decode, by Python function (cProfile).
+
+    python -m veloxquant_mlx.bench.host_profile prefill --methods fp16,turboquant_rvq --out X.json
+    python -m veloxquant_mlx.bench.host_profile decode --methods fp16,kvquant --steps 64 --out X.json
+
+Why: prefill_chunks splits a chunk into "host" (the model call) and "eval", and gpu_speed records
+a decode step's host time; neither says which code the host time is spent in. On the H200
+(session 18) turboquant_rvq's prefill host time was 12x fp16's; the profile showed half of it in
+the `mx.async_eval` each layer's prefill attention makes (base._attend_prefill): MLX encoding and
+launching the earlier layers' work, which fp16 does inside the chunk's final eval instead.
+
+How: the random llama of prefill_chunks (8B-shaped by default), a `--context` prompt. prefill:
+per spec one untimed fill (the JIT compiles), one timed fill, one fill with cProfile enabled only
+around each chunk's model call (the graph building, and whatever MLX evaluates inside it).
+decode: per spec a prefill, 16 untimed decode steps, 64 timed and `--steps` profiled, each step
+as mlx-lm's generate makes it (the model call, argmax, async_eval of the next token, then the
+previous token's eval); the profile covers the model call and the async_eval.
+
+What it cannot tell: MLX's functions are nanobind functions, which cProfile does not see: their
+time counts as their caller's own time (e.g. the async_eval inside _attend_prefill).
+
+Output: per spec the timings and the top `--top` functions by own time (ncalls, own and
+cumulative seconds, per call in us), JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import pstats
+import sys
+import time
+
+MODULE = "veloxquant_mlx.bench.host_profile"
+WARM_STEPS, TIMED_STEPS = 16, 64
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from veloxquant_mlx.bench.gpu_speed import LLAMA_8B
+
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=("prefill", "decode"))
+    p.add_argument("--out", required=True, help="JSON output path")
+    p.add_argument("--methods", default="fp16,turboquant_rvq", help="cache specs as for `veloxquant bench`")
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=64, help="decode steps profiled (decode mode; default 64)")
+    p.add_argument("--top", type=int, default=30, help="functions kept per spec (default 30)")
+    p.add_argument("--layers", type=int, default=8)
+    for name, value in LLAMA_8B.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for name in ("context", "prefill_step_size", "steps", "top"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: allowed is an integer >= 1")
+    if args.context < 2:
+        p.error(f"--context {args.context}: allowed is an integer >= 2 (a prompt to prefill and a token to decode)")
+    return args
+
+
+def _prefill(model, cache, prompt, step: int, profile=None) -> float:
+    """drive.prefill's loop (all but the last token, state evaluated and buffers cleared per
+    chunk), `profile` enabled around each model call only -> the host seconds of those calls."""
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench.drive import cache_arrays
+
+    host, start = 0.0, 0
+    while prompt.size - start > 1:
+        n = min(step, prompt.size - start - 1)
+        t0 = time.perf_counter()
+        if profile is not None:
+            profile.enable()
+        model(prompt[start:start + n][None], cache=cache)
+        if profile is not None:
+            profile.disable()
+        host += time.perf_counter() - t0
+        mx.eval(cache_arrays(cache))
+        mx.clear_cache()
+        start += n
+    return host
+
+
+def _decode(model, cache, first, steps: int, profile=None) -> dict:
+    """`steps` decode steps as mlx-lm's generate_step pipelines them -> per-step interval and
+    host medians (ms)."""
+    import mlx.core as mx
+
+    y = first
+    hosts = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        a = time.perf_counter()
+        if profile is not None:
+            profile.enable()
+        logits = model(y, cache=cache)
+        following = mx.argmax(logits[:, -1], axis=-1)[None]
+        mx.async_eval(following)
+        if profile is not None:
+            profile.disable()
+        hosts.append(time.perf_counter() - a)
+        mx.eval(y)
+        y = following
+    mx.eval(y)
+    hosts.sort()
+    return {"step_ms": 1e3 * (time.perf_counter() - t0) / steps, "host_median_ms": 1e3 * hosts[len(hosts) // 2],
+            "last": y}
+
+
+def top_functions(profile, top: int) -> list[dict]:
+    """The profile's `top` functions by own time."""
+    stats = pstats.Stats(profile)
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
+        rows.append({"function": f"{path}:{line}({name})", "calls": calls, "own_s": own, "cumulative_s": cumulative,
+                     "own_us_per_call": 1e6 * own / max(calls, 1)})
+    rows.sort(key=lambda r: -r["own_s"])
+    return rows[:top]
+
+
+def profile_spec(spec, model, prompt, args) -> dict:
+    import mlx.core as mx
+
+    profile = cProfile.Profile()
+    with spec.open(model) as make_cache:
+        if args.mode == "prefill":
+            _prefill(model, make_cache(), prompt, args.prefill_step_size)
+            t0 = time.perf_counter()
+            host = _prefill(model, make_cache(), prompt, args.prefill_step_size)
+            entry = {"fill_s": time.perf_counter() - t0, "host_s": host}
+            entry["profiled_host_s"] = _prefill(model, make_cache(), prompt, args.prefill_step_size, profile)
+        else:
+            cache = make_cache()
+            _prefill(model, cache, prompt, args.prefill_step_size)
+            logits = model(prompt[-1:][None], cache=cache)
+            first = mx.argmax(logits[:, -1], axis=-1)[None]
+            warm = _decode(model, cache, first, WARM_STEPS)
+            timed = _decode(model, cache, warm["last"], TIMED_STEPS)
+            profiled = _decode(model, cache, timed["last"], args.steps, profile)
+            entry = {"step_ms": timed["step_ms"], "host_median_ms": timed["host_median_ms"],
+                     "profiled_step_ms": profiled["step_ms"], "profiled_host_median_ms": profiled["host_median_ms"]}
+    entry["top_by_own_time"] = top_functions(profile, args.top)
+    return entry
+
+
+def run(args) -> dict:
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench import report
+    from veloxquant_mlx.bench.methods import parse_specs
+    from veloxquant_mlx.bench.speed import random_prompt
+    from veloxquant_mlx.bench.tiny import random_llama
+
+    shape = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                 head_dim=args.head_dim, intermediate=args.intermediate, vocab=args.vocab)
+    model = random_llama(dtype=getattr(mx, args.dtype), seed=args.seed, **shape)
+    prompt = random_prompt(args.vocab, args.context, args.seed)
+    result = {**report.header(), "command": " ".join(["python -m", MODULE, *sys.argv[1:]]),
+              "settings": {"mode": args.mode, "context": args.context, "prefill_step_size": args.prefill_step_size,
+                           "steps": args.steps, "dtype": args.dtype},
+              "model": {"kind": "random-weight llama (mlx-lm llama.Model)", **shape}, "specs": {}}
+    for spec in parse_specs([m for m in args.methods.split(",") if m]):
+        entry = profile_spec(spec, model, prompt, args)
+        result["specs"][spec.name] = entry
+        timing = {k: round(v, 4) for k, v in entry.items() if isinstance(v, float)}
+        print(f"[host_profile] {spec.name}: {timing}", file=sys.stderr, flush=True)
+        gc.collect()
+        mx.clear_cache()
+    return result
+
+
+def main(argv=None) -> int:
+    from veloxquant_mlx.bench import report
+
+    args = parse_args(argv)
+    result = run(args)
+    report.write_json(result, args.out)
+    for name, entry in result["specs"].items():
+        print(f"##### {name}")
+        for row in entry["top_by_own_time"][:10]:
+            print(f"  {row['own_s'] * 1e3:8.2f} ms own {row['calls']:6d} calls  {row['function']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
