@@ -61,8 +61,9 @@ which is why that corruption is not among the test's); what rounds besides is th
 Work split: blocks of 256 threads, 8 warps, each warp TOKENS_PER_WARP consecutive tokens of one
 (batch, kv head), one after the other (the signs times the scale and the key mean read once per
 warp); the grid covers the n + W output positions. A lane reads its E codes (E * B1 bits: one
-word, or two where they cross a boundary, read once for all E), its group's scale and zero (one group per lane: E divides G), its E sign
-bits (inside one word: E divides 32), the token's magnitudes (warp broadcasts), and stores its E
+word, or two where they cross a boundary, read once for all E), its group's scale and zero (one
+group per lane: E divides G), its E sign bits (inside one word: E divides 32), the token's
+magnitudes (warp broadcasts), and stores its E
 outputs as one vector (alignas(min(16, E * sizeof(OT)))): a warp writes the token's row of N
 outputs contiguously. Per layer and chunk: one launch, the store read once, K/V written once in
 the output dtype; no float32 array exists.
@@ -71,8 +72,11 @@ Session 6 wrote it untimed (53 registers at bf16 d 128 4 bits under nvcc 13 for 
 18's Nsight Compute run on the H200 (one layer's 30K history + 2048 window, 188 us,
 results/ncu_full_s18_turboquant_rvq.csv) found it issue-bound: 77% of issue slots, 150.9 M
 instructions, 58% of its global-load sectors excess (each code read by its own load); hence the
-tokens per warp, the codes' words read once and the fused multiply-adds (80 registers at bf16
-d 128 4 bits with 4 tokens per warp, 56 with 1; no spills). Session 6's aim: remove the
+tokens per warp, the codes' words read once and the fused multiply-adds: 87.4 M instructions
+(105.1 M with one token per warp), turboquant_rvq's 32K prefill 1.18x fp16's against 1.21x with
+one token per warp in one process (results/prefill_chunks_h200_s18_32k_tpw.json); 96 registers
+at bf16 d 128 4 bits under nvrtc (nvcc 13: 80), no spills; capping them at 64 by launch bounds
+gained nothing (results/prefill_chunks_h200_s18_32k_bounds.json). Session 6's aim: remove the
 portable path's host syncs (one per 16 MiB piece plus the queries': ~9 per layer and chunk at 16K
 history tokens, 8 kv heads, d 128) and the compiled decoder's launches per piece, leaving one
 launch that reads the store once and writes the K/V once. The next GPU session must
