@@ -69,6 +69,10 @@ CASES = [
     pytest.param(mx.float32, mx.bfloat16, 2, 4, 128, True, 64, 3, 4, id="f32-to-bf16-2-4-d128-sink"),
     pytest.param(mx.bfloat16, mx.float16, 3, 2, 128, False, 64, 0, 64, id="bf16-to-fp16-3-2-d128"),
     pytest.param(mx.float32, mx.float32, 3, 1, 64, True, 64, 5, 64, id="f32-3-1-d64-sink"),
+    # The widest and narrowest lanes: 8 channels (24 bits of 3-bit codes, across a word in some
+    # lanes) and 1 channel (a 3-bit code across a word in lanes 10 and 21).
+    pytest.param(mx.bfloat16, mx.bfloat16, 4, 4, 256, True, 64, 6, 64, id="bf16-4-4-d256-sink"),
+    pytest.param(mx.float16, mx.float16, 4, 3, 32, False, 64, 2, 64, id="fp16-4-3-d32"),
 ]
 
 
