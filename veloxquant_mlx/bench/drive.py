@@ -56,9 +56,11 @@ class DecodeTrace:
 
 
 def decode(model, cache: list, logits: mx.array, n_tokens: int, *, keep_logits: bool = False,
-           forced_tokens: list[int] | None = None) -> DecodeTrace:
+           forced_tokens: list[int] | None = None, profile=None) -> DecodeTrace:
     """Greedy decode `n_tokens` tokens from `logits` (the prefill's). With `forced_tokens`,
-    feed those instead of the argmax (teacher forcing, for comparing caches on the same path)."""
+    feed those instead of the argmax (teacher forcing, for comparing caches on the same path).
+    `profile` (a cProfile.Profile, or None): enabled around each step's host part only, the span
+    `host_s` times (bench/host_profile.py)."""
     trace = DecodeTrace()
     if n_tokens < 1:
         return trace
@@ -74,9 +76,13 @@ def decode(model, cache: list, logits: mx.array, n_tokens: int, *, keep_logits: 
     for i in range(n_tokens):
         if i + 1 < n_tokens:
             built = time.perf_counter()
+            if profile is not None:
+                profile.enable()
             next_logits = model(y[None], cache=cache)[:, -1, :]
             next_y = choose(next_logits, i + 1)
             mx.async_eval(next_y, next_logits)
+            if profile is not None:
+                profile.disable()
             trace.host_s.append(time.perf_counter() - built)
         trace.tokens.append(int(y.item()))
         trace.times.append(time.perf_counter())

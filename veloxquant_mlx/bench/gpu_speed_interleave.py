@@ -91,12 +91,12 @@ def prefill_case(model, make_cache, prompt: mx.array, prefill_step_size: int):
     return run, cache, logits
 
 
-def decode_burst(model, cache: list, logits: mx.array, tokens: int):
+def decode_burst(model, cache: list, logits: mx.array, tokens: int, profile=None):
     """`tokens` timed greedy tokens continuing from `logits` -> (intervals in ms, the logits to
     continue from, host ms per step: its graph built and handed to async_eval). Decodes tokens
     + 2: the last token is chosen but not fed (the next burst feeds it), and the last interval
-    (nothing queued behind it) is not kept."""
-    trace = decode(model, cache, logits, tokens + 2, keep_logits=True)
+    (nothing queued behind it) is not kept. `profile`: as drive.decode's."""
+    trace = decode(model, cache, logits, tokens + 2, keep_logits=True, profile=profile)
     intervals = [1000 * s for s in trace.intervals()[:tokens]]
     return intervals, trace.logits[-1], [1000 * s for s in trace.host_s[:tokens]]
 

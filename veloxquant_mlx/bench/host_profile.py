@@ -11,10 +11,12 @@ launching the earlier layers' work, which fp16 does inside the chunk's final eva
 
 How: the random llama of prefill_chunks (8B-shaped by default), a `--context` prompt. prefill:
 per spec one untimed fill (the JIT compiles), one timed fill, one fill with cProfile enabled only
-around each chunk's model call (the graph building, and whatever MLX evaluates inside it).
-decode: per spec a prefill, 16 untimed decode steps, 64 timed and `--steps` profiled, each step
-as mlx-lm's generate makes it (the model call, argmax, async_eval of the next token, then the
-previous token's eval); the profile covers the model call and the async_eval.
+around each chunk's model call (the graph building, and whatever MLX evaluates inside it):
+prefill_chunks.timed_fill's chunks and its host span.
+decode: per spec a prefill (drive.prefill), then gpu_speed's decode bursts (drive.decode, as
+mlx-lm's generate steps): 16 untimed steps, 64 timed, `--steps` profiled; the profile covers
+each step's model call, argmax and async_eval (the span drive.decode's host_s times). Step and
+host times are medians per step.
 
 What it cannot tell: MLX's functions are nanobind functions, which cProfile does not see: their
 time counts as their caller's own time (e.g. the async_eval inside _attend_prefill).
@@ -29,8 +31,8 @@ import argparse
 import cProfile
 import gc
 import pstats
+import statistics
 import sys
-import time
 
 MODULE = "veloxquant_mlx.bench.host_profile"
 WARM_STEPS, TIMED_STEPS = 16, 64
@@ -62,55 +64,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _prefill(model, cache, prompt, step: int, profile=None) -> float:
-    """drive.prefill's loop (all but the last token, state evaluated and buffers cleared per
-    chunk), `profile` enabled around each model call only -> the host seconds of those calls."""
-    import mlx.core as mx
-
-    from veloxquant_mlx.bench.drive import cache_arrays
-
-    host, start = 0.0, 0
-    while prompt.size - start > 1:
-        n = min(step, prompt.size - start - 1)
-        t0 = time.perf_counter()
-        if profile is not None:
-            profile.enable()
-        model(prompt[start:start + n][None], cache=cache)
-        if profile is not None:
-            profile.disable()
-        host += time.perf_counter() - t0
-        mx.eval(cache_arrays(cache))
-        mx.clear_cache()
-        start += n
-    return host
-
-
-def _decode(model, cache, first, steps: int, profile=None) -> dict:
-    """`steps` decode steps as mlx-lm's generate_step pipelines them -> per-step interval and
-    host medians (ms)."""
-    import mlx.core as mx
-
-    y = first
-    hosts = []
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        a = time.perf_counter()
-        if profile is not None:
-            profile.enable()
-        logits = model(y, cache=cache)
-        following = mx.argmax(logits[:, -1], axis=-1)[None]
-        mx.async_eval(following)
-        if profile is not None:
-            profile.disable()
-        hosts.append(time.perf_counter() - a)
-        mx.eval(y)
-        y = following
-    mx.eval(y)
-    hosts.sort()
-    return {"step_ms": 1e3 * (time.perf_counter() - t0) / steps, "host_median_ms": 1e3 * hosts[len(hosts) // 2],
-            "last": y}
-
-
 def top_functions(profile, top: int) -> list[dict]:
     """The profile's `top` functions by own time."""
     stats = pstats.Stats(profile)
@@ -122,27 +75,39 @@ def top_functions(profile, top: int) -> list[dict]:
     return rows[:top]
 
 
+def _fill(model, cache, prompt, step: int, profile=None) -> dict:
+    """prefill_chunks' timed fill (drive.prefill's chunks) -> its seconds and its model calls'."""
+    from veloxquant_mlx.bench.prefill_chunks import timed_fill
+
+    fill = timed_fill(model, cache, prompt, step, keep_buffers=False, profile=profile)
+    return {"fill_s": fill["total_s"], "host_s": sum(c["host_ms"] for c in fill["chunks"]) / 1e3}
+
+
+def _burst(model, cache, logits, tokens: int, profile=None) -> tuple[dict, object]:
+    """gpu_speed's decode burst -> (median interval and host ms per step, the logits to go on from)."""
+    from veloxquant_mlx.bench.gpu_speed_interleave import decode_burst
+
+    intervals, logits, host = decode_burst(model, cache, logits, tokens, profile)
+    return {"step_ms": statistics.median(intervals), "host_median_ms": statistics.median(host)}, logits
+
+
 def profile_spec(spec, model, prompt, args) -> dict:
-    import mlx.core as mx
+    from veloxquant_mlx.bench.drive import prefill
 
     profile = cProfile.Profile()
     with spec.open(model) as make_cache:
         if args.mode == "prefill":
-            _prefill(model, make_cache(), prompt, args.prefill_step_size)
-            t0 = time.perf_counter()
-            host = _prefill(model, make_cache(), prompt, args.prefill_step_size)
-            entry = {"fill_s": time.perf_counter() - t0, "host_s": host}
-            entry["profiled_host_s"] = _prefill(model, make_cache(), prompt, args.prefill_step_size, profile)
+            _fill(model, make_cache(), prompt, args.prefill_step_size)  # the JIT compiles
+            entry = _fill(model, make_cache(), prompt, args.prefill_step_size)
+            profiled = _fill(model, make_cache(), prompt, args.prefill_step_size, profile)
+            entry.update({f"profiled_{k}": v for k, v in profiled.items()})
         else:
             cache = make_cache()
-            _prefill(model, cache, prompt, args.prefill_step_size)
-            logits = model(prompt[-1:][None], cache=cache)
-            first = mx.argmax(logits[:, -1], axis=-1)[None]
-            warm = _decode(model, cache, first, WARM_STEPS)
-            timed = _decode(model, cache, warm["last"], TIMED_STEPS)
-            profiled = _decode(model, cache, timed["last"], args.steps, profile)
-            entry = {"step_ms": timed["step_ms"], "host_median_ms": timed["host_median_ms"],
-                     "profiled_step_ms": profiled["step_ms"], "profiled_host_median_ms": profiled["host_median_ms"]}
+            logits = prefill(model, cache, prompt, args.prefill_step_size)
+            _, logits = _burst(model, cache, logits, WARM_STEPS)
+            entry, logits = _burst(model, cache, logits, TIMED_STEPS)
+            profiled, _ = _burst(model, cache, logits, args.steps, profile)
+            entry.update({f"profiled_{k}": v for k, v in profiled.items()})
     entry["top_by_own_time"] = top_functions(profile, args.top)
     return entry
 

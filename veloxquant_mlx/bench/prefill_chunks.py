@@ -76,9 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def timed_fill(model, cache: list, prompt, step: int, keep_buffers: bool) -> dict:
+def timed_fill(model, cache: list, prompt, step: int, keep_buffers: bool, profile=None) -> dict:
     """Feed `prompt` (all but its last token, as drive.prefill) chunk by chunk; -> per-chunk
-    history length, host ms and eval ms, and the fill's total seconds."""
+    history length, host ms and eval ms, and the fill's total seconds. `profile` (a
+    cProfile.Profile, or None): enabled around each chunk's model call only, the span host_ms
+    times (bench/host_profile.py)."""
     import mlx.core as mx
 
     from veloxquant_mlx.bench.drive import cache_arrays
@@ -91,7 +93,11 @@ def timed_fill(model, cache: list, prompt, step: int, keep_buffers: bool) -> dic
     while prompt.size - start > 1:
         n = min(step, prompt.size - start - 1)
         t0 = time.perf_counter()
+        if profile is not None:
+            profile.enable()
         model(prompt[start : start + n][None], cache=cache)
+        if profile is not None:
+            profile.disable()
         t1 = time.perf_counter()
         mx.eval(cache_arrays(cache))
         t2 = time.perf_counter()
