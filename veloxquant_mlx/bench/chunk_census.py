@@ -94,11 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.alternate = constants.parse_setting(args.alternate) if args.alternate else None
     except ValueError as exc:
         p.error(f"--set / --alternate: {exc}")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        p.error(f"unknown method(s) {unknown}: allowed are {', '.join(METHODS)}")
-    args.methods = methods
+    try:
+        args.methods = census.method_list(args.methods)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 

@@ -479,6 +479,16 @@ def table(results: dict) -> str:
 
 
 # ---- command line ---------------------------------------------------------------------------
+def method_list(text: str) -> list[str]:
+    """A comma list of METHODS -> the names (chunk_census reads its --methods the same way);
+    ValueError naming the unknown ones and what is allowed."""
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}: allowed are {', '.join(METHODS)}")
+    return methods
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m veloxquant_mlx.bench.step_census", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -503,10 +513,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run(args) -> dict:
     from veloxquant_mlx.bench.tiny import random_llama
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise SystemExit(f"step_census: unknown method(s) {unknown}: allowed are {', '.join(METHODS)}")
+    try:
+        methods = method_list(args.methods)
+    except ValueError as exc:
+        raise SystemExit(f"step_census: {exc}") from None
     if "fp16" in methods:  # the reference first
         methods = ["fp16", *[m for m in methods if m != "fp16"]]
     from veloxquant_mlx.cache.fused_decode import _on_cuda
