@@ -19,8 +19,9 @@ The encoder (gear_encoder.py) runs in compiled stages around the argpartition, m
 the power iteration; it stores the same bits as the uncompiled ops did
 (tests/cache/test_encoder_identity.py). On CUDA the power iteration is one kernel per side
 (gear_power_kernel.py, session 17: gear's 32K prefill on the H200 2.02x -> 1.33x fp16's in one
-process), whose factors differ from the ops' in their last bits (its own order of sums). On the CPU that is hardly faster (1.02-1.06x for a
-2048-token chunk of one 8 x 128 layer: argpartition and mx.quantize dominate); on a GPU it
+process), whose factors differ from the ops' in their last bits (its own order of sums). On the
+CPU that is hardly faster (1.02-1.06x for a 2048-token chunk of one 8 x 128 layer: argpartition
+and mx.quantize dominate); on a GPU it
 removes kernel launches (unmeasured; see gear_encoder.py and gear_lowrank.COMPILE_ON_GPU).
 
 Rank setting: `gear_rank` (default 4) is the rank per block of BLOCK_TOKENS = 256 tokens per
