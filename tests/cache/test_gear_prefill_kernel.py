@@ -91,6 +91,9 @@ CASES = [
     ("rank 8", dict(rank=8)),
     ("no window", dict(chunks=(512, 256))),
     ("batch 2", dict(batch=2, dtype=mx.float16)),
+    ("hd96: 192 threads, 4 positions at once", dict(dim=96)),
+    ("keys hd64, values hd128: key threads past 128 idle", dict(dim=64, value_dim=128, dtype=mx.float16)),
+    ("keys hd128, values hd64", dict(dim=128, value_dim=64)),
 ]
 
 
@@ -164,12 +167,13 @@ def test_a_prefill_chunks_attention_takes_the_kernel_without_a_host_sync(monkeyp
 
 # A corrupted kernel must fail the comparison (in memory; the module is untouched).
 MUTATIONS = [
-    ("low rank left out", "if (RANK > 0) {\n        low_rank(kat", "if (false) {\n        low_rank(kat"),
-    ("value sparse part left out", "if (VCNT > 0 && hist) load_sparse", "if (false) load_sparse"),
-    ("signed zeros: x + s instead of (x + 0) + s", "(corr + tl * CD + d);\n        x0 = (x0 + 0.f) + s.x;",
-     "(corr + tl * CD + d);\n        x0 = x0 + s.x;"),
-    ("low-rank sum reversed", "for (int r = 0; r < RK; ++r) {\n      const float a = vq_f32(a_row[r]);",
-     "for (int q = 0; q < RK; ++q) {\n      const int r = RK - 1 - q;\n      const float a = vq_f32(a_row[r]);"),
+    ("low rank left out", "if (RANK > 0) low_rank(a_s + tl * RK, kb0", "if (false) low_rank(a_s + tl * RK, kb0"),
+    ("values' low rank from the keys' A rows", "low_rank(a_s + TT * RK + tl * RK, vb0", "low_rank(a_s + tl * RK, vb0"),
+    ("value sparse part left out", "    scatter_sparse(voi, vov, VCNT, DV);\n", ""),
+    ("signed zeros: x + s instead of (x + 0) + s", "(corr + tl * CD + d);\n          x0 = (x0 + 0.f) + s.x;",
+     "(corr + tl * CD + d);\n          x0 = x0 + s.x;"),
+    ("low-rank sum reversed", "for (int r = 0; r < RK; ++r) {\n      const float a = a_row[r];",
+     "for (int q = 0; q < RK; ++q) {\n      const int r = RK - 1 - q;\n      const float a = a_row[r];"),
     ("tile offset in the block ignored", "const int tl = idx / dim - t_off;", "const int tl = idx / dim;"),
 ]
 
@@ -193,13 +197,22 @@ def test_a_corrupted_kernel_fails_the_comparison(name, old, new):
 
 
 def test_supports_refuses_what_the_kernel_does_not_handle():
-    ok = dict(head_dim=128, value_dim=128, group=32, bits=2, block_tokens=256, sparse=True)
+    ok = dict(head_dim=128, value_dim=128, group=32, bits=2, block_tokens=256, sparse=True, rank=4)
     assert gear_prefill_kernel.supports(**ok)
     for change in (dict(bits=5), dict(group=16), dict(block_tokens=48), dict(block_tokens=16),
                    dict(head_dim=127), dict(value_dim=80), dict(head_dim=512, value_dim=512, bits=8)):
         assert not gear_prefill_kernel.supports(**{**ok, **change}), change
     # The shared memory supports() bounds: the largest head dim the policy meets (256) fits.
-    assert gear_prefill_kernel.shared_bytes(256, 256, 8, True) <= gear_prefill_kernel.SHARED_LIMIT
+    assert gear_prefill_kernel.shared_bytes(256, 256, 8, True, 8) <= gear_prefill_kernel.SHARED_LIMIT
+
+
+def test_threads_per_block_cover_whole_channel_pair_rows():
+    # The wider side's pairs times a power of two of positions, within MAX_THREADS.
+    for (d, dv), threads in {(128, 128): 256, (64, 64): 256, (256, 256): 256, (512, 512): 256, (96, 96): 192,
+                             (80, 80): 160, (64, 128): 256, (192, 128): 192, (32, 32): 256}.items():
+        assert gear_prefill_kernel.threads_per_block(d, dv) == threads, (d, dv)
+    assert not gear_prefill_kernel.supports(head_dim=1024, value_dim=1024, group=32, bits=2, block_tokens=256,
+                                            sparse=False, rank=0)
 
 
 def test_off_cuda_the_portable_path_runs():

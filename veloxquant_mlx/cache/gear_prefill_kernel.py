@@ -41,31 +41,30 @@ So on MLX's CPU backend (the emulation) the kernel is the portable path bit for 
 only possible difference is the low-rank sum's order, should cuBLAS split a K = RANK reduction
 (the @cuda_test in tests/cache/test_gear_prefill_kernel.py measures it there).
 
-Work split: a block of 256 threads per (tile of TT = 32 positions, batch x kv head); a tile lies
-inside one key group (G >= 32) and one NB-token block (NB a multiple of 32), and is all history
-or all window (n is whole blocks). Keys: the block loads the tile's code words of every channel
-(KB words per channel) and the group's scale and zero into shared memory, and the block's sparse
-pairs that fall into the tile into a (TT x D) float32 correction tile (zeroed first); then
-consecutive threads write consecutive channel pairs of a position (one 8-byte store in 16-bit).
-Values: the same correction tile refilled from the value pairs, then consecutive threads on
-consecutive channel pairs of a token read the pair's code word(s) and group scale. A and B are
-read from global memory (a token's A row is a warp-wide broadcast; a pair's two B rows are
-2 x RANK contiguous values, a warp's 32 pairs one contiguous sweep). Shared memory: 4 x (KB x
-(D + 2) + 2 x (D + 2) + TT x max(D, DV)) bytes when the sparse part is kept (20.5 KB at D = 128,
-2 bits; supports() bounds it by CUDA's static 48 KB).
+Work split (session 19; Nsight Compute had session 6's split latency-bound at 30K history,
+254 us per layer and chunk, 141 M instructions, ~135 per channel pair and position: every
+element re-read its token's A row and its channel pair's B rows from global memory and
+converted them): a block per (tile of TT = 32 positions, batch x kv head), of
+threads_per_block() threads; a tile lies inside one key group (G >= 32) and one NB-token block
+(NB a multiple of 32), and is all history or all window (n is whole blocks). A thread keeps one
+key channel pair and one value channel pair for the whole tile (consecutive threads,
+consecutive pairs: a warp's stores stay contiguous) and visits positions row, row + ROWS, ...
+in an unrolled loop; its key scales and zero points and both pairs' B rows are read once into
+registers. The block stages the tile's key code words of every channel (KB words each) and the
+tile's A rows of keys and values (floats) in shared memory, and the block's sparse pairs that
+fall into the tile in a (TT x max(D, DV)) float32 correction tile (zeroed first; refilled from
+the value pairs before the values). Values read their code word and group scale and zero from
+global memory per position (a warp's reads are one contiguous run). Shared memory: 4 x (KB x
+(D + 2) rounded to 4 words, + 2 x TT x RANK, + TT x max(D, DV) when the sparse part is kept)
+bytes (18.0 KB at D = 128, 2 bits, rank 4; supports() bounds it by CUDA's static 48 KB).
 
 The portable path stays the fallback and the reference: on the CPU and Metal, with the kernels
 switched off (VELOXQUANT_CUDA_KERNELS=0), for shapes `supports` refuses, and for subclasses with
-their own dequantization. Not yet run on a GPU (nvrtc's acceptance, registers and speed are
-unchecked there; nvcc 13 compiles it for sm_90 without spills: tests/cache/
-test_gear_prefill_kernel_nvcc.py). What the next GPU session must run:
-  pytest -m cuda tests/cache/test_gear_prefill_kernel.py
-  python -m veloxquant_mlx.bench.kernel_probe --parts prefill --methods gear --out X.json
-      (history_keys_values: one layer's _prefill_keys_values at a 32K history; also with
-      VELOXQUANT_CUDA_KERNELS=0 for the portable path)
-  python -m veloxquant_mlx.bench.gpu_speed --methods fp16,gear --contexts 32768 --repeats 3
-      (gear's prefill was 4.03x fp16's in session 6; the target is <= 1.2x. The chunk's encode,
-      ~300-400 primitives per layer and chunk, is untouched by this kernel.)
+their own dequantization. On a GPU, tests/cache/test_gear_prefill_kernel.py's @cuda_test
+compares it with the portable path run on the CPU (each session's run: results/README.md);
+nvcc 13 compiles it for sm_90 without spills (tests/cache/test_gear_prefill_kernel_nvcc.py).
+Its time: `python -m veloxquant_mlx.bench.chunk_kernels profile --method gear` under Nsight
+Compute, and the 32K prefill `python -m veloxquant_mlx.bench.prefill_chunks --methods gear`.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ from veloxquant_mlx.cache.kernel_name import build_kernel
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 TILE = 32  # positions per block: a whole number of 32-token key words at every width
-THREADS = 256
+MAX_THREADS = 256
 SHARED_LIMIT = 48 * 1024
 
 INPUTS = ("kc", "ks", "kz", "kat", "kbc", "koi", "kov", "vc", "vs", "vz", "vat", "vbc", "voi", "vov",
@@ -87,9 +86,9 @@ INPUTS = ("kc", "ks", "kz", "kat", "kbc", "koi", "kov", "vc", "vs", "vz", "vat",
 
 # Template constants: D, DV (key / value head dims), G (group), KB (bits), RANK (0: no low
 # rank), NB (tokens per low-rank / outlier block), KCNT, VCNT (sparse pairs per block; 0: none),
-# ST (side dtype: scales, zeros, factors, sparse values), KIT, VIT (index dtypes), CT (the
-# cache's dtype), WT (the window's), OT (the output's: the queries' dtype).
-# meta = [n (history tokens), W (window tokens)].
+# NT (threads per block: threads_per_block), ST (side dtype: scales, zeros, factors, sparse
+# values), KIT, VIT (index dtypes), CT (the cache's dtype), WT (the window's), OT (the output's:
+# the queries' dtype). meta = [n (history tokens), W (window tokens)].
 _SOURCE = r"""
   constexpr int TT = 32;                      // positions per block (TILE)
   constexpr int KW = KB;                      // key code words per channel and tile (TT * KB / 32)
@@ -100,13 +99,18 @@ _SOURCE = r"""
   constexpr bool SPARSE = KCNT > 0 || VCNT > 0;
   constexpr int RK = RANK > 0 ? RANK : 1;
   constexpr unsigned MASK = KB == 32 ? 0xffffffffu : (1u << KB) - 1u;
+  // A thread keeps one channel pair for the whole tile (its scales, zero points and low-rank
+  // factor rows in registers, loaded once) and visits the tile's positions tl = row, row + ROWS,
+  // ...: consecutive threads hold consecutive pairs, so a warp's stores stay contiguous.
+  constexpr int KP = D / 2, VP = DV / 2;      // channel pairs
+  constexpr int KROWS = NT / KP, VROWS = NT / VP;
+  constexpr int KPER = (TT + KROWS - 1) / KROWS, VPER = (TT + VROWS - 1) / VROWS;
   struct __align__(8) vq_u2 { uint32_t x, y; };
   struct __align__(8) vq_f2 { float x, y; };
   struct __align__(2 * sizeof(OT)) vq_o2 { OT x, y; };
-  __shared__ __align__(8) uint32_t kw_s[KW * DP];
-  __shared__ __align__(8) float ks_s[DP];
-  __shared__ __align__(8) float kz_s[DP];
-  __shared__ __align__(8) float corr[SPARSE ? TT * CD : 2];
+  __shared__ __align__(16) uint32_t kw_s[(KW * DP + 3) / 4 * 4];  // whole 16 bytes: no padding after it
+  __shared__ __align__(16) float a_s[RANK > 0 ? 2 * TT * RK : 4];  // the tile's A rows: keys', values'
+  __shared__ __align__(16) float corr[SPARSE ? TT * CD : 4];
 
   const int n = meta[0];
   const int n_window = meta[1];
@@ -118,7 +122,8 @@ _SOURCE = r"""
   const int blk = t_start / NB;               // the tile's low-rank / outlier block
   const int t_off = t_start - blk * NB;       // the tile's first position inside it
   const int tid = threadIdx.x;
-  const int nthreads = blockDim.x;
+  const int kp = tid % KP, krow = tid / KP, d = 2 * kp;   // the thread's key pair
+  const int vp = tid % VP, vrow = tid / VP, c = 2 * vp;   // and value pair
 
   const int row_words = kc_shape[3];
   const int row_groups = ks_shape[3];
@@ -136,28 +141,50 @@ _SOURCE = r"""
   OT* values_bh = values + (size_t)bh * total * DV;
 
   // The portable path's casts of a float32 history element: to the cache's dtype, then the
-  // queries'.
-  const auto out_of = [](float x) { return vq_cast<OT>(vq_f32(vq_cast<CT>(x))); };
+  // queries' (one rounding where they are the same type: the second cast is then exact).
+  const auto out_of = [](float x) {
+    return vq_same_type<CT, OT>::value ? vq_cast<OT>(x) : vq_cast<OT>(vq_f32(vq_cast<CT>(x)));
+  };
   const auto exact = [](const WT* p) { return vq_o2{vq_cast<OT>(vq_f32(p[0])), vq_cast<OT>(vq_f32(p[1]))}; };
+  // Two adjacent outputs in one store (ptxas kept a 16-bit pair as two 16-bit stores).
+  const auto store_pair = [](OT* p, vq_o2 o) {
+    if (sizeof(OT) == 2) {
+      unsigned short lo, hi;
+      memcpy(&lo, &o.x, 2);
+      memcpy(&hi, &o.y, 2);
+      *reinterpret_cast<unsigned int*>(p) = (unsigned int)lo | ((unsigned int)hi << 16);
+    } else {
+      *reinterpret_cast<vq_o2*>(p) = o;
+    }
+  };
+  // Two channels' factor rows (B[ch][0..RK), B[ch + 1][0..RK)) as floats.
+  const auto factor_rows = [](const ST* rows_of_pair, float* b0, float* b1) {
+    #pragma unroll
+    for (int r = 0; r < RK; ++r) {
+      b0[r] = vq_f32(rows_of_pair[r]);
+      b1[r] = vq_f32(rows_of_pair[RK + r]);
+    }
+  };
   // sum_r A[t][r] B[c][r], r ascending from 0 (the order of sgemm's K loop), for two channels.
-  const auto low_rank = [](const ST* a_row, const ST* b_rows, float& x0, float& x1) {
+  const auto low_rank = [](const float* a_row, const float* b0, const float* b1, float& x0, float& x1) {
     float l0 = 0.f, l1 = 0.f;
     #pragma unroll
     for (int r = 0; r < RK; ++r) {
-      const float a = vq_f32(a_row[r]);
-      l0 = l0 + a * vq_f32(b_rows[r]);
-      l1 = l1 + a * vq_f32(b_rows[RK + r]);
+      const float a = a_row[r];
+      l0 = l0 + a * b0[r];
+      l1 = l1 + a * b1[r];
     }
     x0 = x0 + l0;
     x1 = x1 + l1;
   };
+  const auto zero_corr = [&]() {
+    for (int i = tid; i < TT * CD / 4; i += NT) reinterpret_cast<uint4*>(corr)[i] = uint4{0u, 0u, 0u, 0u};  // +0.0f
+  };
   // The block's sparse pairs that fall inside this tile into `corr` ([position][channel],
-  // zero elsewhere): (x + 0) + corr is add_block_entries' sum, signed zeros included.
-  const auto load_sparse = [&](const auto* index, const ST* value, int count, int dim) {
-    for (int i = tid; i < TT * CD; i += nthreads) corr[i] = 0.f;
-    __syncthreads();
+  // zeroed before): (x + 0) + corr is add_block_entries' sum, signed zeros included.
+  const auto scatter_sparse = [&](const auto* index, const ST* value, int count, int dim) {
     const size_t base = ((size_t)bh * (size_t)(n_blocks_cap) + blk) * count;
-    for (int j = tid; j < count; j += nthreads) {
+    for (int j = tid; j < count; j += NT) {
       const int idx = (int)index[base + j];
       const int tl = idx / dim - t_off;
       if (tl >= 0 && tl < TT) corr[tl * CD + idx % dim] = vq_f32(value[base + j]);
@@ -169,88 +196,128 @@ _SOURCE = r"""
 # from the first array that has it (kbc's or koi's shape), so the source names only arrays the
 # launch passes for real.
 _BODY = r"""
-  // ---- keys: the tile's code words, the group's scale and zero, the sparse pairs ----
-  if (hist) {
-    const int w0 = t_start * KB / 32;         // t_start is a multiple of 32: a word boundary
-    for (int i = tid; i < D * KW; i += nthreads) {
-      const int d = i / KW, w = i % KW;
-      kw_s[w * DP + d] = __ldg(kc_bh + (size_t)d * row_words + w0 + w);
+  if (!hist) {
+    // ---- a window tile: its exact rows in the queries' dtype ----
+    if (krow < KROWS) {
+      #pragma unroll
+      for (int j = 0; j < KPER; ++j) {
+        const int tl = krow + j * KROWS;
+        if (tl < rows) {
+          const int t = t_start + tl;
+          store_pair(keys_bh + (size_t)t * D + d, exact(wk_bh + (size_t)(t - n) * D + d));
+        }
+      }
     }
-    const int g = t_start / G;                // TT <= G: one group per channel and tile
-    for (int d = tid; d < D; d += nthreads) {
-      ks_s[d] = vq_f32(ks_bh[(size_t)d * row_groups + g]);
-      kz_s[d] = vq_f32(kz_bh[(size_t)d * row_groups + g]);
+    if (vrow < VROWS) {
+      #pragma unroll
+      for (int j = 0; j < VPER; ++j) {
+        const int tl = vrow + j * VROWS;
+        if (tl < rows) {
+          const int t = t_start + tl;
+          store_pair(values_bh + (size_t)t * DV + c, exact(wv_bh + (size_t)(t - n) * DV + c));
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- a history tile: the tile's key code words and A rows to shared memory ----
+  const int w0 = t_start * KB / 32;           // t_start is a multiple of 32: a word boundary
+  for (int i = tid; i < D * KW; i += NT) {
+    const int dd = i / KW, w = i % KW;
+    kw_s[w * DP + dd] = __ldg(kc_bh + (size_t)dd * row_words + w0 + w);
+  }
+  if (RANK > 0) {
+    const ST* ka = kat + ((size_t)bh * kat_shape[2] + t_start) * RK;
+    const ST* va = vat + ((size_t)bh * vat_shape[2] + t_start) * RK;
+    for (int i = tid; i < TT * RK; i += NT) {
+      a_s[i] = vq_f32(ka[i]);
+      a_s[TT * RK + i] = vq_f32(va[i]);
     }
   }
-  if (KCNT > 0 && hist) load_sparse(koi, kov, KCNT, D);
+  if (KCNT > 0) zero_corr();
+  // The thread's own side data, for the whole tile (TT <= G: one key group per channel).
+  float ksc0 = 0.f, ksc1 = 0.f, kzp0 = 0.f, kzp1 = 0.f;
+  float kb0[RK], kb1[RK], vb0[RK], vb1[RK];
+  if (krow < KROWS) {
+    const size_t g = (size_t)d * row_groups + t_start / G;
+    ksc0 = vq_f32(ks_bh[g]);
+    ksc1 = vq_f32(ks_bh[g + row_groups]);
+    kzp0 = vq_f32(kz_bh[g]);
+    kzp1 = vq_f32(kz_bh[g + row_groups]);
+    if (RANK > 0) factor_rows(kbc + (((size_t)bh * kbc_shape[2] + blk) * D + d) * RK, kb0, kb1);
+  }
+  if (RANK > 0 && vrow < VROWS) factor_rows(vbc + (((size_t)bh * vbc_shape[2] + blk) * DV + c) * RK, vb0, vb1);
+  if (KCNT > 0) {
+    __syncthreads();                          // corr zeroed
+    scatter_sparse(koi, kov, KCNT, D);
+  }
   __syncthreads();
 
-  for (int i = tid; i < rows * (D / 2); i += nthreads) {
-    const int tl = i / (D / 2), d = 2 * (i % (D / 2));
-    const int t = t_start + tl;
-    vq_o2 out;
-    if (hist) {
-      const int bit = tl * KB;
-      const int w = bit >> 5, sh = bit & 31;
-      const vq_u2 word = *reinterpret_cast<const vq_u2*>(kw_s + w * DP + d);
-      unsigned c0 = word.x >> sh, c1 = word.y >> sh;
-      if (32 % KB != 0 && sh + KB > 32) {     // a 3-bit code continues in the next word
-        const vq_u2 next = *reinterpret_cast<const vq_u2*>(kw_s + (w + 1) * DP + d);
-        c0 |= next.x << (32 - sh);
-        c1 |= next.y << (32 - sh);
+  // ---- keys ----
+  if (krow < KROWS) {
+    #pragma unroll
+    for (int j = 0; j < KPER; ++j) {
+      const int tl = krow + j * KROWS;
+      if (KPER * KROWS == TT || tl < TT) {
+        const int bit = tl * KB;
+        const int w = bit >> 5, sh = bit & 31;
+        const vq_u2 word = *reinterpret_cast<const vq_u2*>(kw_s + w * DP + d);
+        unsigned c0 = word.x >> sh, c1 = word.y >> sh;
+        if (32 % KB != 0 && sh + KB > 32) {   // a 3-bit code continues in the next word
+          const vq_u2 next = *reinterpret_cast<const vq_u2*>(kw_s + (w + 1) * DP + d);
+          c0 |= next.x << (32 - sh);
+          c1 |= next.y << (32 - sh);
+        }
+        float x0 = ksc0 * (float)(c0 & MASK) + kzp0;
+        float x1 = ksc1 * (float)(c1 & MASK) + kzp1;
+        if (RANK > 0) low_rank(a_s + tl * RK, kb0, kb1, x0, x1);
+        if (KCNT > 0) {
+          const vq_f2 s = *reinterpret_cast<const vq_f2*>(corr + tl * CD + d);
+          x0 = (x0 + 0.f) + s.x;
+          x1 = (x1 + 0.f) + s.y;
+        }
+        store_pair(keys_bh + (size_t)(t_start + tl) * D + d, vq_o2{out_of(x0), out_of(x1)});
       }
-      const vq_f2 sc = *reinterpret_cast<const vq_f2*>(ks_s + d);
-      const vq_f2 zp = *reinterpret_cast<const vq_f2*>(kz_s + d);
-      float x0 = sc.x * (float)(c0 & MASK) + zp.x;
-      float x1 = sc.y * (float)(c1 & MASK) + zp.y;
-      if (RANK > 0) {
-        low_rank(kat + ((size_t)bh * kat_shape[2] + t) * RK,
-                 kbc + (((size_t)bh * kbc_shape[2] + blk) * D + d) * RK, x0, x1);
-      }
-      if (KCNT > 0) {
-        const vq_f2 s = *reinterpret_cast<const vq_f2*>(corr + tl * CD + d);
-        x0 = (x0 + 0.f) + s.x;
-        x1 = (x1 + 0.f) + s.y;
-      }
-      out = vq_o2{out_of(x0), out_of(x1)};
-    } else {
-      out = exact(wk_bh + (size_t)(t - n) * D + d);
     }
-    *reinterpret_cast<vq_o2*>(keys_bh + (size_t)t * D + d) = out;
   }
-  __syncthreads();                            // corr is refilled for the values
 
-  // ---- values ----
-  if (VCNT > 0 && hist) load_sparse(voi, vov, VCNT, DV);
-  __syncthreads();
-
-  for (int i = tid; i < rows * (DV / 2); i += nthreads) {
-    const int tl = i / (DV / 2), c = 2 * (i % (DV / 2));
-    const int t = t_start + tl;
-    vq_o2 out;
-    if (hist) {
-      const uint32_t* row = vc_bh + (size_t)t * WV;
-      unsigned c0, c1;
-      vq_code_pair<KB>(row, c, c0, c1);  // c even
-      const size_t g = (size_t)t * GV + c / G;  // c and c + 1 share a group (G is even)
-      const float sc = vq_f32(vs_bh[g]), zp = vq_f32(vz_bh[g]);
-      float x0 = sc * (float)(c0 & MASK) + zp;
-      float x1 = sc * (float)(c1 & MASK) + zp;
-      if (RANK > 0) {
-        low_rank(vat + ((size_t)bh * vat_shape[2] + t) * RK,
-                 vbc + (((size_t)bh * vbc_shape[2] + blk) * DV + c) * RK, x0, x1);
+  // ---- values: corr refilled from the value pairs ----
+  if (VCNT > 0) {
+    __syncthreads();                          // the keys' reads of corr are done
+    zero_corr();
+    __syncthreads();
+    scatter_sparse(voi, vov, VCNT, DV);
+    __syncthreads();
+  }
+  if (vrow < VROWS) {
+    #pragma unroll
+    for (int j = 0; j < VPER; ++j) {
+      const int tl = vrow + j * VROWS;
+      if (VPER * VROWS == TT || tl < TT) {
+        const int t = t_start + tl;
+        unsigned c0, c1;
+        vq_code_pair<KB>(vc_bh + (size_t)t * WV, c, c0, c1);  // c even
+        const size_t g = (size_t)t * GV + c / G;  // c and c + 1 share a group (G is even)
+        const float sc = vq_f32(vs_bh[g]), zp = vq_f32(vz_bh[g]);
+        float x0 = sc * (float)(c0 & MASK) + zp;
+        float x1 = sc * (float)(c1 & MASK) + zp;
+        if (RANK > 0) low_rank(a_s + TT * RK + tl * RK, vb0, vb1, x0, x1);
+        if (VCNT > 0) {
+          const vq_f2 s = *reinterpret_cast<const vq_f2*>(corr + tl * CD + c);
+          x0 = (x0 + 0.f) + s.x;
+          x1 = (x1 + 0.f) + s.y;
+        }
+        store_pair(values_bh + (size_t)t * DV + c, vq_o2{out_of(x0), out_of(x1)});
       }
-      if (VCNT > 0) {
-        const vq_f2 s = *reinterpret_cast<const vq_f2*>(corr + tl * CD + c);
-        x0 = (x0 + 0.f) + s.x;
-        x1 = (x1 + 0.f) + s.y;
-      }
-      out = vq_o2{out_of(x0), out_of(x1)};
-    } else {
-      out = exact(wv_bh + (size_t)(t - n) * DV + c);
     }
-    *reinterpret_cast<vq_o2*>(values_bh + (size_t)t * DV + c) = out;
   }
+"""
+
+
+_HEADER = r"""
+template <typename A, typename B> struct vq_same_type { static constexpr bool value = false; };
+template <typename A> struct vq_same_type<A, A> { static constexpr bool value = true; };
 """
 
 
@@ -275,27 +342,44 @@ def _kernel_for(factory, sparse_blocks_from: str):
         input_names=list(INPUTS),
         output_names=["keys", "values"],
         source=kernel_source(sparse_blocks_from),
-        header=fused_decode._HEADER,
+        header=fused_decode._HEADER + _HEADER,
     )
 
 
-def shared_bytes(head_dim: int, value_dim: int, bits: int, sparse: bool) -> int:
-    """The kernel's static shared memory: the tile's key code words, the group's scales and
-    zeros (floats) over head_dim + 2 channels, and the float32 correction tile if kept (its
-    2-float placeholder otherwise is never read, and ptxas drops it)."""
-    return 4 * ((bits + 2) * (head_dim + 2) + (TILE * max(head_dim, value_dim) if sparse else 0))
+def shared_bytes(head_dim: int, value_dim: int, bits: int, sparse: bool, rank: int) -> int:
+    """The kernel's static shared memory: the tile's key code words over head_dim + 2 channels,
+    the tile's low-rank A rows of keys and values (floats) if kept, and the float32 correction
+    tile if kept (the placeholders otherwise are never read, and ptxas drops them)."""
+    code_words = -(-bits * (head_dim + 2) // 4) * 4
+    lowrank = 2 * TILE * rank if rank else 0
+    return 4 * (code_words + lowrank + (TILE * max(head_dim, value_dim) if sparse else 0))
 
 
-def supports(head_dim: int, value_dim: int, group: int, bits: int, block_tokens: int, sparse: bool) -> bool:
+def threads_per_block(head_dim: int, value_dim: int) -> int:
+    """A block's threads: the wider side's channel pairs times the largest power of two of tile
+    positions that keeps the block within MAX_THREADS (a thread keeps one channel pair for the
+    whole tile: its side data and factor rows are loaded once per thread, not once per
+    element; the narrower side leaves the threads past its whole rows idle)."""
+    pairs = max(head_dim, value_dim) // 2
+    rows = 1
+    while pairs * rows * 2 <= MAX_THREADS and rows * 2 <= TILE:
+        rows *= 2
+    return pairs * rows
+
+
+def supports(head_dim: int, value_dim: int, group: int, bits: int, block_tokens: int, sparse: bool,
+             rank: int) -> bool:
     """The shapes the kernel handles; others take the portable path: the widths gear stores
     (2, 3, 4, 8), groups of whole 32-token tiles (a tile inside one key group), blocks of whole
-    tiles, even head dims (a thread writes channel pairs), value tokens of whole words, and the
-    shared memory within CUDA's static 48 KB."""
+    tiles, even head dims (a thread writes channel pairs) whose pairs fit in a block, value
+    tokens of whole words, and the shared memory within CUDA's static 48 KB."""
     if bits not in SUPPORTED_BITS or group % TILE or block_tokens % TILE or block_tokens < TILE:
         return False
     if head_dim < 2 or head_dim % 2 or value_dim < 2 or value_dim % group or (value_dim * bits) % 32:
         return False
-    return shared_bytes(head_dim, value_dim, bits, sparse) <= SHARED_LIMIT
+    if max(head_dim, value_dim) > 2 * MAX_THREADS:
+        return False
+    return shared_bytes(head_dim, value_dim, bits, sparse, rank) <= SHARED_LIMIT
 
 
 def prefill_step(cache, queries):
@@ -309,7 +393,7 @@ def prefill_step(cache, queries):
     k_count = st["k_out_values"].shape[-1] if "k_out_values" in st else 0
     v_count = st["v_out_values"].shape[-1] if "v_out_values" in st else 0
     if not supports(cache.head_dim, cache.value_dim, cache.code_group, cache.code_bits, cache.block_tokens,
-                    bool(k_count or v_count)):
+                    bool(k_count or v_count), cache.rank):
         return None
     if any(a is not None and a.dtype != cache.dtype for a in (cache.window_keys, cache.window_values)):
         return None  # the portable path's promotions: not worth a kernel variant
@@ -343,15 +427,16 @@ def gear_prefill_keys_values(arrays, window_keys, window_values, *, n: int, grou
         window_keys = window_values = fused_decode.absent_input(cache_dtype)
     total = n + W
     tiles = -(-total // TILE)
+    threads = threads_per_block(D, DV)
     meta = mx.array([n, W], dtype=mx.int32)
     sparse_from = "koi" if k_count else "voi"
     keys, values = _kernel(sparse_from)(
         inputs=[*arrays, window_keys, window_values, meta],
         template=[("D", D), ("DV", DV), ("G", group), ("KB", bits), ("RANK", rank), ("NB", block_tokens),
-                  ("KCNT", k_count), ("VCNT", v_count), ("ST", ks.dtype), ("KIT", arrays[5].dtype),
+                  ("KCNT", k_count), ("VCNT", v_count), ("NT", threads), ("ST", ks.dtype), ("KIT", arrays[5].dtype),
                   ("VIT", arrays[12].dtype), ("CT", cache_dtype), ("WT", window_keys.dtype), ("OT", out_dtype)],
-        grid=(THREADS * tiles, B * H, 1),
-        threadgroup=(THREADS, 1, 1),
+        grid=(threads * tiles, B * H, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(B, H, total, D), (B, H, total, DV)],
         output_dtypes=[out_dtype, out_dtype],
     )
