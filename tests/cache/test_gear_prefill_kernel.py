@@ -85,6 +85,9 @@ CASES = [
     ("gear-3 bf16 hd64 (codes straddle words)", dict(bits=3)),
     ("gear-4 fp16 hd64 g64", dict(bits=4, group=64, dtype=mx.float16)),
     ("gear-8 bf16 hd128 g128", dict(bits=8, group=128, dim=128)),
+    ("gear-8 fp16 hd256 g128 r8: values read per position (not staged)",
+     dict(bits=8, group=128, dim=256, rank=8, dtype=mx.float16)),
+    ("10% outliers: pairs beyond the registers read as placed", dict(fraction=0.1)),
     ("rank 0", dict(rank=0)),
     ("no outliers", dict(fraction=0.0)),
     ("rank 0, no outliers", dict(rank=0, fraction=0.0, dtype=mx.float16)),
@@ -169,7 +172,8 @@ def test_a_prefill_chunks_attention_takes_the_kernel_without_a_host_sync(monkeyp
 MUTATIONS = [
     ("low rank left out", "if (RANK > 0) low_rank(a_s + tl * RK, kb0", "if (false) low_rank(a_s + tl * RK, kb0"),
     ("values' low rank from the keys' A rows", "low_rank(a_s + TT * RK + tl * RK, vb0", "low_rank(a_s + tl * RK, vb0"),
-    ("value sparse part left out", "    scatter_sparse(voi, vov, VCNT, DV);\n", ""),
+    ("value sparse part left out", "    place(v_sparse, voi, vov, VCNT, DV);\n", ""),
+    ("pairs beyond the registers skipped", "for (int j = tid + SPP * NT; j < count;", "for (int j = count; j < count;"),
     ("signed zeros: x + s instead of (x + 0) + s", "(corr + tl * CD + d);\n          x0 = (x0 + 0.f) + s.x;",
      "(corr + tl * CD + d);\n          x0 = x0 + s.x;"),
     ("low-rank sum reversed", "for (int r = 0; r < RK; ++r) {\n      const float a = a_row[r];",
@@ -191,6 +195,8 @@ def test_a_corrupted_kernel_fails_the_comparison(name, old, new):
         for name in ("k_scales", "k_zeros", "k_out_values"):
             cache.store[name] = mx.full(cache.store[name].shape, -0.0, cache.store[name].dtype)
         cache.store["k_codes"] = mx.zeros_like(cache.store["k_codes"])
+    elif name == "pairs beyond the registers skipped":
+        cache = filled(dtype=mx.float32, dim=64, fraction=0.1)  # 1638 pairs per block: > 4 x 256
     else:
         cache = filled(dtype=mx.float32, dim=64)
     assert not check(cache, source=source.replace(old, new, 1)), f"mutation {name!r} went unnoticed"
@@ -203,7 +209,11 @@ def test_supports_refuses_what_the_kernel_does_not_handle():
                    dict(head_dim=127), dict(value_dim=80), dict(head_dim=512, value_dim=512, bits=8)):
         assert not gear_prefill_kernel.supports(**{**ok, **change}), change
     # The shared memory supports() bounds: the largest head dim the policy meets (256) fits.
-    assert gear_prefill_kernel.shared_bytes(256, 256, 8, True, 8) <= gear_prefill_kernel.SHARED_LIMIT
+    assert gear_prefill_kernel.shared_bytes(256, 256, 8, True, 8, 128) <= gear_prefill_kernel.SHARED_LIMIT
+    # The values are staged beside the keys wherever that fits: all but 8 bits at head dim 256.
+    assert gear_prefill_kernel.stages_values(128, 128, 2, True, 4, 32)
+    assert gear_prefill_kernel.stages_values(256, 256, 4, True, 8, 32)
+    assert not gear_prefill_kernel.stages_values(256, 256, 8, True, 8, 128)
 
 
 def test_threads_per_block_cover_whole_channel_pair_rows():

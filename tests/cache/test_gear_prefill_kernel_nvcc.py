@@ -42,4 +42,5 @@ def test_the_gear_prefill_kernel_compiles_for_sm90_without_spills(tmp_path, name
     sparse = cache.outlier_fraction > 0
     assert shared and int(shared.group(1)) <= gear_prefill_kernel.SHARED_LIMIT
     assert int(shared.group(1)) == gear_prefill_kernel.shared_bytes(cache.head_dim, cache.value_dim,
-                                                                   cache.code_bits, sparse, cache.rank)
+                                                                   cache.code_bits, sparse, cache.rank,
+                                                                   cache.code_group)

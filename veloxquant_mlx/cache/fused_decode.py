@@ -65,22 +65,23 @@ template <> __device__ __forceinline__ __nv_bfloat16 vq_cast<__nv_bfloat16>(floa
 // The codes of channels c and c + 1 (c even) of one token's row of BITS-bit codes packed in a
 // little-endian uint32 stream (MLX's affine layout), unmasked: the caller masks to BITS bits.
 // Shared by the prefill kernels that decode values per token (fused_prefill_affine,
-// gear_prefill_kernel).
-template <int BITS>
+// gear_prefill_kernel); GLOBAL false: `row` is in shared memory (plain loads, not __ldg).
+template <int BITS, bool GLOBAL = true>
 __device__ __forceinline__ void vq_code_pair(const uint32_t* row, int c, unsigned& c0, unsigned& c1) {
+  const auto load = [row](int i) { return GLOBAL ? __ldg(row + i) : row[i]; };
   if (32 % BITS == 0) {
     // Both codes in one word (2 * BITS divides 32 and the pair's first bit).
     const int bit = c * BITS;
-    const unsigned word = __ldg(row + (bit >> 5));
+    const unsigned word = load(bit >> 5);
     c0 = word >> (bit & 31);
     c1 = word >> ((bit & 31) + BITS);
   } else {
     // 3 bits: either code may straddle two words.
     const int b0 = c * BITS, b1 = b0 + BITS;
-    c0 = __ldg(row + (b0 >> 5)) >> (b0 & 31);
-    if ((b0 & 31) + BITS > 32) c0 |= __ldg(row + (b0 >> 5) + 1) << (32 - (b0 & 31));
-    c1 = __ldg(row + (b1 >> 5)) >> (b1 & 31);
-    if ((b1 & 31) + BITS > 32) c1 |= __ldg(row + (b1 >> 5) + 1) << (32 - (b1 & 31));
+    c0 = load(b0 >> 5) >> (b0 & 31);
+    if ((b0 & 31) + BITS > 32) c0 |= load((b0 >> 5) + 1) << (32 - (b0 & 31));
+    c1 = load(b1 >> 5) >> (b1 & 31);
+    if ((b1 & 31) + BITS > 32) c1 |= load((b1 >> 5) + 1) << (32 - (b1 & 31));
   }
 }
 

@@ -50,13 +50,15 @@ threads_per_block() threads; a tile lies inside one key group (G >= 32) and one 
 key channel pair and one value channel pair for the whole tile (consecutive threads,
 consecutive pairs: a warp's stores stay contiguous) and visits positions row, row + ROWS, ...
 in an unrolled loop; its key scales and zero points and both pairs' B rows are read once into
-registers. The block stages the tile's key code words of every channel (KB words each) and the
-tile's A rows of keys and values (floats) in shared memory, and the block's sparse pairs that
-fall into the tile in a (TT x max(D, DV)) float32 correction tile (zeroed first; refilled from
-the value pairs before the values). Values read their code word and group scale and zero from
-global memory per position (a warp's reads are one contiguous run). Shared memory: 4 x (KB x
-(D + 2) rounded to 4 words, + 2 x TT x RANK, + TT x max(D, DV) when the sparse part is kept)
-bytes (18.0 KB at D = 128, 2 bits, rank 4; supports() bounds it by CUDA's static 48 KB).
+registers. The block stages the tile's key code words of every channel (KB words each), the
+tile's A rows of keys and values (floats) and, where shared memory allows (stages_values), the
+tile's value codes, scales and zero points in shared memory; each thread reads its share of the
+block's sparse pairs (sparse_per_thread) into registers with those loads, so a block waits on
+global memory once, then places the pairs that fall into the tile in a (TT x max(D, DV))
+float32 correction tile (zeroed first; refilled from the value pairs before the values). Shared
+memory: 4 x (KB x (D + 2) rounded to 4 words, + 2 x TT x RANK, + TT x max(D, DV) when the sparse
+part is kept, + TT x (DV x KB / 32 + 2 x DV / G) when the values are staged) bytes (20.0 KB at
+D = 128, 2 bits, rank 4; supports() bounds all but the value stage by CUDA's static 48 KB).
 
 The portable path stays the fallback and the reference: on the CPU and Metal, with the kernels
 switched off (VELOXQUANT_CUDA_KERNELS=0), for shapes `supports` refuses, and for subclasses with
@@ -111,6 +113,10 @@ _SOURCE = r"""
   __shared__ __align__(16) uint32_t kw_s[(KW * DP + 3) / 4 * 4];  // whole 16 bytes: no padding after it
   __shared__ __align__(16) float a_s[RANK > 0 ? 2 * TT * RK : 4];  // the tile's A rows: keys', values'
   __shared__ __align__(16) float corr[SPARSE ? TT * CD : 4];
+  // The tile's value codes and their group scales and zero points (floats), staged with the
+  // keys' words when VSTAGE (shared memory allows: supports()); read per position otherwise.
+  __shared__ __align__(16) uint32_t vw_s[VSTAGE ? TT * WV : 4];
+  __shared__ __align__(16) float vsz_s[VSTAGE ? 2 * TT * GV : 4];
 
   const int n = meta[0];
   const int n_window = meta[1];
@@ -178,16 +184,39 @@ _SOURCE = r"""
     x1 = x1 + l1;
   };
   const auto zero_corr = [&]() {
-    for (int i = tid; i < TT * CD / 4; i += NT) reinterpret_cast<uint4*>(corr)[i] = uint4{0u, 0u, 0u, 0u};  // +0.0f
+    for (int i = tid; i < TT * CD / 4; i += NT) {
+      reinterpret_cast<uint4*>(corr)[i] = uint4{0u, 0u, 0u, 0u};  // +0.0f
+    }
   };
-  // The block's sparse pairs that fall inside this tile into `corr` ([position][channel],
-  // zeroed before): (x + 0) + corr is add_block_entries' sum, signed zeros included.
-  const auto scatter_sparse = [&](const auto* index, const ST* value, int count, int dim) {
+  // The block's sparse pairs: the first SPP x NT read into registers (SPP per thread) with the
+  // tile's other loads, the rest (more than SPP_MAX per thread) read as they are placed; `place`
+  // writes those inside this tile into `corr` ([position][channel], zeroed before):
+  // (x + 0) + corr is add_block_entries' sum, signed zeros included.
+  struct vq_sparse { int at[SPP]; float value[SPP]; };
+  const auto slot_of = [&](int idx, int dim) {
+    const int tl = idx / dim - t_off;
+    return tl >= 0 && tl < TT ? tl * CD + idx % dim : -1;
+  };
+  const auto fetch_sparse = [&](const auto* index, const ST* value, int count, int dim) {
+    vq_sparse e;
     const size_t base = ((size_t)bh * (size_t)(n_blocks_cap) + blk) * count;
-    for (int j = tid; j < count; j += NT) {
-      const int idx = (int)index[base + j];
-      const int tl = idx / dim - t_off;
-      if (tl >= 0 && tl < TT) corr[tl * CD + idx % dim] = vq_f32(value[base + j]);
+    #pragma unroll
+    for (int k = 0; k < SPP; ++k) {
+      const int j = tid + k * NT;
+      e.at[k] = j < count ? slot_of((int)index[base + j], dim) : -1;
+      e.value[k] = j < count ? vq_f32(value[base + j]) : 0.f;
+    }
+    return e;
+  };
+  const auto place = [&](const vq_sparse& e, const auto* index, const ST* value, int count, int dim) {
+    #pragma unroll
+    for (int k = 0; k < SPP; ++k) {
+      if (e.at[k] >= 0) corr[e.at[k]] = e.value[k];
+    }
+    const size_t base = ((size_t)bh * (size_t)(n_blocks_cap) + blk) * count;
+    for (int j = tid + SPP * NT; j < count; j += NT) {
+      const int at = slot_of((int)index[base + j], dim);
+      if (at >= 0) corr[at] = vq_f32(value[base + j]);
     }
   };
 """
@@ -235,6 +264,18 @@ _BODY = r"""
       a_s[TT * RK + i] = vq_f32(va[i]);
     }
   }
+  if (VSTAGE) {
+    const uint32_t* vrows = vc_bh + (size_t)t_start * WV;
+    for (int i = tid; i < TT * WV; i += NT) vw_s[i] = __ldg(vrows + i);
+    const size_t g0 = (size_t)t_start * GV;
+    for (int i = tid; i < TT * GV; i += NT) {
+      vsz_s[i] = vq_f32(vs_bh[g0 + i]);
+      vsz_s[TT * GV + i] = vq_f32(vz_bh[g0 + i]);
+    }
+  }
+  vq_sparse k_sparse, v_sparse;
+  if (KCNT > 0) k_sparse = fetch_sparse(koi, kov, KCNT, D);
+  if (VCNT > 0) v_sparse = fetch_sparse(voi, vov, VCNT, DV);
   if (KCNT > 0) zero_corr();
   // The thread's own side data, for the whole tile (TT <= G: one key group per channel).
   float ksc0 = 0.f, ksc1 = 0.f, kzp0 = 0.f, kzp1 = 0.f;
@@ -247,10 +288,12 @@ _BODY = r"""
     kzp1 = vq_f32(kz_bh[g + row_groups]);
     if (RANK > 0) factor_rows(kbc + (((size_t)bh * kbc_shape[2] + blk) * D + d) * RK, kb0, kb1);
   }
-  if (RANK > 0 && vrow < VROWS) factor_rows(vbc + (((size_t)bh * vbc_shape[2] + blk) * DV + c) * RK, vb0, vb1);
+  if (RANK > 0 && vrow < VROWS) {
+    factor_rows(vbc + (((size_t)bh * vbc_shape[2] + blk) * DV + c) * RK, vb0, vb1);
+  }
   if (KCNT > 0) {
     __syncthreads();                          // corr zeroed
-    scatter_sparse(koi, kov, KCNT, D);
+    place(k_sparse, koi, kov, KCNT, D);
   }
   __syncthreads();
 
@@ -287,7 +330,7 @@ _BODY = r"""
     __syncthreads();                          // the keys' reads of corr are done
     zero_corr();
     __syncthreads();
-    scatter_sparse(voi, vov, VCNT, DV);
+    place(v_sparse, voi, vov, VCNT, DV);
     __syncthreads();
   }
   if (vrow < VROWS) {
@@ -297,9 +340,18 @@ _BODY = r"""
       if (VPER * VROWS == TT || tl < TT) {
         const int t = t_start + tl;
         unsigned c0, c1;
-        vq_code_pair<KB>(vc_bh + (size_t)t * WV, c, c0, c1);  // c even
-        const size_t g = (size_t)t * GV + c / G;  // c and c + 1 share a group (G is even)
-        const float sc = vq_f32(vs_bh[g]), zp = vq_f32(vz_bh[g]);
+        float sc, zp;
+        if (VSTAGE) {
+          vq_code_pair<KB, false>(vw_s + tl * WV, c, c0, c1);  // c even
+          const int g = tl * GV + c / G;      // c and c + 1 share a group (G is even)
+          sc = vsz_s[g];
+          zp = vsz_s[TT * GV + g];
+        } else {
+          vq_code_pair<KB>(vc_bh + (size_t)t * WV, c, c0, c1);
+          const size_t g = (size_t)t * GV + c / G;
+          sc = vq_f32(vs_bh[g]);
+          zp = vq_f32(vz_bh[g]);
+        }
         float x0 = sc * (float)(c0 & MASK) + zp;
         float x1 = sc * (float)(c1 & MASK) + zp;
         if (RANK > 0) low_rank(a_s + TT * RK + tl * RK, vb0, vb1, x0, x1);
@@ -346,13 +398,44 @@ def _kernel_for(factory, sparse_blocks_from: str):
     )
 
 
-def shared_bytes(head_dim: int, value_dim: int, bits: int, sparse: bool, rank: int) -> int:
-    """The kernel's static shared memory: the tile's key code words over head_dim + 2 channels,
-    the tile's low-rank A rows of keys and values (floats) if kept, and the float32 correction
-    tile if kept (the placeholders otherwise are never read, and ptxas drops them)."""
+def shared_bytes(head_dim: int, value_dim: int, bits: int, sparse: bool, rank: int, group: int) -> int:
+    """The kernel's static shared memory: the tile's key code words over head_dim + 2 channels
+    (rounded to 16 bytes), the tile's low-rank A rows of keys and values (floats) if kept, the
+    float32 correction tile if kept, and the tile's value codes, scales and zero points where
+    they fit too (stages_values; the placeholders otherwise are never read, and ptxas drops
+    them)."""
+    base = _base_shared_bytes(head_dim, value_dim, bits, sparse, rank)
+    staged = _value_stage_bytes(value_dim, bits, group)
+    return base + staged if base + staged <= SHARED_LIMIT else base
+
+
+def stages_values(head_dim: int, value_dim: int, bits: int, sparse: bool, rank: int, group: int) -> bool:
+    """Whether the tile's values are staged in shared memory with the keys' words (one wait on
+    global memory per block instead of a second one in the value loop): where they fit in
+    CUDA's static 48 KB beside the rest (all but 8-bit codes at head dim 256)."""
+    base = _base_shared_bytes(head_dim, value_dim, bits, sparse, rank)
+    return base + _value_stage_bytes(value_dim, bits, group) <= SHARED_LIMIT
+
+
+def _base_shared_bytes(head_dim, value_dim, bits, sparse, rank) -> int:
     code_words = -(-bits * (head_dim + 2) // 4) * 4
     lowrank = 2 * TILE * rank if rank else 0
     return 4 * (code_words + lowrank + (TILE * max(head_dim, value_dim) if sparse else 0))
+
+
+def _value_stage_bytes(value_dim, bits, group) -> int:
+    return 4 * TILE * (value_dim * bits // 32 + 2 * (value_dim // group))
+
+
+# Sparse pairs per thread and side held in registers from the tile's first loads; a block's
+# pairs beyond SPP_MAX per thread are read as they are placed (fractions above ~3% at the 8B
+# shape: the registers stay bounded).
+SPP_MAX = 4
+
+
+def sparse_per_thread(k_count: int, v_count: int, threads: int) -> int:
+    """SPP: the register slots per thread and side for the block's sparse pairs (at least 1)."""
+    return max(1, min(SPP_MAX, -(-max(k_count, v_count) // threads)))
 
 
 def threads_per_block(head_dim: int, value_dim: int) -> int:
@@ -379,7 +462,7 @@ def supports(head_dim: int, value_dim: int, group: int, bits: int, block_tokens:
         return False
     if max(head_dim, value_dim) > 2 * MAX_THREADS:
         return False
-    return shared_bytes(head_dim, value_dim, bits, sparse, rank) <= SHARED_LIMIT
+    return _base_shared_bytes(head_dim, value_dim, bits, sparse, rank) <= SHARED_LIMIT
 
 
 def prefill_step(cache, queries):
@@ -433,8 +516,11 @@ def gear_prefill_keys_values(arrays, window_keys, window_values, *, n: int, grou
     keys, values = _kernel(sparse_from)(
         inputs=[*arrays, window_keys, window_values, meta],
         template=[("D", D), ("DV", DV), ("G", group), ("KB", bits), ("RANK", rank), ("NB", block_tokens),
-                  ("KCNT", k_count), ("VCNT", v_count), ("NT", threads), ("ST", ks.dtype), ("KIT", arrays[5].dtype),
-                  ("VIT", arrays[12].dtype), ("CT", cache_dtype), ("WT", window_keys.dtype), ("OT", out_dtype)],
+                  ("KCNT", k_count), ("VCNT", v_count), ("NT", threads),
+                  ("SPP", sparse_per_thread(k_count, v_count, threads)),
+                  ("VSTAGE", int(stages_values(D, DV, bits, bool(k_count or v_count), rank, group))),
+                  ("ST", ks.dtype), ("KIT", arrays[5].dtype), ("VIT", arrays[12].dtype), ("CT", cache_dtype),
+                  ("WT", window_keys.dtype), ("OT", out_dtype)],
         grid=(threads * tiles, B * H, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(B, H, total, D), (B, H, total, DV)],
