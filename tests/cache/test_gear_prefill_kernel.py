@@ -107,7 +107,8 @@ def _programs_built_in_parallel():
     if cuda_emulation.COMPILER is None:
         return
     with cuda_emulation.signatures_only() as captured:
-        for _, args in CASES + [("fp32 queries", dict()), ("64-token blocks", dict(cls=_small_blocks()))]:
+        for _, args in CASES + [("fp32 queries", dict()), ("64-token blocks", dict(cls=_small_blocks())),
+                                ("32-token blocks", dict(cls=_Blocks32GEAR))]:
             cache = filled(**{**args, "chunks": (256, 3)})
             with emulated():
                 cache._prefill_keys_values(mx.zeros((cache.batch_size, 4, 16, cache.head_dim), cache.dtype))
@@ -134,6 +135,19 @@ def test_the_emulated_kernel_is_the_portable_gear_prefill(name, args):
 @emulation
 def test_queries_in_another_dtype_get_the_kv_rounded_to_the_cache_dtype_first():
     assert check(filled(dtype=mx.bfloat16), query_dtype=mx.float32)
+
+
+class _Blocks32GEAR(GEARCache):
+    """GEAR with 32-token low-rank / outlier blocks: one tile per kernel block (launch_plan)."""
+
+    block_tokens = 32
+
+
+@emulation
+def test_blocks_of_32_tokens_take_one_tile_per_kernel_block():
+    cache = filled(cls=_Blocks32GEAR, chunks=(512, 256, 20))
+    assert gear_prefill_kernel.launch_plan(64, 64, 2, True, 4, 32, cache.block_tokens) == (1, True)
+    assert cache.n_compressed == 768 and check(cache)
 
 
 @emulation
@@ -171,7 +185,7 @@ def test_a_prefill_chunks_attention_takes_the_kernel_without_a_host_sync(monkeyp
 # A corrupted kernel must fail the comparison (in memory; the module is untouched).
 MUTATIONS = [
     ("low rank left out", "if (RANK > 0) low_rank(a_s + tl * RK, kb0", "if (false) low_rank(a_s + tl * RK, kb0"),
-    ("values' low rank from the keys' A rows", "low_rank(a_s + TT * RK + tl * RK, vb0", "low_rank(a_s + tl * RK, vb0"),
+    ("values' low rank from the keys' A rows", "low_rank(a_s + TB * RK + tl * RK, vb0", "low_rank(a_s + tl * RK, vb0"),
     ("value sparse part left out", "    place(v_sparse, voi, vov, VCNT, DV);\n", ""),
     ("pairs beyond the registers skipped", "for (int j = tid + SPP * NT; j < count;", "for (int j = count; j < count;"),
     ("signed zeros: x + s instead of (x + 0) + s", "(corr + tl * CD + d);\n          x0 = (x0 + 0.f) + s.x;",
@@ -179,6 +193,8 @@ MUTATIONS = [
     ("low-rank sum reversed", "for (int r = 0; r < RK; ++r) {\n      const float a = a_row[r];",
      "for (int q = 0; q < RK; ++q) {\n      const int r = RK - 1 - q;\n      const float a = a_row[r];"),
     ("tile offset in the block ignored", "const int tl = idx / dim - t_off;", "const int tl = idx / dim;"),
+    ("a block's second tile scaled as its first", "float x0 = ksc0[u] * (float)(c0 & MASK) + kzp0[u];",
+     "float x0 = ksc0[0] * (float)(c0 & MASK) + kzp0[0];"),
 ]
 
 
@@ -209,11 +225,14 @@ def test_supports_refuses_what_the_kernel_does_not_handle():
                    dict(head_dim=127), dict(value_dim=80), dict(head_dim=512, value_dim=512, bits=8)):
         assert not gear_prefill_kernel.supports(**{**ok, **change}), change
     # The shared memory supports() bounds: the largest head dim the policy meets (256) fits.
-    assert gear_prefill_kernel.shared_bytes(256, 256, 8, True, 8, 128) <= gear_prefill_kernel.SHARED_LIMIT
-    # The values are staged beside the keys wherever that fits: all but 8 bits at head dim 256.
-    assert gear_prefill_kernel.stages_values(128, 128, 2, True, 4, 32)
-    assert gear_prefill_kernel.stages_values(256, 256, 4, True, 8, 32)
-    assert not gear_prefill_kernel.stages_values(256, 256, 8, True, 8, 128)
+    assert gear_prefill_kernel.shared_bytes(256, 256, 8, True, 8, 128, 256) <= gear_prefill_kernel.SHARED_LIMIT
+    # Two tiles per block with the values staged where that fits (the 8B shape), one tile with
+    # staged values at head dim 256 and 4 bits, one unstaged at 8 bits; 32-token blocks: one.
+    plan = gear_prefill_kernel.launch_plan
+    assert plan(128, 128, 2, True, 4, 32, 256) == (2, True)
+    assert plan(256, 256, 4, True, 8, 32, 256) == (1, True)
+    assert plan(256, 256, 8, True, 8, 128, 256) == (1, False)
+    assert plan(128, 128, 2, True, 4, 32, 32) == (1, True)
 
 
 def test_threads_per_block_cover_whole_channel_pair_rows():

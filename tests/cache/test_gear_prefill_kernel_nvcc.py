@@ -43,4 +43,4 @@ def test_the_gear_prefill_kernel_compiles_for_sm90_without_spills(tmp_path, name
     assert shared and int(shared.group(1)) <= gear_prefill_kernel.SHARED_LIMIT
     assert int(shared.group(1)) == gear_prefill_kernel.shared_bytes(cache.head_dim, cache.value_dim,
                                                                    cache.code_bits, sparse, cache.rank,
-                                                                   cache.code_group)
+                                                                   cache.code_group, cache.block_tokens)

@@ -44,21 +44,24 @@ only possible difference is the low-rank sum's order, should cuBLAS split a K = 
 Work split (session 19; Nsight Compute had session 6's split latency-bound at 30K history,
 254 us per layer and chunk, 141 M instructions, ~135 per channel pair and position: every
 element re-read its token's A row and its channel pair's B rows from global memory and
-converted them): a block per (tile of TT = 32 positions, batch x kv head), of
-threads_per_block() threads; a tile lies inside one key group (G >= 32) and one NB-token block
-(NB a multiple of 32), and is all history or all window (n is whole blocks). A thread keeps one
-key channel pair and one value channel pair for the whole tile (consecutive threads,
-consecutive pairs: a warp's stores stay contiguous) and visits positions row, row + ROWS, ...
-in an unrolled loop; its key scales and zero points and both pairs' B rows are read once into
-registers. The block stages the tile's key code words of every channel (KB words each), the
-tile's A rows of keys and values (floats) and, where shared memory allows (stages_values), the
-tile's value codes, scales and zero points in shared memory; each thread reads its share of the
-block's sparse pairs (sparse_per_thread) into registers with those loads, so a block waits on
-global memory once, then places the pairs that fall into the tile in a (TT x max(D, DV))
-float32 correction tile (zeroed first; refilled from the value pairs before the values). Shared
-memory: 4 x (KB x (D + 2) rounded to 4 words, + 2 x TT x RANK, + TT x max(D, DV) when the sparse
-part is kept, + TT x (DV x KB / 32 + 2 x DV / G) when the values are staged) bytes (20.0 KB at
-D = 128, 2 bits, rank 4; supports() bounds all but the value stage by CUDA's static 48 KB).
+converted them): a block per (SUB consecutive tiles of TT = 32 positions, batch x kv head), of
+threads_per_block() threads; SUB = 2 where the low-rank block and shared memory allow
+(launch_plan), halving the blocks' prologues and barriers per element. A tile lies inside one
+key group (G >= 32), a block inside one NB-token block (NB a multiple of 32 x SUB), and is all
+history or all window (n is whole blocks). A thread keeps one key channel pair and one value
+channel pair for the whole block (consecutive threads, consecutive pairs: a warp's stores stay
+contiguous) and visits positions row, row + ROWS, ... in unrolled loops; its key scales and zero
+points (one group per tile) and both pairs' B rows are read once into registers. The block
+stages its key code words of every channel (KB words per tile), its A rows of keys and values
+(floats) and, where shared memory allows (launch_plan), its value codes, scales and zero points
+in shared memory; each thread reads its share of the block's sparse pairs (sparse_per_thread)
+into registers with those loads, so a block waits on global memory once, then places the pairs
+that fall into the block in a (TT x SUB x max(D, DV)) float32 correction tile (zeroed first;
+refilled from the value pairs before the values). Shared memory: 4 x (KB x SUB x (D + 2)
+rounded to 4 words, + 2 x TT x SUB x RANK, + TT x SUB x max(D, DV) when the sparse part is kept,
++ TT x SUB x (DV x KB / 32 + 2 x DV / G) when the values are staged) bytes (40.0 KB at the 8B
+shape's D = 128, 2 bits, rank 4, SUB 2; supports() bounds one tile without the value stage by
+CUDA's static 48 KB).
 
 The portable path stays the fallback and the reference: on the CPU and Metal, with the kernels
 switched off (VELOXQUANT_CUDA_KERNELS=0), for shapes `supports` refuses, and for subclasses with
@@ -88,11 +91,13 @@ INPUTS = ("kc", "ks", "kz", "kat", "kbc", "koi", "kov", "vc", "vs", "vz", "vat",
 
 # Template constants: D, DV (key / value head dims), G (group), KB (bits), RANK (0: no low
 # rank), NB (tokens per low-rank / outlier block), KCNT, VCNT (sparse pairs per block; 0: none),
-# NT (threads per block: threads_per_block), ST (side dtype: scales, zeros, factors, sparse
-# values), KIT, VIT (index dtypes), CT (the cache's dtype), WT (the window's), OT (the output's:
-# the queries' dtype). meta = [n (history tokens), W (window tokens)].
+# NT (threads per block: threads_per_block), SPP (sparse pairs per thread in registers),
+# SUB / VSTAGE (tiles per block / values staged: launch_plan), ST (side dtype: scales, zeros,
+# factors, sparse values), KIT, VIT (index dtypes), CT (the cache's dtype), WT (the window's),
+# OT (the output's: the queries' dtype). meta = [n (history tokens), W (window tokens)].
 _SOURCE = r"""
-  constexpr int TT = 32;                      // positions per block (TILE)
+  constexpr int TT = 32;                      // positions per tile (TILE)
+  constexpr int TB = TT * SUB;                // positions per block: SUB consecutive tiles
   constexpr int KW = KB;                      // key code words per channel and tile (TT * KB / 32)
   constexpr int DP = D + 2;                   // shared row stride: even, != 0 mod 32
   constexpr int WV = DV * KB / 32;            // value code words per token
@@ -106,27 +111,28 @@ _SOURCE = r"""
   // ...: consecutive threads hold consecutive pairs, so a warp's stores stay contiguous.
   constexpr int KP = D / 2, VP = DV / 2;      // channel pairs
   constexpr int KROWS = NT / KP, VROWS = NT / VP;
-  constexpr int KPER = (TT + KROWS - 1) / KROWS, VPER = (TT + VROWS - 1) / VROWS;
+  constexpr int KPER = (TT + KROWS - 1) / KROWS;   // a thread's key positions per tile
+  constexpr int KPERB = (TB + KROWS - 1) / KROWS, VPERB = (TB + VROWS - 1) / VROWS;  // per block
   struct __align__(8) vq_u2 { uint32_t x, y; };
   struct __align__(8) vq_f2 { float x, y; };
   struct __align__(2 * sizeof(OT)) vq_o2 { OT x, y; };
-  __shared__ __align__(16) uint32_t kw_s[(KW * DP + 3) / 4 * 4];  // whole 16 bytes: no padding after it
-  __shared__ __align__(16) float a_s[RANK > 0 ? 2 * TT * RK : 4];  // the tile's A rows: keys', values'
-  __shared__ __align__(16) float corr[SPARSE ? TT * CD : 4];
+  __shared__ __align__(16) uint32_t kw_s[(KW * SUB * DP + 3) / 4 * 4];  // whole 16 bytes: no padding after it
+  __shared__ __align__(16) float a_s[RANK > 0 ? 2 * TB * RK : 4];  // the block's A rows: keys', values'
+  __shared__ __align__(16) float corr[SPARSE ? TB * CD : 4];
   // The tile's value codes and their group scales and zero points (floats), staged with the
   // keys' words when VSTAGE (shared memory allows: supports()); read per position otherwise.
-  __shared__ __align__(16) uint32_t vw_s[VSTAGE ? TT * WV : 4];
-  __shared__ __align__(16) float vsz_s[VSTAGE ? 2 * TT * GV : 4];
+  __shared__ __align__(16) uint32_t vw_s[VSTAGE ? TB * WV : 4];
+  __shared__ __align__(16) float vsz_s[VSTAGE ? 2 * TB * GV : 4];
 
   const int n = meta[0];
   const int n_window = meta[1];
   const int total = n + n_window;
   const int bh = blockIdx.y;
-  const int t_start = blockIdx.x * TT;
-  const int rows = min(t_start + TT, total) - t_start;
-  const bool hist = t_start < n;              // the whole tile: n is whole blocks of NB
-  const int blk = t_start / NB;               // the tile's low-rank / outlier block
-  const int t_off = t_start - blk * NB;       // the tile's first position inside it
+  const int t_start = blockIdx.x * TB;
+  const int rows = min(t_start + TB, total) - t_start;
+  const bool hist = t_start < n;              // the whole block: n is whole blocks of NB
+  const int blk = t_start / NB;               // the block's low-rank / outlier block (NB % TB == 0)
+  const int t_off = t_start - blk * NB;       // the block's first position inside it
   const int tid = threadIdx.x;
   const int kp = tid % KP, krow = tid / KP, d = 2 * kp;   // the thread's key pair
   const int vp = tid % VP, vrow = tid / VP, c = 2 * vp;   // and value pair
@@ -184,7 +190,7 @@ _SOURCE = r"""
     x1 = x1 + l1;
   };
   const auto zero_corr = [&]() {
-    for (int i = tid; i < TT * CD / 4; i += NT) {
+    for (int i = tid; i < TB * CD / 4; i += NT) {
       reinterpret_cast<uint4*>(corr)[i] = uint4{0u, 0u, 0u, 0u};  // +0.0f
     }
   };
@@ -195,7 +201,7 @@ _SOURCE = r"""
   struct vq_sparse { int at[SPP]; float value[SPP]; };
   const auto slot_of = [&](int idx, int dim) {
     const int tl = idx / dim - t_off;
-    return tl >= 0 && tl < TT ? tl * CD + idx % dim : -1;
+    return tl >= 0 && tl < TB ? tl * CD + idx % dim : -1;
   };
   const auto fetch_sparse = [&](const auto* index, const ST* value, int count, int dim) {
     vq_sparse e;
@@ -229,7 +235,7 @@ _BODY = r"""
     // ---- a window tile: its exact rows in the queries' dtype ----
     if (krow < KROWS) {
       #pragma unroll
-      for (int j = 0; j < KPER; ++j) {
+      for (int j = 0; j < KPERB; ++j) {
         const int tl = krow + j * KROWS;
         if (tl < rows) {
           const int t = t_start + tl;
@@ -239,7 +245,7 @@ _BODY = r"""
     }
     if (vrow < VROWS) {
       #pragma unroll
-      for (int j = 0; j < VPER; ++j) {
+      for (int j = 0; j < VPERB; ++j) {
         const int tl = vrow + j * VROWS;
         if (tl < rows) {
           const int t = t_start + tl;
@@ -250,42 +256,45 @@ _BODY = r"""
     return;
   }
 
-  // ---- a history tile: the tile's key code words and A rows to shared memory ----
+  // ---- history tiles: the block's key code words and A rows to shared memory ----
   const int w0 = t_start * KB / 32;           // t_start is a multiple of 32: a word boundary
-  for (int i = tid; i < D * KW; i += NT) {
-    const int dd = i / KW, w = i % KW;
+  for (int i = tid; i < D * KW * SUB; i += NT) {
+    const int dd = i / (KW * SUB), w = i % (KW * SUB);
     kw_s[w * DP + dd] = __ldg(kc_bh + (size_t)dd * row_words + w0 + w);
   }
   if (RANK > 0) {
     const ST* ka = kat + ((size_t)bh * kat_shape[2] + t_start) * RK;
     const ST* va = vat + ((size_t)bh * vat_shape[2] + t_start) * RK;
-    for (int i = tid; i < TT * RK; i += NT) {
+    for (int i = tid; i < TB * RK; i += NT) {
       a_s[i] = vq_f32(ka[i]);
-      a_s[TT * RK + i] = vq_f32(va[i]);
+      a_s[TB * RK + i] = vq_f32(va[i]);
     }
   }
   if (VSTAGE) {
     const uint32_t* vrows = vc_bh + (size_t)t_start * WV;
-    for (int i = tid; i < TT * WV; i += NT) vw_s[i] = __ldg(vrows + i);
+    for (int i = tid; i < TB * WV; i += NT) vw_s[i] = __ldg(vrows + i);
     const size_t g0 = (size_t)t_start * GV;
-    for (int i = tid; i < TT * GV; i += NT) {
+    for (int i = tid; i < TB * GV; i += NT) {
       vsz_s[i] = vq_f32(vs_bh[g0 + i]);
-      vsz_s[TT * GV + i] = vq_f32(vz_bh[g0 + i]);
+      vsz_s[TB * GV + i] = vq_f32(vz_bh[g0 + i]);
     }
   }
   vq_sparse k_sparse, v_sparse;
   if (KCNT > 0) k_sparse = fetch_sparse(koi, kov, KCNT, D);
   if (VCNT > 0) v_sparse = fetch_sparse(voi, vov, VCNT, DV);
   if (KCNT > 0) zero_corr();
-  // The thread's own side data, for the whole tile (TT <= G: one key group per channel).
-  float ksc0 = 0.f, ksc1 = 0.f, kzp0 = 0.f, kzp1 = 0.f;
+  // The thread's own side data, for the whole block (TT <= G: one key group per channel and tile).
+  float ksc0[SUB], ksc1[SUB], kzp0[SUB], kzp1[SUB];
   float kb0[RK], kb1[RK], vb0[RK], vb1[RK];
   if (krow < KROWS) {
-    const size_t g = (size_t)d * row_groups + t_start / G;
-    ksc0 = vq_f32(ks_bh[g]);
-    ksc1 = vq_f32(ks_bh[g + row_groups]);
-    kzp0 = vq_f32(kz_bh[g]);
-    kzp1 = vq_f32(kz_bh[g + row_groups]);
+    #pragma unroll
+    for (int u = 0; u < SUB; ++u) {
+      const size_t g = (size_t)d * row_groups + (t_start + u * TT) / G;
+      ksc0[u] = vq_f32(ks_bh[g]);
+      ksc1[u] = vq_f32(ks_bh[g + row_groups]);
+      kzp0[u] = vq_f32(kz_bh[g]);
+      kzp1[u] = vq_f32(kz_bh[g + row_groups]);
+    }
     if (RANK > 0) factor_rows(kbc + (((size_t)bh * kbc_shape[2] + blk) * D + d) * RK, kb0, kb1);
   }
   if (RANK > 0 && vrow < VROWS) {
@@ -300,9 +309,11 @@ _BODY = r"""
   // ---- keys ----
   if (krow < KROWS) {
     #pragma unroll
+    for (int u = 0; u < SUB; ++u) {
+    #pragma unroll
     for (int j = 0; j < KPER; ++j) {
-      const int tl = krow + j * KROWS;
-      if (KPER * KROWS == TT || tl < TT) {
+      const int tl = u * TT + krow + j * KROWS;
+      if (KPER * KROWS == TT || krow + j * KROWS < TT) {
         const int bit = tl * KB;
         const int w = bit >> 5, sh = bit & 31;
         const vq_u2 word = *reinterpret_cast<const vq_u2*>(kw_s + w * DP + d);
@@ -312,8 +323,8 @@ _BODY = r"""
           c0 |= next.x << (32 - sh);
           c1 |= next.y << (32 - sh);
         }
-        float x0 = ksc0 * (float)(c0 & MASK) + kzp0;
-        float x1 = ksc1 * (float)(c1 & MASK) + kzp1;
+        float x0 = ksc0[u] * (float)(c0 & MASK) + kzp0[u];
+        float x1 = ksc1[u] * (float)(c1 & MASK) + kzp1[u];
         if (RANK > 0) low_rank(a_s + tl * RK, kb0, kb1, x0, x1);
         if (KCNT > 0) {
           const vq_f2 s = *reinterpret_cast<const vq_f2*>(corr + tl * CD + d);
@@ -322,6 +333,7 @@ _BODY = r"""
         }
         store_pair(keys_bh + (size_t)(t_start + tl) * D + d, vq_o2{out_of(x0), out_of(x1)});
       }
+    }
     }
   }
 
@@ -335,9 +347,9 @@ _BODY = r"""
   }
   if (vrow < VROWS) {
     #pragma unroll
-    for (int j = 0; j < VPER; ++j) {
+    for (int j = 0; j < VPERB; ++j) {
       const int tl = vrow + j * VROWS;
-      if (VPER * VROWS == TT || tl < TT) {
+      if (VPERB * VROWS == TB || tl < TB) {
         const int t = t_start + tl;
         unsigned c0, c1;
         float sc, zp;
@@ -345,7 +357,7 @@ _BODY = r"""
           vq_code_pair<KB, false>(vw_s + tl * WV, c, c0, c1);  // c even
           const int g = tl * GV + c / G;      // c and c + 1 share a group (G is even)
           sc = vsz_s[g];
-          zp = vsz_s[TT * GV + g];
+          zp = vsz_s[TB * GV + g];
         } else {
           vq_code_pair<KB>(vc_bh + (size_t)t * WV, c, c0, c1);
           const size_t g = (size_t)t * GV + c / G;
@@ -354,7 +366,7 @@ _BODY = r"""
         }
         float x0 = sc * (float)(c0 & MASK) + zp;
         float x1 = sc * (float)(c1 & MASK) + zp;
-        if (RANK > 0) low_rank(a_s + TT * RK + tl * RK, vb0, vb1, x0, x1);
+        if (RANK > 0) low_rank(a_s + TB * RK + tl * RK, vb0, vb1, x0, x1);
         if (VCNT > 0) {
           const vq_f2 s = *reinterpret_cast<const vq_f2*>(corr + tl * CD + c);
           x0 = (x0 + 0.f) + s.x;
@@ -398,33 +410,47 @@ def _kernel_for(factory, sparse_blocks_from: str):
     )
 
 
-def shared_bytes(head_dim: int, value_dim: int, bits: int, sparse: bool, rank: int, group: int) -> int:
-    """The kernel's static shared memory: the tile's key code words over head_dim + 2 channels
-    (rounded to 16 bytes), the tile's low-rank A rows of keys and values (floats) if kept, the
-    float32 correction tile if kept, and the tile's value codes, scales and zero points where
-    they fit too (stages_values; the placeholders otherwise are never read, and ptxas drops
-    them)."""
-    base = _base_shared_bytes(head_dim, value_dim, bits, sparse, rank)
-    staged = _value_stage_bytes(value_dim, bits, group)
-    return base + staged if base + staged <= SHARED_LIMIT else base
+# The most consecutive tiles a block takes (launch_plan): two halve the blocks' prologues and
+# barriers per element and read 16 bytes of each key channel's codes per block instead of 8 at
+# 2 bits. 1 is session 19's first split (for A/B runs).
+TILES_PER_BLOCK = 2
 
 
-def stages_values(head_dim: int, value_dim: int, bits: int, sparse: bool, rank: int, group: int) -> bool:
-    """Whether the tile's values are staged in shared memory with the keys' words (one wait on
-    global memory per block instead of a second one in the value loop): where they fit in
-    CUDA's static 48 KB beside the rest (all but 8-bit codes at head dim 256)."""
-    base = _base_shared_bytes(head_dim, value_dim, bits, sparse, rank)
-    return base + _value_stage_bytes(value_dim, bits, group) <= SHARED_LIMIT
+def launch_plan(head_dim: int, value_dim: int, bits: int, sparse: bool, rank: int, group: int,
+                block_tokens: int) -> tuple[int, bool]:
+    """(tiles per block, values staged): the most tiles (up to TILES_PER_BLOCK, dividing the
+    low-rank block) whose shared memory fits CUDA's static 48 KB with the block's value codes,
+    scales and zero points staged beside the keys' words (one wait on global memory per block
+    instead of a second one in the value loop); else one tile, values read per position (8-bit
+    codes at head dim 256)."""
+    for sub in range(TILES_PER_BLOCK, 0, -1):
+        staged = (_base_shared_bytes(head_dim, value_dim, bits, sparse, rank, sub)
+                  + _value_stage_bytes(value_dim, bits, group, sub))
+        if block_tokens % (TILE * sub) == 0 and staged <= SHARED_LIMIT:
+            return sub, True
+    return 1, False
 
 
-def _base_shared_bytes(head_dim, value_dim, bits, sparse, rank) -> int:
-    code_words = -(-bits * (head_dim + 2) // 4) * 4
-    lowrank = 2 * TILE * rank if rank else 0
-    return 4 * (code_words + lowrank + (TILE * max(head_dim, value_dim) if sparse else 0))
+def shared_bytes(head_dim: int, value_dim: int, bits: int, sparse: bool, rank: int, group: int,
+                 block_tokens: int) -> int:
+    """The kernel's static shared memory as launch_plan lays it out: the block's key code words
+    over head_dim + 2 channels (rounded to 16 bytes), its low-rank A rows of keys and values
+    (floats) if kept, the float32 correction tile if kept, and its value codes, scales and zero
+    points where staged (the placeholders otherwise are never read, and ptxas drops them)."""
+    sub, staged = launch_plan(head_dim, value_dim, bits, sparse, rank, group, block_tokens)
+    base = _base_shared_bytes(head_dim, value_dim, bits, sparse, rank, sub)
+    return base + (_value_stage_bytes(value_dim, bits, group, sub) if staged else 0)
 
 
-def _value_stage_bytes(value_dim, bits, group) -> int:
-    return 4 * TILE * (value_dim * bits // 32 + 2 * (value_dim // group))
+def _base_shared_bytes(head_dim, value_dim, bits, sparse, rank, sub=1) -> int:
+    positions = TILE * sub
+    code_words = -(-bits * sub * (head_dim + 2) // 4) * 4
+    lowrank = 2 * positions * rank if rank else 0
+    return 4 * (code_words + lowrank + (positions * max(head_dim, value_dim) if sparse else 0))
+
+
+def _value_stage_bytes(value_dim, bits, group, sub=1) -> int:
+    return 4 * TILE * sub * (value_dim * bits // 32 + 2 * (value_dim // group))
 
 
 # Sparse pairs per thread and side held in registers from the tile's first loads; a block's
@@ -509,7 +535,8 @@ def gear_prefill_keys_values(arrays, window_keys, window_values, *, n: int, grou
     if window_keys is None:
         window_keys = window_values = fused_decode.absent_input(cache_dtype)
     total = n + W
-    tiles = -(-total // TILE)
+    sub, staged = launch_plan(D, DV, bits, bool(k_count or v_count), rank, group, block_tokens)
+    blocks = -(-total // (TILE * sub))
     threads = threads_per_block(D, DV)
     meta = mx.array([n, W], dtype=mx.int32)
     sparse_from = "koi" if k_count else "voi"
@@ -518,10 +545,10 @@ def gear_prefill_keys_values(arrays, window_keys, window_values, *, n: int, grou
         template=[("D", D), ("DV", DV), ("G", group), ("KB", bits), ("RANK", rank), ("NB", block_tokens),
                   ("KCNT", k_count), ("VCNT", v_count), ("NT", threads),
                   ("SPP", sparse_per_thread(k_count, v_count, threads)),
-                  ("VSTAGE", int(stages_values(D, DV, bits, bool(k_count or v_count), rank, group))),
+                  ("SUB", sub), ("VSTAGE", int(staged)),
                   ("ST", ks.dtype), ("KIT", arrays[5].dtype), ("VIT", arrays[12].dtype), ("CT", cache_dtype),
                   ("WT", window_keys.dtype), ("OT", out_dtype)],
-        grid=(threads * tiles, B * H, 1),
+        grid=(threads * blocks, B * H, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(B, H, total, D), (B, H, total, DV)],
         output_dtypes=[out_dtype, out_dtype],
