@@ -83,20 +83,16 @@ per block an SM's 65536 registers hold 3 blocks (12 warps) at 168, 4 (16) at <= 
 <= 102; shared memory allows 5 at 35 KB. The 8B shape's grid at 32K tokens is 520 blocks (one
 128-token tile per warp; ~3.9 per SM on 132 SMs: one wave from 4 resident blocks on, 1.3 at 3);
 at 128K 1032 (two tiles per warp; 7.8 per SM: 2.6 waves at 3, 1.6 at 5).
-Not timed: no GPU this session, so no speed is claimed. The next GPU session must time
-  python -m veloxquant_mlx.bench.kernel_probe --parts step --contexts 32768,131072 --methods fp16,kvquant --out new.json
-  python -m veloxquant_mlx.bench.gpu_speed --methods fp16,kvquant --contexts 32768,131072 --repeats 2 --out new_speed.json
-at the default and again with the constants at the old setting (64, False), and at (32, False)
-for the unparked column, set in the process before the run, e.g. in `python -c`:
-  from veloxquant_mlx.cache import fused_decode_codebook as f
-  f.MAX_LANE_ACCUMULATORS, f.PARK_ACCUMULATORS = 64, False
-  from veloxquant_mlx.bench import kernel_probe
-  kernel_probe.main(["--no-openblas", "--parts", "step", "--contexts", "32768,131072",
-                     "--methods", "fp16,kvquant", "--out", "old.json"])
-(gpu_speed.main([...]) the same way). What should change: more resident warps per SM hide more
-of the code and side-data loads' latency (kivi's kernel went 184 -> 104 registers and 0.092 ->
-0.086 ms per layer at 32K); against it, 16 lanes per value token (was 8) double the value loop's
-per-token work per element (probability loads, code-word loads) and parking adds ~2%.
+Timed on the H200 since (each run's command in results/README.md): the variants of session
+11 (`kernel_probe_h200_s11_kvquant.json`, now `python -m veloxquant_mlx.bench.batch_probe`:
+parking, value batches, outliers in batches), Nsight Compute at 128K in session 12
+(`ncu_h200_s12.json`: 102 registers, 25% theoretical occupancy, ~7 cycles per issued
+instruction), and the whole decode step against fp16's in every gpu_speed run since (session 19:
+0.89x at 32K, 0.58x at 128K on a machine whose host bounds fp16's step,
+`gpu_speed_h200_s19_*_all.json`). More resident warps per SM hide more of the code and
+side-data loads' latency (kivi's kernel went 184 -> 104 registers and 0.092 -> 0.086 ms per
+layer at 32K); against it, 16 lanes per value token (was 8) double the value loop's per-token
+work per element (probability loads, code-word loads) and parking adds ~2%.
 
 tests/cache/test_fused_decode_kvquant_emulated.py runs this source on the CPU under
 tests/cache/cuda_emulation.py through KVQuantCache's decode path (each setting of the constants);
