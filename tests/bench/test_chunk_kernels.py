@@ -57,3 +57,33 @@ def test_profile_runs_the_last_chunk_and_times_it(method):
     got = chunk_kernels.profile(method, context=192, chunk=64, timed=2)
     assert got["method"] == method and got["chunk"] == 64
     assert len(got["timed_chunk_s"]) == 2 and all(s > 0 for s in got["timed_chunk_s"])
+
+
+@pytest.mark.parametrize("method", ["fp16", "kivi"])
+def test_profile_runs_decode_steps_after_the_whole_context(method):
+    got = chunk_kernels.profile(method, context=192, chunk=64, timed=2, decode_steps=3)
+    assert got["decode_steps"] == 3 and len(got["timed_chunk_s"]) == 2
+
+
+def test_a_negative_decode_step_count_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        chunk_kernels.parse_args(["profile", "--method", "kivi", "--decode-steps", "-1"])
+    assert "--decode-steps -1: allowed is 0 (the last chunk) or more steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["fp16", "kivi"])
+def test_a_decode_step_appends_one_token_and_attends_its_row(method, monkeypatch):
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench.kernel_probe import prefill_inputs, prefill_step
+    from veloxquant_mlx.bench.layer_specs import parse_layer_spec
+
+    k, v, q = prefill_inputs(130)
+    cache = parse_layer_spec(method).make()
+    prefill_step(cache, k, v, q, slice(0, 128))
+    seen = []
+    real = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (seen.append(a[0].shape), real(*a))[1])
+    chunk_kernels.decode_step(cache, k, v, q, 128)
+    chunk_kernels.decode_step(cache, k, v, q, 129)
+    assert cache.offset == 130 and seen == [(1, 32, 1, 128)] * 2

@@ -17,6 +17,13 @@ overlap or launch gaps, an upper bound on what the chunk costs the GPU in a mode
 then times the same chunk N more times unprofiled (fresh caches; under ncu these include its
 interception overhead).
 
+`--decode-steps N` profiles N decode steps instead, after the whole `--context` is filled
+(each step: one token's `update_and_fetch`, its one-row attention, evaluated, as mlx-lm's
+generate makes them one at a time): where a decode step's device time goes, the fp16 KVCache's
+fused attention against our decode kernels and whatever else a step launches (the README's 32K
+decode gap: our steps' host time equals their interval in gpu_speed's rounds, so the step waits
+on the device).
+
 `summarize` reads the CSVs (`--page details`' default, one metric) into per-method totals and
 per-kernel sums (templates cut off the names), largest first.
 """
@@ -41,6 +48,8 @@ def parse_args(argv=None):
     prof.add_argument("--context", type=int, default=32768, help="prompt tokens (default 32768)")
     prof.add_argument("--chunk", type=int, default=2048, help="prefill chunk tokens (default 2048)")
     prof.add_argument("--timed", type=int, default=5, help="unprofiled timings of the same chunk (default 5)")
+    prof.add_argument("--decode-steps", type=int, default=0,
+                      help="profile this many decode steps after the whole context instead of its last chunk")
     summ = sub.add_parser("summarize", help="ncu CSVs -> JSON")
     summ.add_argument("--csv", action="append", required=True, metavar="METHOD=FILE")
     summ.add_argument("--out", required=True)
@@ -49,6 +58,8 @@ def parse_args(argv=None):
     if args.command == "profile" and (args.chunk < 1 or args.context < 2 * args.chunk or args.context % args.chunk):
         p.error(f"--context {args.context} / --chunk {args.chunk}: allowed is a context of at least two "
                 "chunks, a whole number of them")
+    if args.command == "profile" and args.decode_steps < 0:
+        p.error(f"--decode-steps {args.decode_steps}: allowed is 0 (the last chunk) or more steps")
     return args
 
 
@@ -61,18 +72,22 @@ def _profiler():
     return cuda.cuProfilerStart, cuda.cuProfilerStop
 
 
-def profile(method: str, context: int, chunk: int, timed: int) -> dict:
+def profile(method: str, context: int, chunk: int, timed: int, decode_steps: int = 0) -> dict:
     import mlx.core as mx
 
     from veloxquant_mlx.bench.kernel_probe import prefill_inputs, prefill_step
     from veloxquant_mlx.bench.layer_specs import parse_layer_spec
 
-    k, v, q = prefill_inputs(context)
+    k, v, q = prefill_inputs(context + decode_steps)
     spec = parse_layer_spec(method)
-    last = context - chunk
+    last = context if decode_steps else context - chunk
 
     def step(cache, s0: int) -> None:
-        prefill_step(cache, k, v, q, slice(s0, s0 + chunk))
+        if decode_steps:
+            for t in range(s0, s0 + decode_steps):
+                decode_step(cache, k, v, q, t)
+        else:
+            prefill_step(cache, k, v, q, slice(s0, s0 + chunk))
 
     def filled():
         cache = spec.make()
@@ -100,7 +115,26 @@ def profile(method: str, context: int, chunk: int, timed: int) -> dict:
         step(cache, last)
         mx.synchronize()
         seconds.append(time.perf_counter() - t)
-    return {"method": method, "context": context, "chunk": chunk, "warm_up_s": warm_s, "timed_chunk_s": seconds}
+    return {"method": method, "context": context, "chunk": chunk, "decode_steps": decode_steps, "warm_up_s": warm_s,
+            "timed_chunk_s": seconds}
+
+
+def decode_step(cache, k, v, q, t: int) -> None:
+    """Decode step t of one layer, evaluated: token t of k / v appended, its query row attended
+    (`cache.attention` for ours, mlx-lm's SDPA call without a mask for the fp16 KVCache)."""
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench.drive import cache_arrays
+    from veloxquant_mlx.bench.kernel_probe import D
+    from veloxquant_mlx.cache.base import CompressedKVCache
+
+    token = slice(t, t + 1)
+    keys, values = cache.update_and_fetch(k[:, :, token], v[:, :, token])
+    if isinstance(cache, CompressedKVCache):
+        att = cache.attention(q[:, :, token], scale=D**-0.5, mask=None)
+    else:
+        att = mx.fast.scaled_dot_product_attention(q[:, :, token], keys, values, scale=D**-0.5, mask=None)
+    mx.eval(att, cache_arrays([cache]))
 
 
 def _kernel_family(name: str) -> str:
@@ -143,10 +177,11 @@ def summarize(kernels: list[tuple[str, float]], top: int) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.command == "profile":
-        got = profile(args.method, args.context, args.chunk, args.timed)
+        got = profile(args.method, args.context, args.chunk, args.timed, args.decode_steps)
         times = sorted(got["timed_chunk_s"])
         median = f"{times[len(times) // 2] * 1e3:.3f} ms" if times else "-"
-        print(f"{args.method}: warm-up {got['warm_up_s']:.1f} s, last chunk median {median}", flush=True)
+        what = f"{args.decode_steps} decode steps" if args.decode_steps else "last chunk"
+        print(f"{args.method}: warm-up {got['warm_up_s']:.1f} s, {what} median {median}", flush=True)
         return 0
     from veloxquant_mlx.bench import report
 
