@@ -83,6 +83,7 @@ def profile(method: str, context: int, chunk: int, timed: int, decode_steps: int
     last = context if decode_steps else context - chunk
 
     def step(cache, s0: int) -> None:
+        """The profiled work from position s0: decode steps, or the last prefill chunk."""
         if decode_steps:
             for t in range(s0, s0 + decode_steps):
                 decode_step(cache, k, v, q, t)
@@ -95,7 +96,7 @@ def profile(method: str, context: int, chunk: int, timed: int, decode_steps: int
             # Every chunk attended, as in a model: our caches encode a chunk at the next call
             # after it (its attention reads it from the window), so a chunk left unattended
             # would be encoded inside the profiled step too.
-            step(cache, s0)
+            prefill_step(cache, k, v, q, slice(s0, s0 + chunk))
         mx.synchronize()
         return cache
 
@@ -104,6 +105,7 @@ def profile(method: str, context: int, chunk: int, timed: int, decode_steps: int
     warm_s = time.perf_counter() - t0
     start, stop = _profiler()
     cache = filled()
+    cached_before = cache.offset
     start()
     step(cache, last)
     mx.synchronize()
@@ -115,8 +117,8 @@ def profile(method: str, context: int, chunk: int, timed: int, decode_steps: int
         step(cache, last)
         mx.synchronize()
         seconds.append(time.perf_counter() - t)
-    return {"method": method, "context": context, "chunk": chunk, "decode_steps": decode_steps, "warm_up_s": warm_s,
-            "timed_chunk_s": seconds}
+    return {"method": method, "context": context, "chunk": chunk, "decode_steps": decode_steps,
+            "cached_before_profiled": cached_before, "warm_up_s": warm_s, "timed_chunk_s": seconds}
 
 
 def decode_step(cache, k, v, q, t: int) -> None:
