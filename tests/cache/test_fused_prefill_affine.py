@@ -244,8 +244,9 @@ def test_the_kernels_arithmetic_is_mx_dequantizes_on_the_cpu():
 # A corrupted kernel must fail the comparison (in memory; the module is untouched), on a cache
 # of 3-bit keys (codes straddling words) and `value_bits` values.
 MUTATIONS = [
-    ("key code shift", "const int w = bit >> 5, sh = bit & 31;\n      const vq_u2 word",
-     "const int w = bit >> 5, sh = (bit + 1) & 31;\n      const vq_u2 word", 2),
+    # The key codes are read by the shared header's vq_staged_key_pair.
+    ("key code shift", "const int w = bit >> 5, sh = bit & 31;\n  const uint2 word",
+     "const int w = bit >> 5, sh = (bit + 1) & 31;\n  const uint2 word", 2),
     ("key 3-bit straddle ignored", "if (32 % KB != 0 && sh + KB > 32) {", "if (false) {", 2),
     ("key pair's second scale", "dequant(sc.y, zp.y, c1 & KMASK)", "dequant(sc.x, zp.y, c1 & KMASK)", 2),
     # The value codes are read by the shared header's vq_code_pair (fused_decode._HEADER).

@@ -85,6 +85,25 @@ __device__ __forceinline__ void vq_code_pair(const uint32_t* row, int c, unsigne
   }
 }
 
+// The codes of key channels d and d + 1 (d even) at tile position tl from a tile's code words
+// staged channel-major in shared memory (word w of channel c at stage[w * row + c], row even),
+// unmasked: the caller masks to KB bits. Shared by the prefill kernels that stage keys so
+// (fused_prefill_affine, gear_prefill_kernel).
+template <int KB>
+__device__ __forceinline__ void vq_staged_key_pair(const uint32_t* stage, int row, int tl, int d,
+                                                   unsigned& c0, unsigned& c1) {
+  const int bit = tl * KB;
+  const int w = bit >> 5, sh = bit & 31;
+  const uint2 word = *reinterpret_cast<const uint2*>(stage + w * row + d);
+  c0 = word.x >> sh;
+  c1 = word.y >> sh;
+  if (32 % KB != 0 && sh + KB > 32) {  // a 3-bit code continues in the next word
+    const uint2 next = *reinterpret_cast<const uint2*>(stage + (w + 1) * row + d);
+    c0 |= next.x << (32 - sh);
+    c1 |= next.y << (32 - sh);
+  }
+}
+
 // A warp's copy of ROWS rows of ROW_BYTES bytes each from global memory (row r at src + r *
 // stride bytes) into shared memory (row r at dst + r * ROW_BYTES), in VEC-byte vectors (the
 // largest power of two up to 16 dividing ROW_BYTES; the callers' rows and strides are multiples

@@ -105,7 +105,6 @@ _SOURCE = r"""
   constexpr unsigned VMASK = (1u << VB) - 1u;
   // A thread handles two neighbouring channels: one 8-byte shared load for both codes' words
   // and for both scales / zeros, one store of both outputs.
-  struct __align__(8) vq_u2 { uint32_t x, y; };
   struct __align__(8) vq_f2 { float x, y; };
   struct __align__(2 * sizeof(OT)) vq_o2 { OT x, y; };
   // Shared, word (group) major: [w][d] so that channels d, d + 1 are adjacent.
@@ -176,15 +175,8 @@ _SOURCE = r"""
     if (t < n_sink) {
       out = exact(sk_bh + (size_t)t * D + d);
     } else if (t < n) {
-      const int bit = tl * KB;
-      const int w = bit >> 5, sh = bit & 31;
-      const vq_u2 word = *reinterpret_cast<const vq_u2*>(kw_s + w * DP + d);
-      unsigned c0 = word.x >> sh, c1 = word.y >> sh;
-      if (32 % KB != 0 && sh + KB > 32) {  // a 3-bit code continues in the next word
-        const vq_u2 next = *reinterpret_cast<const vq_u2*>(kw_s + (w + 1) * DP + d);
-        c0 |= next.x << (32 - sh);
-        c1 |= next.y << (32 - sh);
-      }
+      unsigned c0, c1;
+      vq_staged_key_pair<KB>(kw_s, DP, tl, d, c0, c1);
       const int g = tl / G;
       const vq_f2 sc = *reinterpret_cast<const vq_f2*>(ks_s + g * DP + d);
       const vq_f2 zp = *reinterpret_cast<const vq_f2*>(kz_s + g * DP + d);

@@ -113,7 +113,6 @@ _SOURCE = r"""
   constexpr int KROWS = NT / KP, VROWS = NT / VP;
   constexpr int KPER = (TT + KROWS - 1) / KROWS;   // a thread's key positions per tile
   constexpr int KPERB = (TB + KROWS - 1) / KROWS, VPERB = (TB + VROWS - 1) / VROWS;  // per block
-  struct __align__(8) vq_u2 { uint32_t x, y; };
   struct __align__(8) vq_f2 { float x, y; };
   struct __align__(2 * sizeof(OT)) vq_o2 { OT x, y; };
   __shared__ __align__(16) uint32_t kw_s[(KW * SUB * DP + 3) / 4 * 4];  // whole 16 bytes: no padding after it
@@ -314,15 +313,8 @@ _BODY = r"""
     for (int j = 0; j < KPER; ++j) {
       const int tl = u * TT + krow + j * KROWS;
       if (KPER * KROWS == TT || krow + j * KROWS < TT) {
-        const int bit = tl * KB;
-        const int w = bit >> 5, sh = bit & 31;
-        const vq_u2 word = *reinterpret_cast<const vq_u2*>(kw_s + w * DP + d);
-        unsigned c0 = word.x >> sh, c1 = word.y >> sh;
-        if (32 % KB != 0 && sh + KB > 32) {   // a 3-bit code continues in the next word
-          const vq_u2 next = *reinterpret_cast<const vq_u2*>(kw_s + (w + 1) * DP + d);
-          c0 |= next.x << (32 - sh);
-          c1 |= next.y << (32 - sh);
-        }
+        unsigned c0, c1;
+        vq_staged_key_pair<KB>(kw_s, DP, tl, d, c0, c1);
         float x0 = ksc0[u] * (float)(c0 & MASK) + kzp0[u];
         float x1 = ksc1[u] * (float)(c1 & MASK) + kzp1[u];
         if (RANK > 0) low_rank(a_s + tl * RK, kb0, kb1, x0, x1);
