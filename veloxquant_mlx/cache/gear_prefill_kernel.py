@@ -106,20 +106,21 @@ _SOURCE = r"""
   constexpr bool SPARSE = KCNT > 0 || VCNT > 0;
   constexpr int RK = RANK > 0 ? RANK : 1;
   constexpr unsigned MASK = KB == 32 ? 0xffffffffu : (1u << KB) - 1u;
-  // A thread keeps one channel pair for the whole tile (its scales, zero points and low-rank
-  // factor rows in registers, loaded once) and visits the tile's positions tl = row, row + ROWS,
-  // ...: consecutive threads hold consecutive pairs, so a warp's stores stay contiguous.
+  // A thread keeps one channel pair for the whole block (its scales, zero points and low-rank
+  // factor rows in registers, loaded once) and visits the block's positions tl = row,
+  // row + ROWS, ...: consecutive threads hold consecutive pairs, so a warp's stores stay
+  // contiguous.
   constexpr int KP = D / 2, VP = DV / 2;      // channel pairs
   constexpr int KROWS = NT / KP, VROWS = NT / VP;
   constexpr int KPER = (TT + KROWS - 1) / KROWS;   // a thread's key positions per tile
   constexpr int KPERB = (TB + KROWS - 1) / KROWS, VPERB = (TB + VROWS - 1) / VROWS;  // per block
   struct __align__(8) vq_f2 { float x, y; };
   struct __align__(2 * sizeof(OT)) vq_o2 { OT x, y; };
-  __shared__ __align__(16) uint32_t kw_s[(KW * SUB * DP + 3) / 4 * 4];  // whole 16 bytes: no padding after it
+  __shared__ __align__(16) uint32_t kw_s[(KW * SUB * DP + 3) / 4 * 4];  // whole 16 bytes: no padding
   __shared__ __align__(16) float a_s[RANK > 0 ? 2 * TB * RK : 4];  // the block's A rows: keys', values'
   __shared__ __align__(16) float corr[SPARSE ? TB * CD : 4];
-  // The tile's value codes and their group scales and zero points (floats), staged with the
-  // keys' words when VSTAGE (shared memory allows: supports()); read per position otherwise.
+  // The block's value codes and their group scales and zero points (floats), staged with the
+  // keys' words when VSTAGE (shared memory allows: launch_plan); read per position otherwise.
   __shared__ __align__(16) uint32_t vw_s[VSTAGE ? TB * WV : 4];
   __shared__ __align__(16) float vsz_s[VSTAGE ? 2 * TB * GV : 4];
 
