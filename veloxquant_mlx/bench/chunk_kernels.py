@@ -123,20 +123,10 @@ def profile(method: str, context: int, chunk: int, timed: int, decode_steps: int
 
 def decode_step(cache, k, v, q, t: int) -> None:
     """Decode step t of one layer, evaluated: token t of k / v appended, its query row attended
-    (`cache.attention` for ours, mlx-lm's SDPA call without a mask for the fp16 KVCache)."""
-    import mlx.core as mx
+    without a mask (kernel_probe.prefill_step of one token, as mlx-lm's generate steps)."""
+    from veloxquant_mlx.bench.kernel_probe import prefill_step
 
-    from veloxquant_mlx.bench.drive import cache_arrays
-    from veloxquant_mlx.bench.kernel_probe import D
-    from veloxquant_mlx.cache.base import CompressedKVCache
-
-    token = slice(t, t + 1)
-    keys, values = cache.update_and_fetch(k[:, :, token], v[:, :, token])
-    if isinstance(cache, CompressedKVCache):
-        att = cache.attention(q[:, :, token], scale=D**-0.5, mask=None)
-    else:
-        att = mx.fast.scaled_dot_product_attention(q[:, :, token], keys, values, scale=D**-0.5, mask=None)
-    mx.eval(att, cache_arrays([cache]))
+    prefill_step(cache, k, v, q, slice(t, t + 1), mask=None)
 
 
 def _kernel_family(name: str) -> str:

@@ -350,10 +350,10 @@ def prefill_inputs(n: int):
     return k, v, q
 
 
-def prefill_step(cache, k, v, q, part: slice) -> None:
+def prefill_step(cache, k, v, q, part: slice, mask="causal") -> None:
     """One prefill chunk of one layer, evaluated: `part` of k / v appended, its queries attended
-    (`cache.attention` for ours, mlx-lm's SDPA call for the fp16 KVCache), the cache's arrays
-    evaluated with the output."""
+    (`cache.attention` for ours, mlx-lm's SDPA call for the fp16 KVCache) under `mask` (None: a
+    decode step's, as mlx-lm passes for one token), the cache's arrays evaluated with the output."""
     import mlx.core as mx
 
     from veloxquant_mlx.bench.drive import cache_arrays
@@ -361,9 +361,9 @@ def prefill_step(cache, k, v, q, part: slice) -> None:
 
     keys, values = cache.update_and_fetch(k[:, :, part], v[:, :, part])
     if isinstance(cache, CompressedKVCache):
-        att = cache.attention(q[:, :, part], scale=D**-0.5, mask="causal")
+        att = cache.attention(q[:, :, part], scale=D**-0.5, mask=mask)
     else:
-        att = mx.fast.scaled_dot_product_attention(q[:, :, part], keys, values, scale=D**-0.5, mask="causal")
+        att = mx.fast.scaled_dot_product_attention(q[:, :, part], keys, values, scale=D**-0.5, mask=mask)
     mx.eval(att, cache_arrays([cache]))
 
 
