@@ -203,9 +203,11 @@ _SOURCE = r"""
     const int tl = idx / dim - t_off;
     return tl >= 0 && tl < TB ? tl * CD + idx % dim : -1;
   };
+  // The block's first pair in the (B x H, blocks, count) outlier arrays.
+  const auto block_base = [&](int count) { return ((size_t)bh * (size_t)(n_blocks_cap) + blk) * count; };
   const auto fetch_sparse = [&](const auto* index, const ST* value, int count, int dim) {
     vq_sparse e;
-    const size_t base = ((size_t)bh * (size_t)(n_blocks_cap) + blk) * count;
+    const size_t base = block_base(count);
     #pragma unroll
     for (int k = 0; k < SPP; ++k) {
       const int j = tid + k * NT;
@@ -219,7 +221,7 @@ _SOURCE = r"""
     for (int k = 0; k < SPP; ++k) {
       if (e.at[k] >= 0) corr[e.at[k]] = e.value[k];
     }
-    const size_t base = ((size_t)bh * (size_t)(n_blocks_cap) + blk) * count;
+    const size_t base = block_base(count);
     for (int j = tid + SPP * NT; j < count; j += NT) {
       const int at = slot_of((int)index[base + j], dim);
       if (at >= 0) corr[at] = vq_f32(value[base + j]);
