@@ -62,6 +62,17 @@ template <> __device__ __forceinline__ float vq_cast<float>(float x) { return x;
 template <> __device__ __forceinline__ __half vq_cast<__half>(float x) { return __float2half(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 vq_cast<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 
+template <typename A, typename B> struct vq_same_type { static constexpr bool value = false; };
+template <typename A> struct vq_same_type<A, A> { static constexpr bool value = true; };
+
+// A float32 element rounded to the cache's dtype CT, then to the output's OT, as the portable
+// paths cast a decoded history (one rounding where CT and OT are the same type: the second is
+// then exact). Shared by the prefill kernels that build a history's K/V.
+template <typename CT, typename OT>
+__device__ __forceinline__ OT vq_cast_through(float x) {
+  return vq_same_type<CT, OT>::value ? vq_cast<OT>(x) : vq_cast<OT>(vq_f32(vq_cast<CT>(x)));
+}
+
 // The codes of channels c and c + 1 (c even) of one token's row of BITS-bit codes packed in a
 // little-endian uint32 stream (MLX's affine layout), unmasked: the caller masks to BITS bits.
 // Shared by the prefill kernels that decode values per token (fused_prefill_affine,

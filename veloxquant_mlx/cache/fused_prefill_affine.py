@@ -144,7 +144,7 @@ _SOURCE = r"""
   const auto dequant = [](float sc, float zp, unsigned code) {
     const float p = vq_f32(vq_cast<AT>(sc * (float)code));
     const float x = vq_f32(vq_cast<AT>(p + zp));
-    return vq_cast<OT>(vq_f32(vq_cast<CT>(x)));
+    return vq_cast_through<CT, OT>(x);
   };
   const auto side = [](ST s) { return vq_f32(vq_cast<AT>(vq_f32(s))); };
   const auto exact = [](const WT* p) { return vq_o2{vq_cast<OT>(vq_f32(p[0])), vq_cast<OT>(vq_f32(p[1]))}; };

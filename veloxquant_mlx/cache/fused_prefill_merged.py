@@ -162,7 +162,7 @@ _SOURCE = r"""
   __syncthreads();
 
   const auto out_pair = [](float a, float b) {
-    return vq_o2{vq_cast<OT>(vq_f32(vq_cast<CT>(a))), vq_cast<OT>(vq_f32(vq_cast<CT>(b)))};
+    return vq_o2{vq_cast_through<CT, OT>(a), vq_cast_through<CT, OT>(b)};
   };
   const auto exact = [](const CT* p) { return vq_o2{vq_cast<OT>(vq_f32(p[0])), vq_cast<OT>(vq_f32(p[1]))}; };
 

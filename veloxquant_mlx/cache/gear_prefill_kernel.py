@@ -153,10 +153,8 @@ _SOURCE = r"""
   OT* values_bh = values + (size_t)bh * total * DV;
 
   // The portable path's casts of a float32 history element: to the cache's dtype, then the
-  // queries' (one rounding where they are the same type: the second cast is then exact).
-  const auto out_of = [](float x) {
-    return vq_same_type<CT, OT>::value ? vq_cast<OT>(x) : vq_cast<OT>(vq_f32(vq_cast<CT>(x)));
-  };
+  // queries'.
+  const auto out_of = [](float x) { return vq_cast_through<CT, OT>(x); };
   const auto exact = [](const WT* p) { return vq_o2{vq_cast<OT>(vq_f32(p[0])), vq_cast<OT>(vq_f32(p[1]))}; };
   // Two adjacent outputs in one store (ptxas kept a 16-bit pair as two 16-bit stores).
   const auto store_pair = [](OT* p, vq_o2 o) {
@@ -374,12 +372,6 @@ _BODY = r"""
 """
 
 
-_HEADER = r"""
-template <typename A, typename B> struct vq_same_type { static constexpr bool value = false; };
-template <typename A> struct vq_same_type<A, A> { static constexpr bool value = true; };
-"""
-
-
 def kernel_source(sparse_blocks_from: str) -> str:
     """The kernel's source; `sparse_blocks_from`: the input whose dim 2 counts the blocks of
     the outlier arrays (koi, or voi when only values keep outliers; unused without any)."""
@@ -401,7 +393,7 @@ def _kernel_for(factory, sparse_blocks_from: str):
         input_names=list(INPUTS),
         output_names=["keys", "values"],
         source=kernel_source(sparse_blocks_from),
-        header=fused_decode._HEADER + _HEADER,
+        header=fused_decode._HEADER,
     )
 
 

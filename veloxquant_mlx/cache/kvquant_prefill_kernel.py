@@ -112,7 +112,7 @@ _SOURCE = r"""
       const int s = PER_TOKEN ? c / D : c % D;
       const unsigned code = (word >> (j * BITS)) & ((1u << BITS) - 1u);
       const float x = __fadd_rn(__fmul_rn(levels[code], sc[s]), zr[s]);
-      buf[c] = vq_cast<OT>(vq_f32(vq_cast<CT>(x)));
+      buf[c] = vq_cast_through<CT, OT>(x);
     }
   }
   // The exact outliers over their entries, then the exact sink over token 0: each after a

@@ -277,7 +277,7 @@ _SOURCE = r"""
       for (int e = 0; e < EK; ++e) k[e] = __fadd_rn(k[e], vq_f32(dk[((size_t)bh * n_sink + t) * D + lane * EK + e]));
     }
     #pragma unroll
-    for (int e = 0; e < EK; ++e) kr.v[e] = vq_cast<OT>(vq_f32(vq_cast<CT>(k[e])));
+    for (int e = 0; e < EK; ++e) kr.v[e] = vq_cast_through<CT, OT>(k[e]);
     *key_out = kr;
 
     float v[EV];
@@ -288,7 +288,7 @@ _SOURCE = r"""
       for (int e = 0; e < EV; ++e) v[e] = __fadd_rn(v[e], vq_f32(dv[((size_t)bh * n_sink + t) * DV + lane * EV + e]));
     }
     #pragma unroll
-    for (int e = 0; e < EV; ++e) vr.v[e] = vq_cast<OT>(vq_f32(vq_cast<CT>(v[e])));
+    for (int e = 0; e < EV; ++e) vr.v[e] = vq_cast_through<CT, OT>(v[e]);
     *value_out = vr;
   }
 """
