@@ -26,9 +26,21 @@ def test_summary_sums_each_kernel_family_largest_first(tmp_path):
     assert got["kernels"] == 3
     assert got["total_us"] == pytest.approx((4832 + 1601472 + 3168) / 1e3)
     assert got["by_kernel"] == [
-        {"kernel": "cudnn_generated_sdpa_fprop", "launches": 1, "us": pytest.approx(1601.472)},
-        {"kernel": "mlx::copy_s", "launches": 2, "us": pytest.approx(8.0)},
+        {"kernel": "cudnn_generated_sdpa_fprop", "launches": 1, "us": pytest.approx(1601.472),
+         "median_us": pytest.approx(1601.472), "max_us": pytest.approx(1601.472)},
+        {"kernel": "mlx::copy_s", "launches": 2, "us": pytest.approx(8.0),
+         "median_us": pytest.approx(4.0), "max_us": pytest.approx(4.832)},
     ]
+
+
+def test_a_familys_median_launch_sets_a_first_step_outlier_apart():
+    # Four decode steps of one attention kernel, the first also encoding the prefill's window.
+    got = chunk_kernels.summarize([("attend", 670e3), ("copy", 3e3), ("attend", 82e3),
+                                   ("attend", 81e3), ("attend", 83e3)], top=5)
+    attend = got["by_kernel"][0]
+    assert attend["kernel"] == "attend" and attend["launches"] == 4
+    assert attend["us"] == pytest.approx(916) and attend["median_us"] == pytest.approx(82.5)
+    assert attend["max_us"] == pytest.approx(670)
 
 
 def test_a_csv_of_another_metric_is_refused_with_its_row(tmp_path):

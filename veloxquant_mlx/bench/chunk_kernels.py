@@ -25,7 +25,8 @@ decode gap: our steps' host time equals their interval in gpu_speed's rounds, so
 on the device).
 
 `summarize` reads the CSVs (`--page details`' default, one metric) into per-method totals and
-per-kernel sums (templates cut off the names), largest first.
+per-kernel sums (templates cut off the names), largest first, with each family's median and
+largest launch (a decode profile's first step also encodes the prefill's last window).
 """
 
 from __future__ import annotations
@@ -156,14 +157,24 @@ def read_csv(path: str) -> list[tuple[str, float]]:
 
 
 def summarize(kernels: list[tuple[str, float]], top: int) -> dict:
-    sums: dict[str, list] = {}
+    """Per family: launches, summed microseconds, and the median and largest launch. Why the
+    last two: over decode steps the first step also encodes the window the prefill left (its
+    attention kernel then takes 3-10x a later step's, session 20's profiles), so a family's sum
+    over N steps is not N steady steps; the median launch is."""
+    durations: dict[str, list[float]] = {}
     for family, ns in kernels:
-        entry = sums.setdefault(family, [0, 0.0])
-        entry[0] += 1
-        entry[1] += ns
-    ranked = sorted(sums.items(), key=lambda kv: -kv[1][1])
+        durations.setdefault(family, []).append(ns)
+    ranked = sorted(durations.items(), key=lambda kv: -sum(kv[1]))
     return {"kernels": len(kernels), "total_us": sum(ns for _, ns in kernels) / 1e3,
-            "by_kernel": [{"kernel": k, "launches": n, "us": ns / 1e3} for k, (n, ns) in ranked[:top]]}
+            "by_kernel": [{"kernel": k, "launches": len(ns), "us": sum(ns) / 1e3,
+                           "median_us": _median(ns) / 1e3, "max_us": max(ns) / 1e3}
+                          for k, ns in ranked[:top]]}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def main(argv=None) -> int:
