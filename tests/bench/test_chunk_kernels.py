@@ -101,3 +101,21 @@ def test_a_decode_step_appends_one_token_and_attends_its_row(method, monkeypatch
     chunk_kernels.decode_step(cache, k, v, q, 128)
     chunk_kernels.decode_step(cache, k, v, q, 129)
     assert cache.offset == 130 and seen == [(1, 32, 1, 128)] * 2
+
+
+def test_steps_times_each_decode_step_of_fresh_caches(tmp_path, capsys):
+    out = tmp_path / "steps.json"
+    assert chunk_kernels.main(["steps", "--methods", "fp16,kivi", "--context", "128", "--chunk", "64",
+                               "--steps", "3", "--repeats", "2", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())["methods"]
+    assert set(got) == {"fp16", "kivi"}
+    for method in got:
+        runs = got[method]["step_us"]
+        assert len(runs) == 2 and all(len(r) == 3 and all(us > 0 for us in r) for r in runs)
+    assert "kivi 1 step us: " in capsys.readouterr().out
+
+
+def test_steps_refuses_zero_steps(capsys):
+    with pytest.raises(SystemExit):
+        chunk_kernels.parse_args(["steps", "--methods", "kivi", "--steps", "0"])
+    assert "--steps 0 / --repeats 2: allowed is at least 1 of each" in capsys.readouterr().err

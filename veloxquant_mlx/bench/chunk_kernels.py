@@ -24,6 +24,9 @@ fused attention against our decode kernels and whatever else a step launches (th
 decode gap: our steps' host time equals their interval in gpu_speed's rounds, so the step waits
 on the device).
 
+`steps` times each decode step end to end instead (no profiler): N steps after the context, each
+evaluated and synchronized alone, for a few fresh caches per method.
+
 `summarize` reads the CSVs (`--page details`' default, one metric) into per-method totals and
 per-kernel sums (templates cut off the names), largest first, with each family's median and
 largest launch (a decode profile's first step also encodes the prefill's last window).
@@ -51,16 +54,25 @@ def parse_args(argv=None):
     prof.add_argument("--timed", type=int, default=5, help="unprofiled timings of the same chunk (default 5)")
     prof.add_argument("--decode-steps", type=int, default=0,
                       help="profile this many decode steps after the whole context instead of its last chunk")
+    steps = sub.add_parser("steps", help="each decode step's wall time after the context, per method")
+    steps.add_argument("--methods", required=True, help="comma list: fp16 or our methods (bench spec syntax)")
+    steps.add_argument("--context", type=int, default=32768, help="prompt tokens (default 32768)")
+    steps.add_argument("--chunk", type=int, default=2048, help="prefill chunk tokens (default 2048)")
+    steps.add_argument("--steps", type=int, default=12, help="decode steps timed per cache (default 12)")
+    steps.add_argument("--repeats", type=int, default=2, help="fresh caches per method (default 2)")
+    steps.add_argument("--out", help="JSON file for the step times (optional)")
     summ = sub.add_parser("summarize", help="ncu CSVs -> JSON")
     summ.add_argument("--csv", action="append", required=True, metavar="METHOD=FILE")
     summ.add_argument("--out", required=True)
     summ.add_argument("--top", type=int, default=25, help="kernels kept per method (default 25)")
     args = p.parse_args(argv)
-    if args.command == "profile" and (args.chunk < 1 or args.context < 2 * args.chunk or args.context % args.chunk):
+    if args.command in ("profile", "steps") and (args.chunk < 1 or args.context < 2 * args.chunk or args.context % args.chunk):
         p.error(f"--context {args.context} / --chunk {args.chunk}: allowed is a context of at least two "
                 "chunks, a whole number of them")
     if args.command == "profile" and args.decode_steps < 0:
         p.error(f"--decode-steps {args.decode_steps}: allowed is 0 (the last chunk) or more steps")
+    if args.command == "steps" and (args.steps < 1 or args.repeats < 1):
+        p.error(f"--steps {args.steps} / --repeats {args.repeats}: allowed is at least 1 of each")
     return args
 
 
@@ -92,14 +104,7 @@ def profile(method: str, context: int, chunk: int, timed: int, decode_steps: int
             prefill_step(cache, k, v, q, slice(s0, s0 + chunk))
 
     def filled():
-        cache = spec.make()
-        for s0 in range(0, last, chunk):
-            # Every chunk attended, as in a model: our caches encode a chunk at the next call
-            # after it (its attention reads it from the window), so a chunk left unattended
-            # would be encoded inside the profiled step too.
-            prefill_step(cache, k, v, q, slice(s0, s0 + chunk))
-        mx.synchronize()
-        return cache
+        return filled_layer(spec, k, v, q, last, chunk)
 
     t0 = time.perf_counter()
     step(filled(), last)  # compiles every kernel of the profiled step
@@ -120,6 +125,48 @@ def profile(method: str, context: int, chunk: int, timed: int, decode_steps: int
         seconds.append(time.perf_counter() - t)
     return {"method": method, "context": context, "chunk": chunk, "decode_steps": decode_steps,
             "cached_before_profiled": cached_before, "warm_up_s": warm_s, "timed_chunk_s": seconds}
+
+
+def filled_layer(spec, k, v, q, tokens: int, chunk: int):
+    """A fresh cache of `spec` holding the first `tokens` of k / v, prefilled `chunk` at a time."""
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench.kernel_probe import prefill_step
+
+    cache = spec.make()
+    for s0 in range(0, tokens, chunk):
+        # Every chunk attended, as in a model: our caches encode a chunk at the next call
+        # after it (its attention reads it from the window), so a chunk left unattended
+        # would be encoded inside the profiled step too.
+        prefill_step(cache, k, v, q, slice(s0, s0 + chunk))
+    mx.synchronize()
+    return cache
+
+
+def step_times(method: str, context: int, chunk: int, steps: int, repeats: int) -> list[list[float]]:
+    """Seconds of each of `steps` decode steps after the whole context, each evaluated and
+    synchronized alone (host work, launches and device time together), for `repeats` fresh
+    caches (the first also pays the compiles). Why beside the profile: Nsight Compute times
+    kernels alone, not what a step costs end to end; this shows whether a step's cost holds
+    from step to step (session 20: the first step also encodes the prefill's last window)."""
+    import mlx.core as mx
+
+    from veloxquant_mlx.bench.kernel_probe import prefill_inputs
+    from veloxquant_mlx.bench.layer_specs import parse_layer_spec
+
+    k, v, q = prefill_inputs(context + steps)
+    spec = parse_layer_spec(method)
+    out = []
+    for _ in range(repeats):
+        cache = filled_layer(spec, k, v, q, context, chunk)
+        seconds = []
+        for t in range(context, context + steps):
+            t0 = time.perf_counter()
+            decode_step(cache, k, v, q, t)
+            mx.synchronize()
+            seconds.append(time.perf_counter() - t0)
+        out.append(seconds)
+    return out
 
 
 def decode_step(cache, k, v, q, t: int) -> None:
@@ -189,6 +236,15 @@ def main(argv=None) -> int:
     from veloxquant_mlx.bench import report
 
     result = {**report.header(), "command": " ".join(["python -m", MODULE, *sys.argv[1:]]), "methods": {}}
+    if args.command == "steps":
+        for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
+            runs = step_times(method, args.context, args.chunk, args.steps, args.repeats)
+            result["methods"][method] = {"step_us": [[round(s * 1e6, 1) for s in run] for run in runs]}
+            for i, run in enumerate(result["methods"][method]["step_us"]):
+                print(f"{method} {i} step us: " + " ".join(f"{x:.0f}" for x in run), flush=True)
+        if args.out:
+            report.write_json(result, args.out)
+        return 0
     for item in args.csv:
         method, sep, path = item.partition("=")
         if not sep or not method or not path:
