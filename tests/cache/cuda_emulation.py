@@ -580,14 +580,14 @@ _ROTATED_TEMPLATE = ("D", "DV", "R", "KB1", "VB1", "KG", "VG")
 def _rotated_kernel() -> EmulatedKernel:
     from veloxquant_mlx.cache import fused_decode_rotated as fdr
 
-    assert NAMES + ["meta"] == fdr._INPUTS
+    assert NAMES + ["meta", "wn"] == fdr._INPUTS
     return cuda_kernel("vq_rotated_decode_partials", fdr._INPUTS, ["part_o", "part_m", "part_l"],
                        fdr._PARTIALS, fdr._HEADER)
 
 
 def _rotated_signature(cfg, ndims) -> _Signature:
-    template = tuple(zip(_ROTATED_TEMPLATE, cfg)) + (("QT", mx.float32),)
-    dtypes = tuple(mx.uint32 if n in CODE_INPUTS else mx.float32 for n in NAMES) + (mx.int32,)
+    template = tuple(zip(_ROTATED_TEMPLATE, cfg)) + (("QT", mx.float32), ("WB", 0))  # wn: all of wk
+    dtypes = tuple(mx.uint32 if n in CODE_INPUTS else mx.float32 for n in NAMES) + (mx.int32, mx.uint8)
     return _Signature(template, dtypes, tuple(ndims), (mx.float32,) * 3)
 
 
@@ -597,7 +597,7 @@ def compiled(configs: tuple[tuple[int, ...], ...]):
     kernel = _rotated_kernel()
     # Ranks as decode_step hands them: q (B, Hq, 1, D) ... the sink's dummies; only the inputs
     # whose *_shape the source reads (wk, kc2) need a rank > 0 to be declared.
-    ndims = (4,) * len(NAMES) + (1,)
+    ndims = (4,) * len(NAMES) + (1, 1)
     prebuild_captured([(kernel, _rotated_signature(c, ndims)) for c in configs])
     return kernel
 
@@ -608,7 +608,9 @@ def run_partials(lib, cfg, arrays: list[np.ndarray], meta: np.ndarray, wk_shape,
     order (float32; codes uint32), as numpy arrays."""
     arrays = [np.ascontiguousarray(a, dtype=np.uint32 if n in CODE_INPUTS else np.float32)
               for n, a in zip(NAMES, arrays)]
-    inputs = [mx.array(a) for a in arrays] + [mx.array(np.asarray(meta, dtype=np.int32))]
+    # wn: the window's rows as a length (fused_decode.window_rows): here the whole wk.
+    inputs = [mx.array(a) for a in arrays] + [mx.array(np.asarray(meta, dtype=np.int32)),
+                                              mx.zeros((wk_shape[2],), dtype=mx.uint8)]
     # The kernel reads only wk_shape and kc2_shape; they must be the arrays' own shapes.
     assert tuple(inputs[NAMES.index("wk")].shape) == tuple(wk_shape)
     assert tuple(inputs[NAMES.index("kc2")].shape) == tuple(kc2_shape)

@@ -223,7 +223,7 @@ def _spy_launch(monkeypatch) -> dict:
 
     def launch(*a, **k):
         seen.update(args=a, kwargs=k, launches=seen["launches"] + 1)
-        return _FakeKernel(seen), [f"input {i}" for i in range(12)], {"n_blocks": 3}
+        return _FakeKernel(seen), [f"input {i}" for i in range(13)], {"n_blocks": 3}
 
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
     monkeypatch.setattr(fused_decode, "affine_launch", launch)
@@ -245,7 +245,9 @@ def test_a_launch_plan_serves_the_steps_until_the_store_changes(monkeypatch):
     assert queries is q_heads and inputs[0] is q_heads and shape == {"n_blocks": 3}
     assert state is cache._fused_launch  # one FusedLaunchState per cache, across its plans
     assert mx.array_equal(inputs[7], cache.window_keys).item() and mx.array_equal(inputs[8], cache.window_values).item()
-    assert inputs[1:7] == [f"input {i}" for i in range(1, 7)] and inputs[9:] == [f"input {i}" for i in range(9, 12)]
+    assert inputs[1:7] == [f"input {i}" for i in range(1, 7)] and inputs[9:12] == [f"input {i}" for i in range(9, 12)]
+    # wn: the window's filled rows as a view's length (the kernels read its shape, not its bytes)
+    assert inputs[12] is fused_decode.window_rows(cache.window_keys.shape[2]) and inputs[12].shape == (cache.window_keys.shape[2],)
     assert cache._fused_decode(q_heads.astype(mx.float16), 0.5) == "kernel output"  # other queries: a new plan
     assert seen["launches"] == 2
     cache._ensure_capacity(cache.capacity + 1)

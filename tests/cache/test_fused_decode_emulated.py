@@ -19,7 +19,7 @@ import pytest
 
 from tests.cache import cuda_emulation
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.cache import fused_decode, fused_decode_rotated
+from veloxquant_mlx.cache import base, fused_decode, fused_decode_rotated
 from veloxquant_mlx.cache.kivi import KIVICache
 from veloxquant_mlx.cache.turboquant_rvq import TurboQuantRVQCache
 from veloxquant_mlx.cache.xquant import XQuantCache
@@ -310,3 +310,30 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, attr,
     assert [k.calls for k in made if k.calls] == _launches()
     print(f"{name}: max |corrupted kernel - portable| = {np.abs(np.array(got) - expected).max():.2e}")
     assert np.abs(np.array(got) - expected).max() > 1e-4  # 5x the tolerance above, at least
+
+
+@pytest.mark.parametrize("kind", ["kivi", "turboquant_rvq"])
+def test_the_kernels_read_a_window_written_in_place(monkeypatch, kind):
+    # base.DECODE_WINDOW_IN_PLACE: decode steps write their token into window buffers with
+    # slack rows (cache/window_buffer.py); the kernels get the buffers whole and the filled
+    # rows as wn's length, and each step's output is the portable attention's.
+    monkeypatch.setattr(base, "DECODE_WINDOW_IN_PLACE", 1)
+    cache = _kivi(bit_width_inlier=2)() if kind == "kivi" else _rotated(4)
+    q_heads = _filled(cache, 700 if kind == "kivi" else 300, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+    recorded = []
+    real = cuda_emulation.cuda_kernel
+    monkeypatch.setattr(cuda_emulation, "cuda_kernel", lambda *a, **k: recorded.append(_Recorded(real(*a, **k))) or recorded[-1])
+    names = fused_decode.PARTIALS_INPUTS if kind == "kivi" else fused_decode_rotated._INPUTS
+    for step in range(3):
+        buf_k, _, n = cache.window_buffers()
+        assert buf_k.shape[2] > n  # slack rows the kernel must not read
+        expected = np.array(cache.attention(q_heads, scale=128**-0.5))
+        got, made = _emulated_step(cache, q_heads, 128**-0.5)
+        launch = next(k for k in made if k.launches).launches[-1]
+        inputs = dict(zip(names, launch))
+        assert inputs["wk"].shape[2] == buf_k.shape[2] and inputs["wn"].shape == (n,)
+        got = np.array(got)
+        assert np.allclose(got, expected, atol=2e-5, rtol=2e-5), (step, np.abs(got - expected).max())
+        mx.random.seed(50 + step)
+        cache.update_and_fetch(mx.random.normal((1, 2, 1, 128)), mx.random.normal((1, 2, 1, 128)))
+        q_heads = 2 * mx.random.normal((1, 8, 1, 128))

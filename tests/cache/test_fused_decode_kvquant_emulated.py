@@ -16,7 +16,7 @@ import pytest
 
 from tests.cache import cuda_emulation
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.cache import fused_decode, fused_decode_codebook
+from veloxquant_mlx.cache import base, fused_decode, fused_decode_codebook
 from veloxquant_mlx.cache.kvquant import KVQuantCache
 
 pytestmark = pytest.mark.skipif(
@@ -201,3 +201,22 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, 
     diff = np.abs(np.array(got) - expected).max()
     print(f"mutation {name!r}: max |kernel - portable| = {diff:.3g}")
     assert diff > 1e-4  # 5x the float32 tolerance above, at least
+
+
+def test_the_kernel_reads_a_window_written_in_place(monkeypatch):
+    # base.DECODE_WINDOW_IN_PLACE: the window is a buffer with slack rows (cache/window_buffer.py);
+    # the kernel gets it whole and the filled rows as wn's length, at each of a few steps.
+    monkeypatch.setattr(base, "DECODE_WINDOW_IN_PLACE", 1)
+    cache = _kvquant()()
+    q_heads = _filled(cache, 700, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+    for step in range(2):
+        buf_k, _, n = cache.window_buffers()
+        assert buf_k.shape[2] > n  # slack rows the kernel must not read
+        expected = np.array(cache.attention(q_heads, scale=128**-0.5))
+        got, made = _emulated_step(cache, q_heads, 128**-0.5)
+        assert sorted(k.name for k in made if k.calls) == ["vq_codebook_decode_partials_merged"]
+        got = np.array(got)
+        assert np.allclose(got, expected, atol=2e-5, rtol=2e-5), (step, np.abs(got - expected).max())
+        mx.random.seed(60 + step)
+        cache.update_and_fetch(mx.random.normal((1, 2, 1, 128)), mx.random.normal((1, 2, 1, 128)))
+        q_heads = 2 * mx.random.normal((1, 8, 1, 128))

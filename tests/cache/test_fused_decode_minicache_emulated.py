@@ -19,7 +19,7 @@ import pytest
 
 from tests.cache import cuda_emulation
 from tests.cache.test_fused_decode_minicache import _pair
-from veloxquant_mlx.cache import fused_decode, fused_decode_merged
+from veloxquant_mlx.cache import base, fused_decode, fused_decode_merged
 
 pytestmark = pytest.mark.skipif(
     cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier and _Float16 for the kernels' CPU emulation"
@@ -149,3 +149,19 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, field
     difference = np.abs(np.array(got) - expected).max()
     print(f"{name}: max |kernel - portable| = {difference:.2e}")
     assert difference > 1e-3  # 50x the tolerance above, at least
+
+
+def test_the_kernel_reads_a_window_written_in_place(monkeypatch):
+    # base.DECODE_WINDOW_IN_PLACE: a paired layer's decode token goes into window buffers with
+    # slack rows (cache/window_buffer.py); the kernel gets them whole and the filled rows as
+    # wn's length.
+    monkeypatch.setattr(base, "DECODE_WINDOW_IN_PLACE", 1)
+    lower, upper, queries = _pair(700, B=1, H=2, rep=4, D=128, dtype=mx.float32)
+    for cache, q_heads in ((lower, queries[0]), (upper, queries[1])):
+        buf_k, _, n = cache.window_buffers()
+        assert buf_k.shape[2] > n  # slack rows the kernel must not read
+        expected = np.array(cache.attention(q_heads, scale=128**-0.5))
+        got, made = _emulated_step(cache, q_heads, 128**-0.5)
+        assert sorted((k.name, k.calls) for k in made if k.calls) == [("vq_merged_decode_partials_merged", 1)]
+        got = np.array(got)
+        assert np.allclose(got, expected, atol=2e-5, rtol=2e-5), np.abs(got - expected).max()

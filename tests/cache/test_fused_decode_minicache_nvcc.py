@@ -22,13 +22,13 @@ from veloxquant_mlx.cache import fused_decode, fused_decode_merged
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (CUDA toolkit) to compile the kernel for sm_90")
 
-_C_TYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "u32": "uint32_t", "i32": "int32_t"}
+_C_TYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "u32": "uint32_t", "i32": "int32_t", "u8": "uint8_t"}
 
 
 def _program(D, DV, R, S, DB, QT, RT, PV=1, fused=False) -> str:
     DT = "u32" if DB else "f16"
     dtypes = dict(q=QT, dk=DT, dv=DT, dks="f16", dkb="f16", dvs="f16", dvb="f16", mk="f16", mv="f16",
-                  rk=RT, rv=RT, pk="i32", pv="i32", wk=QT, wv=QT, meta="i32")
+                  rk=RT, rv=RT, pk="i32", pv="i32", wk=QT, wv=QT, meta="i32", wn="u8")
     source = fused_decode_merged._PARTIALS
     if fused:  # the merge fused in (fused_decode.MERGE_IN_KERNEL): outputs the attention
         source = fused_decode._FUSED_PROLOGUE + source + fused_decode._FUSED_EPILOGUE
@@ -41,7 +41,7 @@ def _program(D, DV, R, S, DB, QT, RT, PV=1, fused=False) -> str:
         params += ["const int32_t* counts", "const float* scratch", f"const {_C_TYPES[QT]}* after", f"{_C_TYPES[QT]}* out"]
     else:
         params += ["float* part_o", "float* part_m", "float* part_l"]
-    template = dict(D=D, DV=DV, R=R, PV=PV, S=S, DB=DB, QT=QT, DT=DT, ST="f16", MT="f16", RT=RT)
+    template = dict(D=D, DV=DV, R=R, PV=PV, S=S, DB=DB, QT=QT, DT=DT, ST="f16", MT="f16", RT=RT, WB=0)
     constants = [f"  using {k} = {_C_TYPES[v]};" if isinstance(v, str) else f"  constexpr int {k} = {v};"
                  for k, v in template.items()]
     return ("#include <cstdint>\n" + fused_decode_merged._HEADER

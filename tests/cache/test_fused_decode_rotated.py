@@ -319,7 +319,7 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, bits, sink)
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
     monkeypatch.setattr(fdr, "_partials_kernel", lambda budget, bounds: Kernel())
     monkeypatch.setattr(fdr, "rotated_launch",
-                        lambda *a, **k: seen.update(args=a, kwargs=k) or ([None] * 19, {}, fdr.WINDOW_INPUTS))
+                        lambda *a, **k: seen.update(args=a, kwargs=k) or ([None] * 20, {}, fdr.WINDOW_INPUTS))
     assert cache.attention(q_heads, scale=0.5) == "kernel output"  # through base.attention
     args, kwargs = seen["args"], seen["kwargs"]
     assert args[0] is q_heads and args[1] == 0.5

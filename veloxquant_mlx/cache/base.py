@@ -30,6 +30,7 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_lm_cache
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
 
+from veloxquant_mlx.cache import window_buffer
 from veloxquant_mlx.config.kv_cache_config import KVCacheConfig
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -90,6 +91,14 @@ PREFILL_START_QUERIES = 1
 # stored history). 0: grow, then write in place, as before session 15, for an A/B
 # (bench --set / prefill_chunks --alternate base.GROW_WITH_WRITE=0).
 GROW_WITH_WRITE = 1
+
+# A decode step (one token) writes its K/V into the window's buffers in place, and the decode
+# kernels read the buffers as they are (cache/window_buffer.py): 2 launches per layer and step
+# instead of the concatenation's 4 (Nsight on the H200, results/ncu_decode_h200_s20_boost.json:
+# ~2.9 us each). 0 (the default): the concatenation, as before session 20. Off until an H200 run
+# measures it (bench --set base.DECODE_WINDOW_IN_PLACE=1): session 20 wrote it with no device
+# time left; the CPU tests check it, the emulated kernels over its buffers included.
+DECODE_WINDOW_IN_PLACE = 0
 
 # The growth's slack past the written blocks (capacity is whole 256-token tiles; a cache keeping
 # an exact residual, e.g. turboquant_rvq's 64 tokens, ends each prompt chunk's blocks inside a
@@ -192,6 +201,8 @@ class CompressedKVCache(_BaseCache):
         self._flush()
         if self.window_keys is None:
             self.window_keys, self.window_values = keys, values
+        elif DECODE_WINDOW_IN_PLACE and keys.shape[2] == 1:
+            window_buffer.append_token(self, keys, values)
         else:
             self.window_keys = mx.concatenate([self.window_keys, keys], axis=2)
             self.window_values = mx.concatenate([self.window_values, values], axis=2)
@@ -467,10 +478,12 @@ class CompressedKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        total = sum(a.nbytes for a in self.store.values())
-        if self.window_keys is not None:
-            total += self.window_keys.nbytes + self.window_values.nbytes
-        return total
+        return sum(a.nbytes for a in self.store.values()) + window_buffer.nbytes(self)
+
+    def window_buffers(self):
+        """(keys buffer, values buffer, filled rows) while decode steps write the window in
+        place (window_buffer.py), else None: what the decode kernels read (fused_decode.window_inputs)."""
+        return window_buffer.current(self)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
         """mlx-lm's kv_bits path: hand over the whole history, decoded then re-quantized."""

@@ -332,7 +332,9 @@ _PARTIALS_TEMPLATE = r"""
   const int n_skip = meta[4];
   const int n_sink = meta[5];
   const bool window = blockIdx.x >= n_hist_blocks;
-  const int n_window = wk_shape[2];
+  // The window: wk_shape[2] rows per head, or with WB (fused_decode.window_rows) the first
+  // wn_shape[0] rows of buffers of wk_shape[2] rows that the cache writes in place.
+  const int n_window = WB ? wn_shape[0] : wk_shape[2];
   const int cap = vc_shape[2];
   const int wk_words = kc_shape[3];
   const int gk = ks_shape[3];
@@ -361,8 +363,8 @@ _PARTIALS_TEMPLATE = r"""
   const uint32_t* vc_bh = vc + (size_t)bh * cap * WV;
   const ST* vs_bh = vs + (size_t)bh * cap * GV;
   const ST* vz_bh = vz + (size_t)bh * cap * GV;
-  const QT* wk_bh = wk + (size_t)bh * n_window * D;
-  const QT* wv_bh = wv + (size_t)bh * n_window * DV;
+  const QT* wk_bh = wk + (size_t)bh * (WB ? wk_shape[2] : n_window) * D;
+  const QT* wv_bh = wv + (size_t)bh * (WB ? wk_shape[2] : n_window) * DV;
   // The exact block's token t: sink row t below n_sink, else window row t - n_sink; at R = 4
   // written as a base chosen per token plus t rows (the window's base moved back by n_sink rows,
   // never read there), at other R as whole row pointers selected. Why: ptxas's register counts
@@ -851,7 +853,7 @@ def _cuda_available() -> bool:
 
 
 # Kernel 1's inputs, in launch order (a kernel built on it by partials_source appends its own).
-PARTIALS_INPUTS = ("q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "sk", "sv", "meta")
+PARTIALS_INPUTS = ("q", "kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "sk", "sv", "meta", "wn")
 
 
 @lru_cache(maxsize=None)
@@ -1074,6 +1076,46 @@ def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bi
     return planned_attend(cache, queries, scale, key, launch, lambda: _kernels()[0])
 
 
+# Zero bytes a window_rows view is cut from, grown to the next power of two a window needs.
+_ROWS_BASE = [mx.zeros((256,), dtype=mx.uint8)]
+
+
+@lru_cache(maxsize=None)
+def window_rows(n: int) -> mx.array:
+    """The decode kernels' `wn` input: an evaluated (n,) view of one zero array, whose length is
+    the window's filled rows (the kernels read wn_shape[0]; its bytes are never read). Why an
+    input and not the meta: the window grows by a token each step, the meta is kept per launch
+    plan, and a view costs no launch. With it the window inputs may be the cache's in-place
+    buffers, whose rows beyond n are slack (wk_shape[2] is then their row count per head)."""
+    if n < 1:
+        raise QuantizerConfigError(f"decode kernels: a window of {n} rows; allowed is at least 1 (the step's token)")
+    base = _ROWS_BASE[0]
+    if base.shape[0] < n:
+        base = mx.zeros((1 << (n - 1).bit_length(),), dtype=mx.uint8)
+        _ROWS_BASE[0] = base
+    view = base[:n]
+    mx.eval(view)
+    return view
+
+
+def window_buffers_of(cache):
+    """cache.window_buffers() where the cache has it (every CompressedKVCache), else None."""
+    buffers = getattr(cache, "window_buffers", None)
+    return buffers() if buffers is not None else None
+
+
+def window_inputs(cache, dtype) -> tuple:
+    """(keys, values, rows) for a decode kernel's wk, wv, wn: the cache's window buffers when it
+    keeps them in place (window_buffer.py: rows beyond the filled ones are slack, so the kernel
+    reads the buffers as they are, without the copy a sliced view would cost), else its window."""
+    held = window_buffers_of(cache)
+    keys, values, n = held if held is not None else (cache.window_keys, cache.window_values, cache.window_keys.shape[2])
+    # astype makes a new array (a graph node) even to the same dtype: skipped when it is.
+    keys = keys if keys.dtype == dtype else keys.astype(dtype)
+    values = values if values.dtype == dtype else values.astype(dtype)
+    return keys, values, window_rows(n)
+
+
 def planned_attend(cache, queries, scale: float, key, launch, kernel):
     """A decode step through a launch plan kept on `cache` while its store writes, history
     length and capacity, the queries' shape and dtype, the scale and the caller's `key` (what
@@ -1086,7 +1128,9 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
     machine's CPU (kivi 29 -> 18 us per layer-step with the kernels stubbed). `kernel()` gives
     the PartialsKernel, looked up at each step (not kept in the plan): a factory emptied or a
     constant set between two steps (the CUDA emulation, bench --set) takes effect."""
-    key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale, key)
+    # Whether the window comes as in-place buffers (window_buffer.py): the template's WB.
+    buffered = window_buffers_of(cache) is not None
+    key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale, buffered, key)
     plan = cache.__dict__.get("_fused_plan")
     if plan is None or plan[0] != key:
         built = launch()
@@ -1095,16 +1139,17 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
             # alive until the next plan.
             inputs, shape, slots = built
             inputs = [None if i in (0, *slots) else a for i, a in enumerate(inputs)]
+            if buffered:
+                shape = {**shape, "template": [(k, int(buffered) if k == "WB" else v) for k, v in shape["template"]]}
             built = (inputs, shape, slots)
         plan = (key, built)
         cache.__dict__["_fused_plan"] = plan
     if plan[1] is None:
         return None
-    inputs, shape, (keys_slot, values_slot) = plan[1]
+    inputs, shape, (keys_slot, values_slot, rows_slot) = plan[1]
     inputs = list(inputs)
     inputs[0] = queries
-    inputs[keys_slot] = cache.window_keys.astype(queries.dtype)
-    inputs[values_slot] = cache.window_values.astype(queries.dtype)
+    inputs[keys_slot], inputs[values_slot], inputs[rows_slot] = window_inputs(cache, queries.dtype)
     state = cache.__dict__.setdefault("_fused_launch", FusedLaunchState())
     return kernel().attend(queries, inputs=inputs, state=state, **shape)
 
@@ -1155,7 +1200,7 @@ def affine_partials(
 
 
 # Where affine_launch's input list holds the window (keys, values): a step plan swaps them in.
-WINDOW_INPUTS = (PARTIALS_INPUTS.index("wk"), PARTIALS_INPUTS.index("wv"))
+WINDOW_INPUTS = (PARTIALS_INPUTS.index("wk"), PARTIALS_INPUTS.index("wv"), PARTIALS_INPUTS.index("wn"))
 
 
 def affine_launch(
@@ -1189,10 +1234,10 @@ def affine_launch(
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip, n_sink)
     inputs = [queries, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
               window_keys.astype(dtype), window_values.astype(dtype), sink_keys, sink_values,
-              meta, *extra_inputs]
+              meta, window_rows(window_keys.shape[2]), *extra_inputs]
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                 ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits, R)), ("QT", dtype),
-                ("ST", side), *stage, *extra_template]
+                ("ST", side), *stage, ("WB", 0), *extra_template]
     kernel = _kernels()[0] if kernel is None else kernel
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
 

@@ -181,7 +181,9 @@ _PARTIALS = r"""
   const float scale = __int_as_float(meta[3]);
   const int n_skip = meta[4];
   const bool window = blockIdx.x >= n_hist_blocks;
-  const int n_window = wk_shape[2];
+  // The window: wk_shape[2] rows per head, or with WB (fused_decode.window_rows) the first
+  // wn_shape[0] rows of buffers of wk_shape[2] rows that the cache writes in place.
+  const int n_window = WB ? wn_shape[0] : wk_shape[2];
   const int cap_blocks = kc_shape[2];
   const int k_words = kc_shape[3];       // code words per key block
   const int v_words = vc_shape[3];
@@ -224,8 +226,8 @@ _PARTIALS = r"""
   const ST* kov_bh = kov + (size_t)bh * cap_blocks * NOK;
   const uint16_t* vop_bh = vop + (size_t)bh * cap_blocks * NOV;
   const ST* vov_bh = vov + (size_t)bh * cap_blocks * NOV;
-  const QT* wk_bh = wk + (size_t)bh * n_window * D;
-  const QT* wv_bh = wv + (size_t)bh * n_window * DV;
+  const QT* wk_bh = wk + (size_t)bh * (WB ? wk_shape[2] : n_window) * D;
+  const QT* wv_bh = wv + (size_t)bh * (WB ? wk_shape[2] : n_window) * DV;
   float* p_tile = ps[warp];
 
   float* acc_park = &accs[warp][PARK ? lane : 0];
@@ -675,7 +677,7 @@ __device__ __forceinline__ unsigned vq_window(unsigned lo, unsigned hi, int shif
 }
 """
 
-_INPUTS = ["q", "kc", "ks", "kz", "kcb", "vc", "vs", "vz", "vcb", "kop", "kov", "vop", "vov", "wk", "wv", "sk", "sv", "meta"]
+_INPUTS = ["q", "kc", "ks", "kz", "kcb", "vc", "vs", "vz", "vcb", "kop", "kov", "vop", "vov", "wk", "wv", "sk", "sv", "meta", "wn"]
 
 
 @lru_cache(maxsize=None)
@@ -812,7 +814,7 @@ def codebook_partials(
 
 
 # Where codebook_launch's input list holds the window (keys, values).
-WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"))
+WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"), _INPUTS.index("wn"))
 
 
 def codebook_launch(
@@ -854,9 +856,10 @@ def codebook_launch(
     inputs = [queries, store["key_codes"], store["key_scale"], store["key_zero"],
               _as(store["key_codebook"], mx.float32), store["value_codes"], store["value_scale"],
               store["value_zero"], _as(store["value_codebook"], mx.float32), *outliers,
-              _as(window_keys, dtype), _as(window_values, dtype), sink_keys, sink_values, meta]
+              _as(window_keys, dtype), _as(window_values, dtype), sink_keys, sink_values, meta,
+              fused_decode.window_rows(window_keys.shape[2])]
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
                 ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]), ("PARK", park),
                 ("UB", ub), ("OB", ob),
-                ("QT", dtype), ("ST", side)]
+                ("QT", dtype), ("ST", side), ("WB", 0)]
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}

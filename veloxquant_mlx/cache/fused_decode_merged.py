@@ -370,7 +370,9 @@ _PARTIALS = r"""
   const int n_hist_blocks = meta[2];
   const float scale = __int_as_float(meta[3]);
   const bool exact = blockIdx.x >= n_hist_blocks;  // block-uniform
-  const int n_window = wk_shape[2];
+  // The window: wk_shape[2] rows per head, or with WB (fused_decode.window_rows) the first
+  // wn_shape[0] rows of buffers of wk_shape[2] rows that the cache writes in place.
+  const int n_window = WB ? wn_shape[0] : wk_shape[2];
   const int cap_dir = dk_shape[2];         // the pair's direction arrays (the lower layer's)
   const int cap = mk_shape[2];             // this layer's own arrays
   const int n_slot_rows = cap / TILE * S;  // retained rows per head
@@ -412,8 +414,8 @@ _PARTIALS = r"""
   const RT* rv_bh = rv + (size_t)bh * n_slot_rows * DV;
   const int* pk_bh = pk + (size_t)bh * n_slot_rows;
   const int* pv_bh = pv + (size_t)bh * n_slot_rows;
-  const QT* wk_bh = wk + (size_t)bh * n_window * D;
-  const QT* wv_bh = wv + (size_t)bh * n_window * DV;
+  const QT* wk_bh = wk + (size_t)bh * (WB ? wk_shape[2] : n_window) * D;
+  const QT* wv_bh = wv + (size_t)bh * (WB ? wk_shape[2] : n_window) * DV;
   float* w_tile = ps[warp];                // [TILE][R]
   float* w_slot = ps[warp] + TILE * R;     // [S][R], then one row of zeros
   float* ex_k = w_slot + (SS + 1) * R;     // [S][R]
@@ -596,7 +598,7 @@ _PARTIALS = r"""
                               part_o, part_m, part_l, out_row);
 """
 
-_INPUTS = ["q", "dk", "dv", "dks", "dkb", "dvs", "dvb", "mk", "mv", "rk", "rv", "pk", "pv", "wk", "wv", "meta"]
+_INPUTS = ["q", "dk", "dv", "dks", "dkb", "dvs", "dvb", "mk", "mv", "rk", "rv", "pk", "pv", "wk", "wv", "meta", "wn"]
 
 
 @lru_cache(maxsize=None)
@@ -683,7 +685,7 @@ def merged_decode_attention(
 
 
 # Where merged_launch's input list holds the window (keys, values).
-WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"))
+WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"), _INPUTS.index("wn"))
 
 
 def merged_launch(
@@ -729,8 +731,9 @@ def merged_launch(
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale))
     dtype = queries.dtype
     inputs = [queries, dir_k, dir_v, *direction_side, mag_k, mag_v, *retained,
-              window_keys.astype(dtype), window_values.astype(dtype), meta]
+              window_keys.astype(dtype), window_values.astype(dtype), meta,
+              fused_decode.window_rows(window_keys.shape[2])]
     template = [("D", D), ("DV", DV), ("R", R), ("PV", int(PREFETCH_FIRST_VALUES and R <= PREFETCH_MAX_ROWS)),
                 ("S", slots), ("DB", direction_bits or 0), ("QT", dtype), ("DT", dir_k.dtype),
-                ("ST", direction_side[0].dtype), ("MT", mag_k.dtype), ("RT", retained[0].dtype)]
+                ("ST", direction_side[0].dtype), ("MT", mag_k.dtype), ("RT", retained[0].dtype), ("WB", 0)]
     return inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}, WINDOW_INPUTS

@@ -256,7 +256,9 @@ _PARTIALS = r"""
   const float scale = __int_as_float(meta[3]);
   const int n_sink = meta[4];
   const bool exact = blockIdx.x >= n_hist_blocks;  // block-uniform
-  const int n_window = wk_shape[2];
+  // The window: wk_shape[2] rows per head, or with WB (fused_decode.window_rows) the first
+  // wn_shape[0] rows of buffers of wk_shape[2] rows that the cache writes in place.
+  const int n_window = WB ? wn_shape[0] : wk_shape[2];
   const int cap = kc2_shape[2];
 
   // Shared: the scaled query unrotated (exact tokens) and rotated (codes), [d][r]; the bias;
@@ -330,7 +332,7 @@ _PARTIALS = r"""
           for (int r = 0; r < R; ++r) s[r] = fmaf(qx[d * R + r], kv, s[r]);
         }
       } else {
-        const QT* krow = wk + ((size_t)bh * n_window + (t - n_sink)) * D;
+        const QT* krow = wk + ((size_t)bh * (WB ? wk_shape[2] : n_window) + (t - n_sink)) * D;
         #pragma unroll 16  // loads in flight: the exact block is one per head, little else hides latency
         for (int d = 0; d < D; ++d) {
           const float kv = vq_f32(krow[d]);
@@ -399,7 +401,7 @@ _PARTIALS = r"""
           #pragma unroll
           for (int c = 0; c < CPL; ++c) v[c] = vrow[c];
         } else {
-          const QT* vrow = wv + ((size_t)bh * n_window + (tj - n_sink)) * DV + ch0;
+          const QT* vrow = wv + ((size_t)bh * (WB ? wk_shape[2] : n_window) + (tj - n_sink)) * DV + ch0;
           #pragma unroll
           for (int c = 0; c < CPL; ++c) v[c] = vq_f32(vrow[c]);
         }
@@ -541,7 +543,7 @@ _PARTIALS = r"""
 """
 
 _INPUTS = ["q", "ksg", "vsg", "kmean", "kc1", "ks1", "kz1", "kc2", "km2",
-           "vc1", "vs1", "vz1", "vc2", "vm2", "wk", "wv", "sk", "sv", "meta"]
+           "vc1", "vs1", "vz1", "vc2", "vm2", "wk", "wv", "sk", "sv", "meta", "wn"]
 
 
 @lru_cache(maxsize=None)
@@ -649,7 +651,7 @@ def decode_step(cache, queries, scale: float):
 
 
 # Where rotated_launch's input list holds the window (keys, values).
-WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"))
+WINDOW_INPUTS = (_INPUTS.index("wk"), _INPUTS.index("wv"), _INPUTS.index("wn"))
 
 
 def rotated_launch(
@@ -677,9 +679,10 @@ def rotated_launch(
     dtype = queries.dtype
     budget = MAX_VALUE_SUMS  # read at each call: a probe sets it to time another lane split
     inputs = [queries, key_signs, value_signs, key_mean.astype(dtype), *stores,
-              window_keys.astype(dtype), window_values.astype(dtype), sk, sv, meta]
+              window_keys.astype(dtype), window_values.astype(dtype), sk, sv, meta,
+              fused_decode.window_rows(window_keys.shape[2])]
     shape = {"template": [("D", D), ("DV", DV), ("R", R), ("KB1", key_stage1_bits),
                           ("VB1", value_stage1_bits), ("KG", key_group), ("VG", value_group), ("QT", dtype),
-                          ("VQ_MAX_VALUE_SUMS", budget)],
+                          ("VQ_MAX_VALUE_SUMS", budget), ("WB", 0)],
              "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
     return inputs, shape, WINDOW_INPUTS

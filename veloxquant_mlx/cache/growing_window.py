@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import window_buffer
+
 
 class GrowingWindowMixin:
     """Window storage as a buffer plus a filled length; a subclass decides when to use
@@ -64,6 +66,9 @@ class GrowingWindowMixin:
     def nbytes(self) -> int:
         """The store plus the window's buffers, slack included (as mlx-lm's KVCache counts)."""
         total = sum(a.nbytes for a in self.store.values())
+        held = window_buffer.current(self)  # a paired layer's decode window in place (base.py)
+        if held is not None:
+            return total + held[0].nbytes + held[1].nbytes
         for name in ("_window_k", "_window_v"):
             buffer = self.__dict__.get(name)
             total += 0 if buffer is None else buffer.nbytes

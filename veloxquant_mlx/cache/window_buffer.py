@@ -1,0 +1,75 @@
+"""A decode step's token written into the exact window in place (base.DECODE_WINDOW_IN_PLACE).
+
+Why: the base cache appends each step's K/V to its window by concatenation, a copy of the window
+and of the token: 2 launches per array and step. Session 20's Nsight profile of a 32K decode
+step on the H200 (results/ncu_decode_h200_s20_boost.json) has those 4 copies at ~2.9 us each
+against the fp16 KVCache's 2 slice writes; our per-layer step is ~20-26 us of device time above
+fp16's, ~6 us of it these copies. Written in place (as mlx-lm's KVCache writes its buffer) a
+step costs 2 launches, and the decode kernels read the buffer as it is: its filled rows come as
+a separate input (fused_decode.window_rows), so no contiguous copy of a sliced view is made.
+
+The buffers live in cache.__dict__["_window_buffers"] as (keys buffer, values buffer, keys view,
+values view), the views being what the cache's window_keys / window_values hold. They are
+current only while those attributes are still these very views: whatever else assigns the
+window (a flush's remainder, a trim, a state load, a prefill chunk's concatenation) makes them
+stale, and the next decode step builds new ones from the window as it then is. Capacity: the
+residual and one block (the most a window holds between two flushes), so the slack, which
+`nbytes` counts as mlx-lm's KVCache counts its own, is under one block.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def current(cache):
+    """(keys buffer, values buffer, filled rows) while the cache's window is the buffers' view,
+    else None."""
+    held = cache.__dict__.get("_window_buffers")
+    if held is None or held[2] is not cache.window_keys or held[3] is not cache.window_values:
+        return None
+    return held[0], held[1], held[2].shape[2]
+
+
+def append_token(cache, keys: mx.array, values: mx.array) -> None:
+    """Write one step's keys / values (B, H, 1, D) after the window's filled rows, in the
+    buffers (built or grown first where they are stale or full); the window becomes the view of
+    the filled rows."""
+    held = current(cache)
+    n = cache.window_keys.shape[2]
+    if held is None or n + 1 > held[0].shape[2] or held[0].dtype != keys.dtype or held[1].dtype != values.dtype:
+        buf_k, buf_v = _built(cache.window_keys, cache.window_values, keys.dtype, values.dtype,
+                              max(n + 1, cache.residual_length + cache.block_size))
+    else:
+        buf_k, buf_v = held[0], held[1]
+    # MLX writes a slice in place only into a buffer nothing else holds (else it copies the
+    # whole buffer first): every view of ours goes before the write.
+    held = None
+    cache.__dict__.pop("_window_buffers", None)
+    cache.window_keys = cache.window_values = None
+    buf_k[:, :, n : n + 1] = keys
+    buf_v[:, :, n : n + 1] = values
+    view_k, view_v = buf_k[:, :, : n + 1], buf_v[:, :, : n + 1]
+    cache.window_keys, cache.window_values = view_k, view_v
+    cache.__dict__["_window_buffers"] = (buf_k, buf_v, view_k, view_v)
+
+
+def _built(window_keys, window_values, key_dtype, value_dtype, capacity: int):
+    """New buffers of `capacity` rows per head holding the window's rows first."""
+    B, H, n, D = window_keys.shape
+    buf_k = mx.zeros((B, H, capacity, D), dtype=key_dtype)
+    buf_v = mx.zeros((B, H, capacity, window_values.shape[3]), dtype=value_dtype)
+    buf_k[:, :, :n] = window_keys.astype(key_dtype)
+    buf_v[:, :, :n] = window_values.astype(value_dtype)
+    return buf_k, buf_v
+
+
+def nbytes(cache) -> int:
+    """The window's bytes: its buffers whole while they are current (slack included), else the
+    window's arrays."""
+    held = current(cache)
+    if held is not None:
+        return held[0].nbytes + held[1].nbytes
+    if cache.window_keys is None:
+        return 0
+    return cache.window_keys.nbytes + cache.window_values.nbytes
