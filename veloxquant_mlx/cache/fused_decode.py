@@ -332,9 +332,10 @@ _PARTIALS_TEMPLATE = r"""
   const int n_skip = meta[4];
   const int n_sink = meta[5];
   const bool window = blockIdx.x >= n_hist_blocks;
-  // The window: wk_shape[2] rows per head, or with WB (fused_decode.window_rows) the first
-  // wn_shape[0] rows of buffers of wk_shape[2] rows that the cache writes in place.
-  const int n_window = WB ? wn_shape[0] : wk_shape[2];
+  // The window's rows per head in wk / wv: all of them its tokens, or with WB (buffers the cache
+  // writes in place, fused_decode.window_rows) the first wn_shape[0] (read where the exact
+  // block's end is set: kept live from here, it cost gear's kernel 11 registers under nvcc).
+  const int n_window = wk_shape[2];
   const int cap = vc_shape[2];
   const int wk_words = kc_shape[3];
   const int gk = ks_shape[3];
@@ -363,8 +364,8 @@ _PARTIALS_TEMPLATE = r"""
   const uint32_t* vc_bh = vc + (size_t)bh * cap * WV;
   const ST* vs_bh = vs + (size_t)bh * cap * GV;
   const ST* vz_bh = vz + (size_t)bh * cap * GV;
-  const QT* wk_bh = wk + (size_t)bh * (WB ? wk_shape[2] : n_window) * D;
-  const QT* wv_bh = wv + (size_t)bh * (WB ? wk_shape[2] : n_window) * DV;
+  const QT* wk_bh = wk + (size_t)bh * n_window * D;
+  const QT* wv_bh = wv + (size_t)bh * n_window * DV;
   // The exact block's token t: sink row t below n_sink, else window row t - n_sink; at R = 4
   // written as a base chosen per token plus t rows (the window's base moved back by n_sink rows,
   // never read there), at other R as whole row pointers selected. Why: ptxas's register counts
@@ -391,7 +392,7 @@ _PARTIALS_TEMPLATE = r"""
   const int first = window ? 0 : blockIdx.x * per_block;
   const int lo = window ? 0 : n_skip;  // tokens before lo are not attended
   // The exact block: the sink's n_sink tokens (sk, sv), then the window's.
-  const int last = window ? n_sink + n_window : min(first + per_block, n_valid);
+  const int last = window ? n_sink + (WB ? wn_shape[0] : n_window) : min(first + per_block, n_valid);
   for (int base = first + warp * TILE; base < last; base += TILE * NW) {
     //@tile
     // ---- scores of the lane's TPL tokens t0 .. t0 + TPL - 1 ----

@@ -181,9 +181,10 @@ _PARTIALS = r"""
   const float scale = __int_as_float(meta[3]);
   const int n_skip = meta[4];
   const bool window = blockIdx.x >= n_hist_blocks;
-  // The window: wk_shape[2] rows per head, or with WB (fused_decode.window_rows) the first
-  // wn_shape[0] rows of buffers of wk_shape[2] rows that the cache writes in place.
-  const int n_window = WB ? wn_shape[0] : wk_shape[2];
+  // The window's rows per head in wk / wv: all of them its tokens, or with WB (buffers the cache
+  // writes in place, fused_decode.window_rows) the first wn_shape[0] (read where the exact
+  // block's end is set: kept live from here, it cost gear's kernel 11 registers under nvcc).
+  const int n_window = wk_shape[2];
   const int cap_blocks = kc_shape[2];
   const int k_words = kc_shape[3];       // code words per key block
   const int v_words = vc_shape[3];
@@ -226,8 +227,8 @@ _PARTIALS = r"""
   const ST* kov_bh = kov + (size_t)bh * cap_blocks * NOK;
   const uint16_t* vop_bh = vop + (size_t)bh * cap_blocks * NOV;
   const ST* vov_bh = vov + (size_t)bh * cap_blocks * NOV;
-  const QT* wk_bh = wk + (size_t)bh * (WB ? wk_shape[2] : n_window) * D;
-  const QT* wv_bh = wv + (size_t)bh * (WB ? wk_shape[2] : n_window) * DV;
+  const QT* wk_bh = wk + (size_t)bh * n_window * D;
+  const QT* wv_bh = wv + (size_t)bh * n_window * DV;
   float* p_tile = ps[warp];
 
   float* acc_park = &accs[warp][PARK ? lane : 0];
@@ -247,7 +248,7 @@ _PARTIALS = r"""
   const int first = window ? 0 : blockIdx.x * per_block;
   const int lo = window ? 0 : n_skip;  // tokens before lo are not attended (the sink's placeholder)
   // The exact block: the sink's n_skip tokens (sk, sv), then the window's.
-  const int last = window ? n_skip + n_window : min(first + per_block, n_valid);
+  const int last = window ? n_skip + (WB ? wn_shape[0] : n_window) : min(first + per_block, n_valid);
   for (int base = first + warp * TILE; base < last; base += TILE * NW) {
     const int t0 = base + lane * TPL;
     const int tile_end = min(base + TILE, last);

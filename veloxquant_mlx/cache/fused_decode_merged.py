@@ -370,9 +370,10 @@ _PARTIALS = r"""
   const int n_hist_blocks = meta[2];
   const float scale = __int_as_float(meta[3]);
   const bool exact = blockIdx.x >= n_hist_blocks;  // block-uniform
-  // The window: wk_shape[2] rows per head, or with WB (fused_decode.window_rows) the first
-  // wn_shape[0] rows of buffers of wk_shape[2] rows that the cache writes in place.
-  const int n_window = WB ? wn_shape[0] : wk_shape[2];
+  // The window's rows per head in wk / wv: all of them its tokens, or with WB (buffers the cache
+  // writes in place, fused_decode.window_rows) the first wn_shape[0] (read where the exact
+  // block's end is set: kept live from here, it cost gear's kernel 11 registers under nvcc).
+  const int n_window = wk_shape[2];
   const int cap_dir = dk_shape[2];         // the pair's direction arrays (the lower layer's)
   const int cap = mk_shape[2];             // this layer's own arrays
   const int n_slot_rows = cap / TILE * S;  // retained rows per head
@@ -414,8 +415,8 @@ _PARTIALS = r"""
   const RT* rv_bh = rv + (size_t)bh * n_slot_rows * DV;
   const int* pk_bh = pk + (size_t)bh * n_slot_rows;
   const int* pv_bh = pv + (size_t)bh * n_slot_rows;
-  const QT* wk_bh = wk + (size_t)bh * (WB ? wk_shape[2] : n_window) * D;
-  const QT* wv_bh = wv + (size_t)bh * (WB ? wk_shape[2] : n_window) * DV;
+  const QT* wk_bh = wk + (size_t)bh * n_window * D;
+  const QT* wv_bh = wv + (size_t)bh * n_window * DV;
   float* w_tile = ps[warp];                // [TILE][R]
   float* w_slot = ps[warp] + TILE * R;     // [S][R], then one row of zeros
   float* ex_k = w_slot + (SS + 1) * R;     // [S][R]
@@ -434,7 +435,7 @@ _PARTIALS = r"""
   // History tiles are whole (n_valid and per_block are multiples of 32); the window's last
   // tile may be ragged: its past-the-end rows read the last token and get p = 0.
   const int first = exact ? 0 : blockIdx.x * per_block;
-  const int last = exact ? n_window : min(first + per_block, n_valid);
+  const int last = exact ? (WB ? wn_shape[0] : n_window) : min(first + per_block, n_valid);
   for (int base = first + warp * TILE; base < last; base += TILE * NW) {
     // PV: the first value batch of a history tile (fp16 directions) is loaded now: it does not
     // depend on the scores, and its latency then overlaps the key phase (nvcc 13 for sm_90,

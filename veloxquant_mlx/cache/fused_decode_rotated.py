@@ -256,9 +256,10 @@ _PARTIALS = r"""
   const float scale = __int_as_float(meta[3]);
   const int n_sink = meta[4];
   const bool exact = blockIdx.x >= n_hist_blocks;  // block-uniform
-  // The window: wk_shape[2] rows per head, or with WB (fused_decode.window_rows) the first
-  // wn_shape[0] rows of buffers of wk_shape[2] rows that the cache writes in place.
-  const int n_window = WB ? wn_shape[0] : wk_shape[2];
+  // The window's rows per head in wk / wv: all of them its tokens, or with WB (buffers the cache
+  // writes in place, fused_decode.window_rows) the first wn_shape[0] (read where the exact
+  // block's end is set: kept live from here, it cost gear's kernel 11 registers under nvcc).
+  const int n_window = wk_shape[2];
   const int cap = kc2_shape[2];
 
   // Shared: the scaled query unrotated (exact tokens) and rotated (codes), [d][r]; the bias;
@@ -314,7 +315,7 @@ _PARTIALS = r"""
   // Compressed blocks cover tokens [n_sink, n_valid) (the sink's codes are skipped: it is an
   // exact token); the exact block covers [0, n_sink + n_window): sink tokens, then the window.
   const int first = exact ? 0 : n_sink + blockIdx.x * per_block;
-  const int last = exact ? n_sink + n_window : min(first + per_block, n_valid);
+  const int last = exact ? n_sink + (WB ? wn_shape[0] : n_window) : min(first + per_block, n_valid);
   for (int base = first + warp * TILE; base < last; base += TILE * NW) {
     // ---- the lane's token's scores; past-the-end lanes score the last valid token ----
     const int t = min(base + lane, last - 1);
@@ -332,7 +333,7 @@ _PARTIALS = r"""
           for (int r = 0; r < R; ++r) s[r] = fmaf(qx[d * R + r], kv, s[r]);
         }
       } else {
-        const QT* krow = wk + ((size_t)bh * (WB ? wk_shape[2] : n_window) + (t - n_sink)) * D;
+        const QT* krow = wk + ((size_t)bh * n_window + (t - n_sink)) * D;
         #pragma unroll 16  // loads in flight: the exact block is one per head, little else hides latency
         for (int d = 0; d < D; ++d) {
           const float kv = vq_f32(krow[d]);
@@ -401,7 +402,7 @@ _PARTIALS = r"""
           #pragma unroll
           for (int c = 0; c < CPL; ++c) v[c] = vrow[c];
         } else {
-          const QT* vrow = wv + ((size_t)bh * (WB ? wk_shape[2] : n_window) + (tj - n_sink)) * DV + ch0;
+          const QT* vrow = wv + ((size_t)bh * n_window + (tj - n_sink)) * DV + ch0;
           #pragma unroll
           for (int c = 0; c < CPL; ++c) v[c] = vq_f32(vrow[c]);
         }
