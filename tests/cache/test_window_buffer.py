@@ -77,7 +77,7 @@ def test_the_buffers_hold_the_window_with_under_a_block_of_slack(monkeypatch):
     slack = buf_k.nbytes + buf_v.nbytes - cache.window_keys.nbytes - cache.window_values.nbytes
     assert slack > 0 and cache.nbytes == ref.nbytes + slack
     # the kernels get the buffers and the filled rows as a view's length
-    keys, values, rows = fused_decode.window_inputs(cache, mx.float16)
+    keys, values, rows = fused_decode.window_inputs(cache, mx.float16, cache.window_buffers())
     assert keys is buf_k and values is buf_v and rows.shape == (n,)
 
 
@@ -86,7 +86,7 @@ def test_a_window_assigned_elsewhere_makes_the_buffers_stale(monkeypatch):
     assert cache.window_buffers() is not None
     cache.trim(3)
     assert cache.window_buffers() is None  # the trim's window is not the buffers' view
-    keys, values, rows = fused_decode.window_inputs(cache, mx.float16)
+    keys, values, rows = fused_decode.window_inputs(cache, mx.float16, cache.window_buffers())
     assert keys is cache.window_keys and rows.shape == (cache.window_keys.shape[2],)
     before = cache.window_keys
     k, v = _tokens(1, 999)

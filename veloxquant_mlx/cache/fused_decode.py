@@ -1099,17 +1099,11 @@ def window_rows(n: int) -> mx.array:
     return view
 
 
-def window_buffers_of(cache):
-    """cache.window_buffers() where the cache has it (every CompressedKVCache), else None."""
-    buffers = getattr(cache, "window_buffers", None)
-    return buffers() if buffers is not None else None
-
-
-def window_inputs(cache, dtype) -> tuple:
-    """(keys, values, rows) for a decode kernel's wk, wv, wn: the cache's window buffers when it
-    keeps them in place (window_buffer.py: rows beyond the filled ones are slack, so the kernel
-    reads the buffers as they are, without the copy a sliced view would cost), else its window."""
-    held = window_buffers_of(cache)
+def window_inputs(cache, dtype, held) -> tuple:
+    """(keys, values, rows) for a decode kernel's wk, wv, wn: `held` = cache.window_buffers(),
+    the window's buffers when the cache keeps them in place (window_buffer.py: rows beyond the
+    filled ones are slack, so the kernel reads the buffers as they are, without the copy a
+    sliced view would cost), else None: the cache's window."""
     keys, values, n = held if held is not None else (cache.window_keys, cache.window_values, cache.window_keys.shape[2])
     # astype makes a new array (a graph node) even to the same dtype: skipped when it is.
     keys = keys if keys.dtype == dtype else keys.astype(dtype)
@@ -1129,8 +1123,9 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
     machine's CPU (kivi 29 -> 18 us per layer-step with the kernels stubbed). `kernel()` gives
     the PartialsKernel, looked up at each step (not kept in the plan): a factory emptied or a
     constant set between two steps (the CUDA emulation, bench --set) takes effect."""
-    # Whether the window comes as in-place buffers (window_buffer.py): the template's WB.
-    buffered = window_buffers_of(cache) is not None
+    # The window as in-place buffers (window_buffer.py) or None: the template's WB, the inputs.
+    held = cache.window_buffers()
+    buffered = held is not None
     key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale, buffered, key)
     plan = cache.__dict__.get("_fused_plan")
     if plan is None or plan[0] != key:
@@ -1141,7 +1136,7 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
             inputs, shape, slots = built
             inputs = [None if i in (0, *slots) else a for i, a in enumerate(inputs)]
             if buffered:
-                shape = {**shape, "template": [(k, int(buffered) if k == "WB" else v) for k, v in shape["template"]]}
+                shape = {**shape, "template": [(k, 1 if k == "WB" else v) for k, v in shape["template"]]}
             built = (inputs, shape, slots)
         plan = (key, built)
         cache.__dict__["_fused_plan"] = plan
@@ -1150,7 +1145,7 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
     inputs, shape, (keys_slot, values_slot, rows_slot) = plan[1]
     inputs = list(inputs)
     inputs[0] = queries
-    inputs[keys_slot], inputs[values_slot], inputs[rows_slot] = window_inputs(cache, queries.dtype)
+    inputs[keys_slot], inputs[values_slot], inputs[rows_slot] = window_inputs(cache, queries.dtype, held)
     state = cache.__dict__.setdefault("_fused_launch", FusedLaunchState())
     return kernel().attend(queries, inputs=inputs, state=state, **shape)
 
