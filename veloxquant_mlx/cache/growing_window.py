@@ -86,13 +86,8 @@ class GrowingWindowMixin:
         buf_k, buf_v = self.__dict__.get("_window_k"), self.__dict__.get("_window_v")
         if buf_k is None or n + L > buf_k.shape[2] or buf_k.dtype != keys.dtype:
             capacity = -(-(n + L) // self.window_step) * self.window_step
-            B, H = keys.shape[:2]
-            new_k = mx.zeros((B, H, capacity - n, keys.shape[3]), keys.dtype)
-            new_v = mx.zeros((B, H, capacity - n, values.shape[3]), values.dtype)
-            if n:
-                new_k = mx.concatenate([buf_k[:, :, :n].astype(keys.dtype), new_k], axis=2)
-                new_v = mx.concatenate([buf_v[:, :, :n].astype(values.dtype), new_v], axis=2)
-            buf_k, buf_v = new_k, new_v
+            buf_k, buf_v = window_buffer.buffers_holding(
+                keys, values, capacity, (buf_k[:, :, :n], buf_v[:, :, :n]) if n else None)
         buf_k[:, :, n : n + L] = keys
         buf_v[:, :, n : n + L] = values
         self.__dict__.update(_window_k=buf_k, _window_v=buf_v, _window_nk=n + L, _window_nv=n + L)

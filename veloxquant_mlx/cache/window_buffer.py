@@ -38,8 +38,8 @@ def append_token(cache, keys: mx.array, values: mx.array) -> None:
     held = current(cache)
     n = cache.window_keys.shape[2]
     if held is None or n + 1 > held[0].shape[2] or held[0].dtype != keys.dtype or held[1].dtype != values.dtype:
-        buf_k, buf_v = _built(cache.window_keys, cache.window_values, keys.dtype, values.dtype,
-                              max(n + 1, cache.residual_length + cache.block_size))
+        buf_k, buf_v = buffers_holding(keys, values, max(n + 1, cache.residual_length + cache.block_size),
+                                       (cache.window_keys, cache.window_values))
     else:
         buf_k, buf_v = held[0], held[1]
     # MLX writes a slice in place only into a buffer nothing else holds (else it copies the
@@ -54,13 +54,17 @@ def append_token(cache, keys: mx.array, values: mx.array) -> None:
     cache.__dict__["_window_buffers"] = (buf_k, buf_v, view_k, view_v)
 
 
-def _built(window_keys, window_values, key_dtype, value_dtype, capacity: int):
-    """New buffers of `capacity` rows per head holding the window's rows first."""
-    B, H, n, D = window_keys.shape
-    buf_k = mx.zeros((B, H, capacity, D), dtype=key_dtype)
-    buf_v = mx.zeros((B, H, capacity, window_values.shape[3]), dtype=value_dtype)
-    buf_k[:, :, :n] = window_keys.astype(key_dtype)
-    buf_v[:, :, :n] = window_values.astype(value_dtype)
+def buffers_holding(keys: mx.array, values: mx.array, capacity: int, rows=None):
+    """New keys / values buffers of `capacity` rows per head, shaped (batch, heads, dims) and
+    typed as `keys` / `values` (a step's tokens), holding `rows` = (keys, values) first when
+    given (growing_window.py's growth too)."""
+    B, H, _, D = keys.shape
+    buf_k = mx.zeros((B, H, capacity, D), dtype=keys.dtype)
+    buf_v = mx.zeros((B, H, capacity, values.shape[3]), dtype=values.dtype)
+    if rows is not None:
+        n = rows[0].shape[2]
+        buf_k[:, :, :n] = rows[0].astype(keys.dtype)
+        buf_v[:, :, :n] = rows[1].astype(values.dtype)
     return buf_k, buf_v
 
 
