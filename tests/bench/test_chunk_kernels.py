@@ -119,3 +119,11 @@ def test_steps_refuses_zero_steps(capsys):
     with pytest.raises(SystemExit):
         chunk_kernels.parse_args(["steps", "--methods", "kivi", "--steps", "0"])
     assert "--steps 0 / --repeats 2: allowed is at least 1 of each" in capsys.readouterr().err
+
+
+def test_steps_refuses_an_unknown_method_before_timing_any(monkeypatch, capsys):
+    timed = []
+    monkeypatch.setattr(chunk_kernels, "step_times", lambda *a, **k: timed.append(a) or [[1e-3]])
+    with pytest.raises(Exception, match="nosuch"):
+        chunk_kernels.main(["steps", "--methods", "fp16,nosuch", "--context", "128", "--chunk", "64"])
+    assert timed == []

@@ -38,6 +38,7 @@ import argparse
 import csv
 import ctypes
 import re
+import statistics
 import sys
 import time
 
@@ -143,19 +144,15 @@ def filled_layer(spec, k, v, q, tokens: int, chunk: int):
     return cache
 
 
-def step_times(method: str, context: int, chunk: int, steps: int, repeats: int) -> list[list[float]]:
-    """Seconds of each of `steps` decode steps after the whole context, each evaluated and
-    synchronized alone (host work, launches and device time together), for `repeats` fresh
-    caches (the first also pays the compiles). Why beside the profile: Nsight Compute times
-    kernels alone, not what a step costs end to end; this shows whether a step's cost holds
-    from step to step (session 20: the first step also encodes the prefill's last window)."""
+def step_times(spec, k, v, q, context: int, chunk: int, steps: int, repeats: int) -> list[list[float]]:
+    """Seconds of each of `steps` decode steps of `spec`'s layer after the first `context`
+    tokens of k / v / q, each evaluated and synchronized alone (host work, launches and device
+    time together), for `repeats` fresh caches (the first also pays the compiles). Why beside
+    the profile: Nsight Compute times kernels alone, not what a step costs end to end; this
+    shows whether a step's cost holds from step to step (session 20: the first step also
+    encodes the prefill's last window)."""
     import mlx.core as mx
 
-    from veloxquant_mlx.bench.kernel_probe import prefill_inputs
-    from veloxquant_mlx.bench.layer_specs import parse_layer_spec
-
-    k, v, q = prefill_inputs(context + steps)
-    spec = parse_layer_spec(method)
     out = []
     for _ in range(repeats):
         cache = filled_layer(spec, k, v, q, context, chunk)
@@ -214,14 +211,8 @@ def summarize(kernels: list[tuple[str, float]], top: int) -> dict:
     ranked = sorted(durations.items(), key=lambda kv: -sum(kv[1]))
     return {"kernels": len(kernels), "total_us": sum(ns for _, ns in kernels) / 1e3,
             "by_kernel": [{"kernel": k, "launches": len(ns), "us": sum(ns) / 1e3,
-                           "median_us": _median(ns) / 1e3, "max_us": max(ns) / 1e3}
+                           "median_us": statistics.median(ns) / 1e3, "max_us": max(ns) / 1e3}
                           for k, ns in ranked[:top]]}
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def main(argv=None) -> int:
@@ -237,8 +228,14 @@ def main(argv=None) -> int:
 
     result = {**report.header(), "command": " ".join(["python -m", MODULE, *sys.argv[1:]]), "methods": {}}
     if args.command == "steps":
-        for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
-            runs = step_times(method, args.context, args.chunk, args.steps, args.repeats)
+        from veloxquant_mlx.bench.kernel_probe import prefill_inputs
+        from veloxquant_mlx.bench.layer_specs import parse_layer_spec
+
+        # Every spec checked and the inputs made once, before any method is timed.
+        specs = {m.strip(): parse_layer_spec(m.strip()) for m in args.methods.split(",") if m.strip()}
+        k, v, q = prefill_inputs(args.context + args.steps)
+        for method, spec in specs.items():
+            runs = step_times(spec, k, v, q, args.context, args.chunk, args.steps, args.repeats)
             result["methods"][method] = {"step_us": [[round(s * 1e6, 1) for s in run] for run in runs]}
             for i, run in enumerate(result["methods"][method]["step_us"]):
                 print(f"{method} {i} step us: " + " ".join(f"{x:.0f}" for x in run), flush=True)
