@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-from veloxquant_mlx.bench.ablations import ABLATIONS
+from veloxquant_mlx.bench.ablations import ABLATIONS, in_place_window, in_place_windows
 from veloxquant_mlx.bench.methods import CacheSpec, _parse_params, parse_spec
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -37,8 +37,8 @@ class LayerSpec:
 
             return QuantizedKVCache(group_size=self.params["group_size"], bits=self.params["bits"])
         if self.kind == "ablation":
-            cls = ABLATIONS[self.ablation][0]
-            return cls(self._config(), layer_index, n_layers)
+            build = ABLATIONS[self.ablation][0]
+            return build(self._config(), layer_index, n_layers)
         from veloxquant_mlx.cache.factory import KVCacheFactory
 
         return KVCacheFactory.create(self._config(), layer_index, n_layers)
@@ -50,6 +50,11 @@ class LayerSpec:
         if self.kind != "ablation":
             with CacheSpec(self.name, self.kind, self.label, self.params).open(model) as make_cache:
                 yield make_cache
+            return
+        if ABLATIONS[self.ablation][0] is in_place_window:
+            # The patch's own lists (a cross-layer method's layers share a coordinator), marked.
+            with CacheSpec(self.name, "ours", self.label, self.params).open(model) as make_cache:
+                yield lambda: in_place_windows(make_cache())
             return
         from veloxquant_mlx.integration import patch_model_kv_cache, unpatch_model_kv_cache
 

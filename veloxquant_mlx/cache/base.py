@@ -128,6 +128,10 @@ class CompressedKVCache(_BaseCache):
     # one on, see _store_written): a decode kernel's launch plan, kept between steps, is valid
     # while this has not moved.
     store_writes = 0
+    # Per instance, the in-place decode window whatever DECODE_WINDOW_IN_PLACE says: set by
+    # the `<method>-inplace` bench ablations, so one interleaved run times both forms side by
+    # side (bench/ablations.py).
+    decode_window_in_place = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -201,7 +205,7 @@ class CompressedKVCache(_BaseCache):
         self._flush()
         if self.window_keys is None:
             self.window_keys, self.window_values = keys, values
-        elif DECODE_WINDOW_IN_PLACE and keys.shape[2] == 1:
+        elif (DECODE_WINDOW_IN_PLACE or self.decode_window_in_place) and keys.shape[2] == 1:
             window_buffer.append_token(self, keys, values)
         else:
             self.window_keys = mx.concatenate([self.window_keys, keys], axis=2)

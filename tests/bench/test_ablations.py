@@ -1,0 +1,61 @@
+"""bench/ablations.py's `<method>-inplace` specs: the method's caches with the decode window
+written in place (cache/window_buffer.py) while base.DECODE_WINDOW_IN_PLACE stays off, so one
+interleaved run times both forms."""
+
+import mlx.core as mx
+import pytest
+
+from veloxquant_mlx.bench.ablations import WINDOW_METHODS, in_place_windows
+from veloxquant_mlx.bench.layer_specs import parse_layer_spec
+from veloxquant_mlx.bench.tiny import random_llama
+from veloxquant_mlx.cache import base, window_buffer
+
+
+@pytest.fixture(scope="module")
+def model():
+    # 4 layers: minicache pairs layers 2 and 3 (its first half are plain layers)
+    return random_llama(hidden=128, layers=4, heads=2, kv_heads=1, head_dim=64, intermediate=256, vocab=256)
+
+
+def _greedy(model, spec, steps=40):
+    """A 300-token prompt and `steps` greedy tokens through the spec's cache list: the logits
+    of every step, and the list."""
+    mx.random.seed(5)
+    prompt = mx.random.randint(0, 256, (1, 300))
+    with spec.open(model) as make_cache:
+        cache = make_cache()
+        logits = model(prompt, cache=cache)[:, -1]
+        out = [logits]
+        for _ in range(steps):
+            logits = model(mx.argmax(logits, axis=-1)[:, None], cache=cache)[:, -1]
+            out.append(logits)
+    mx.eval(out)
+    return out, cache
+
+
+@pytest.mark.parametrize("method", WINDOW_METHODS)
+def test_inplace_spec_writes_in_place_and_gives_the_plain_specs_logits(method, model, monkeypatch):
+    assert base.DECODE_WINDOW_IN_PLACE == 0
+    want, _ = _greedy(model, parse_layer_spec(method))
+    calls = []
+    append = window_buffer.append_token
+    monkeypatch.setattr(window_buffer, "append_token", lambda *a: calls.append(1) or append(*a))
+    got, cache = _greedy(model, parse_layer_spec(f"{method}-inplace"))
+    assert all(getattr(c, "decode_window_in_place", False) for c in cache)
+    # every decode step of every layer that had a window to append to wrote in place
+    assert len(calls) > 0
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert mx.array_equal(a, b).item(), (method, i)
+
+
+def test_inplace_spec_takes_the_methods_fields():
+    spec = parse_layer_spec("kivi-inplace:kivi_residual_length=32")
+    assert spec.kind == "ablation" and spec.params["kivi_residual_length"] == 32
+    assert spec.make(0, 1).decode_window_in_place
+
+
+def test_a_list_without_our_caches_is_refused():
+    from mlx_lm.models.cache import KVCache
+
+    with pytest.raises(TypeError, match="KVCache"):
+        in_place_windows([KVCache()])
