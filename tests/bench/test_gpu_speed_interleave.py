@@ -97,3 +97,21 @@ def test_the_budget_stops_rounds_and_is_recorded(tiny_model):
         assert len(case["runs"]) == 2  # both prefill repeats; the last one's cache was decoded
         assert [r["round"] for r in case["interleaved"]["rounds"]] == [0, 1]
         assert case["interleaved"]["skipped"] == "budget: test (rounds 3-5 of 5 not run)"
+
+
+def test_an_ablation_spec_is_timed_beside_its_method_and_recomputes(tmp_path, monkeypatch):
+    # bench/ablations.py's kivi-inplace: kivi's caches, the decode window written in place.
+    from veloxquant_mlx.cache import window_buffer
+
+    calls = []
+    append = window_buffer.append_token
+    monkeypatch.setattr(window_buffer, "append_token", lambda *a: calls.append(1) or append(*a))
+    result = _interleaved(tmp_path, "fp16,kivi:kivi_residual_length=16,kivi-inplace:kivi_residual_length=16")
+    cases = {c["spec"]: c for c in result["cases"]}
+    inplace = cases["kivi-inplace:kivi_residual_length=16"]
+    assert inplace["kind"] == "ablation" and "error" not in inplace and len(inplace["interleaved"]["rounds"]) == 4
+    assert inplace["ratio_vs"]["fp16"]["decode_tps_paired"] > 0
+    assert calls  # its decode steps wrote in place
+    # the saved file re-derives with the ablation's spec parsed again
+    path = tmp_path / "g.json"
+    assert gpu_speed.recompute(str(path))["cases"][1]["spec"] == "kivi:kivi_residual_length=16"

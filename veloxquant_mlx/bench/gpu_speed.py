@@ -149,17 +149,16 @@ def run(args) -> dict:
 
     from veloxquant_mlx.bench import gpu_speed_interleave, report
     from veloxquant_mlx.bench.memory import fp16_bytes_for
-    from veloxquant_mlx.bench.methods import parse_specs, with_reference
+    from veloxquant_mlx.bench.layer_specs import parse_layer_specs
+    from veloxquant_mlx.bench.methods import with_reference
     from veloxquant_mlx.bench.speed import _error_text, measure_case, random_prompt
     from veloxquant_mlx.bench.tiny import parameter_bytes, random_llama
 
     t0 = time.perf_counter()
-    from veloxquant_mlx.cli.bench import resolve_methods
-
     constants_set = constants.apply_settings(args.set)
 
-    names = resolve_methods(args.methods, default=default_methods())
-    specs = with_reference(parse_specs(names))
+    # Layer specs: our methods, mlx-lm's caches and the code ablations (bench/ablations.py).
+    specs = with_reference(parse_layer_specs(args.methods, default_methods()))
     shape = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                  head_dim=args.head_dim, intermediate=args.intermediate, vocab=args.vocab)
     result = {
@@ -321,11 +320,12 @@ def recompute(path: str) -> dict:
     import json
 
     from veloxquant_mlx.bench import report
-    from veloxquant_mlx.bench.methods import parse_specs, with_reference
+    from veloxquant_mlx.bench.layer_specs import parse_layer_spec
+    from veloxquant_mlx.bench.methods import refuse_repeats, with_reference
 
     with open(path) as f:
         result = json.load(f)
-    specs = with_reference(parse_specs([s["name"] for s in result["specs"]]))
+    specs = with_reference(refuse_repeats([parse_layer_spec(s["name"]) for s in result["specs"]]))
     summarize_cases(result["cases"], specs, bool(result.get("settings", {}).get("context_warmup")))
     result["targets"] = check_targets(result["cases"])
     result["recomputed_by"] = f"python -m veloxquant_mlx.bench.gpu_speed --recompute {path}"

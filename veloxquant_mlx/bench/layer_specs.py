@@ -9,7 +9,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 from veloxquant_mlx.bench.ablations import ABLATIONS, in_place_window, in_place_windows
-from veloxquant_mlx.bench.methods import CacheSpec, _parse_params, parse_spec
+from veloxquant_mlx.bench.methods import CacheSpec, _parse_params, parse_spec, refuse_repeats
 from veloxquant_mlx.errors import QuantizerConfigError
 
 
@@ -95,7 +95,7 @@ def parse_layer_specs(text: str, default: list[str]) -> list[LayerSpec]:
     """Specs from a --methods text (comma list; 'default' expands to `default`)."""
     from veloxquant_mlx.cli.bench import resolve_methods
 
-    specs = [parse_layer_spec(n) for n in resolve_methods(text, default=default)]
+    specs = refuse_repeats([parse_layer_spec(n) for n in resolve_methods(text, default=default)])
     if not specs:
         raise QuantizerConfigError(f"--methods {text!r} names no cache spec")
     return specs

@@ -117,7 +117,11 @@ def parse_spec(name: str) -> CacheSpec:
 
 
 def parse_specs(names) -> list[CacheSpec]:
-    specs = [parse_spec(n) for n in names]
+    return refuse_repeats([parse_spec(n) for n in names])
+
+
+def refuse_repeats(specs: list) -> list:
+    """`specs` as they are, unless a name comes twice (its runs would overwrite each other)."""
     seen = set()
     for spec in specs:
         if spec.name in seen:
