@@ -95,9 +95,11 @@ GROW_WITH_WRITE = 1
 # A decode step (one token) writes its K/V into the window's buffers in place, and the decode
 # kernels read the buffers as they are (cache/window_buffer.py): 2 launches per layer and step
 # instead of the concatenation's 4 (Nsight on the H200, results/ncu_decode_h200_s20_boost.json:
-# ~2.9 us each). 0 (the default): the concatenation, as before session 20. Off until an H200 run
-# measures it (bench --set base.DECODE_WINDOW_IN_PLACE=1): session 20 wrote it with no device
-# time left; the CPU tests check it, the emulated kernels over its buffers included.
+# ~2.9 us each). 0 (the default): the concatenation, as before session 20. Off because the H200
+# run of session 21 found it no faster (results/gpu_speed_h200_s21_32k_inplace.json: per round,
+# the plain interval over the in-place one 0.984-1.000 by method, the steps waiting on the host,
+# where the buffers' bookkeeping costs what the two launches save); kept for a GPU-bound
+# machine's A/B (the `<method>-inplace` bench ablations set it per cache).
 DECODE_WINDOW_IN_PLACE = 0
 
 # The growth's slack past the written blocks (capacity is whole 256-token tiles; a cache keeping
