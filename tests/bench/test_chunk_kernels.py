@@ -127,3 +127,23 @@ def test_steps_refuses_an_unknown_method_before_timing_any(monkeypatch, capsys):
     with pytest.raises(Exception, match="nosuch"):
         chunk_kernels.main(["steps", "--methods", "fp16,nosuch", "--context", "128", "--chunk", "64"])
     assert timed == []
+
+
+def test_steps_sets_a_constant_and_records_it(tmp_path, monkeypatch):
+    from veloxquant_mlx.cache import fused_decode
+
+    monkeypatch.setattr(fused_decode, "CODES_BY_MANTISSA", fused_decode.CODES_BY_MANTISSA)  # restored after
+    seen = []
+    monkeypatch.setattr(chunk_kernels, "step_times", lambda *a, **k: seen.append(fused_decode.CODES_BY_MANTISSA) or [[1e-3]])
+    out = tmp_path / "steps.json"
+    assert chunk_kernels.main(["steps", "--methods", "kivi", "--context", "128", "--chunk", "64",
+                               "--set", "fused_decode.CODES_BY_MANTISSA=0", "--out", str(out)]) == 0
+    assert seen == [0]
+    assert json.loads(out.read_text())["constants_set"] == {
+        "veloxquant_mlx.cache.fused_decode.CODES_BY_MANTISSA": {"default": 1, "set": 0}}
+
+
+def test_profile_refuses_a_setting_that_is_no_constant(capsys):
+    with pytest.raises(SystemExit):
+        chunk_kernels.parse_args(["profile", "--method", "kivi", "--set", "fused_decode.NO_SUCH=1"])
+    assert "has no integer or boolean constant NO_SUCH" in capsys.readouterr().err

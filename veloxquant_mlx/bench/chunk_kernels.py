@@ -42,6 +42,8 @@ import statistics
 import sys
 import time
 
+from veloxquant_mlx.bench import constants
+
 MODULE = "veloxquant_mlx.bench.chunk_kernels"
 
 
@@ -62,6 +64,8 @@ def parse_args(argv=None):
     steps.add_argument("--steps", type=int, default=12, help="decode steps timed per cache (default 12)")
     steps.add_argument("--repeats", type=int, default=2, help="fresh caches per method (default 2)")
     steps.add_argument("--out", help="JSON file for the step times (optional)")
+    for parser in (prof, steps):
+        parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
     summ = sub.add_parser("summarize", help="ncu CSVs -> JSON")
     summ.add_argument("--csv", action="append", required=True, metavar="METHOD=FILE")
     summ.add_argument("--out", required=True)
@@ -74,6 +78,11 @@ def parse_args(argv=None):
         p.error(f"--decode-steps {args.decode_steps}: allowed is 0 (the last chunk) or more steps")
     if args.command == "steps" and (args.steps < 1 or args.repeats < 1):
         p.error(f"--steps {args.steps} / --repeats {args.repeats}: allowed is at least 1 of each")
+    if args.command in ("profile", "steps"):
+        try:
+            args.set = [constants.parse_setting(x) for x in args.set]
+        except ValueError as exc:
+            p.error(f"--set: {exc}")
     return args
 
 
@@ -217,6 +226,7 @@ def summarize(kernels: list[tuple[str, float]], top: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    settings = constants.apply_settings(args.set) if args.command in ("profile", "steps") else {}
     if args.command == "profile":
         got = profile(args.method, args.context, args.chunk, args.timed, args.decode_steps)
         times = sorted(got["timed_chunk_s"])
@@ -226,7 +236,8 @@ def main(argv=None) -> int:
         return 0
     from veloxquant_mlx.bench import report
 
-    result = {**report.header(), "command": " ".join(["python -m", MODULE, *sys.argv[1:]]), "methods": {}}
+    result = {**report.header(), "command": " ".join(["python -m", MODULE, *sys.argv[1:]]),
+              "constants_set": settings, "methods": {}}
     if args.command == "steps":
         from veloxquant_mlx.bench.kernel_probe import prefill_inputs
         from veloxquant_mlx.bench.layer_specs import parse_layer_spec
