@@ -132,15 +132,15 @@ def test_steps_refuses_an_unknown_method_before_timing_any(monkeypatch, capsys):
 def test_steps_sets_a_constant_and_records_it(tmp_path, monkeypatch):
     from veloxquant_mlx.cache import fused_decode
 
-    monkeypatch.setattr(fused_decode, "CODES_BY_MANTISSA", fused_decode.CODES_BY_MANTISSA)  # restored after
+    monkeypatch.setattr(fused_decode, "MAX_LANE_ACCUMULATORS", fused_decode.MAX_LANE_ACCUMULATORS)  # restored after
     seen = []
-    monkeypatch.setattr(chunk_kernels, "step_times", lambda *a, **k: seen.append(fused_decode.CODES_BY_MANTISSA) or [[1e-3]])
+    monkeypatch.setattr(chunk_kernels, "step_times", lambda *a, **k: seen.append(fused_decode.MAX_LANE_ACCUMULATORS) or [[1e-3]])
     out = tmp_path / "steps.json"
     assert chunk_kernels.main(["steps", "--methods", "kivi", "--context", "128", "--chunk", "64",
-                               "--set", "fused_decode.CODES_BY_MANTISSA=0", "--out", str(out)]) == 0
-    assert seen == [0]
+                               "--set", "fused_decode.MAX_LANE_ACCUMULATORS=64", "--out", str(out)]) == 0
+    assert seen == [64]
     assert json.loads(out.read_text())["constants_set"] == {
-        "veloxquant_mlx.cache.fused_decode.CODES_BY_MANTISSA": {"default": 1, "set": 0}}
+        "veloxquant_mlx.cache.fused_decode.MAX_LANE_ACCUMULATORS": {"default": 32, "set": 64}}
 
 
 def test_profile_refuses_a_setting_that_is_no_constant(capsys):

@@ -215,27 +215,6 @@ def test_the_split_build_and_the_merge_kernel_are_the_same_attention(monkeypatch
     assert np.allclose(split, expected, atol=2e-5, rtol=2e-5) and np.allclose(split, fused, atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("case", [0, 2], ids=lambda i: CASES[i][0])
-def test_codes_by_the_conversion_unit_give_the_mantissa_tricks_output(monkeypatch, case):
-    # CODES_BY_MANTISSA (template U2F, the default) and the I2F conversion (0, the A/B setting)
-    # are the same exact integer-to-float: the same output bit for bit.
-    name, make, dtype, D, B, rep, n, warps = CASES[case]
-    cache = make()
-    q_heads = _filled(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
-    outputs, templates = [], []
-    real = cuda_emulation.EmulatedKernel.__call__
-    monkeypatch.setattr(cuda_emulation.EmulatedKernel, "__call__",
-                        lambda self, **k: templates.append(dict(k["template"])) or real(self, **k))
-    for mantissa in (1, 0):
-        monkeypatch.setattr(fused_decode, "CODES_BY_MANTISSA", mantissa)
-        cache.__dict__.pop("_fused_plan", None)  # the launch plan keeps the template it was built with
-        templates.clear()
-        got, made = _emulated_step(cache, q_heads, D**-0.5)
-        assert [k.calls for k in made if k.calls] == _launches() and templates[0]["U2F"] == mantissa
-        outputs.append(np.array(got.astype(mx.float32)))
-    assert np.array_equal(outputs[0], outputs[1])
-
-
 class _Recorded:
     """An emulated kernel that keeps the inputs of each launch."""
 

@@ -168,14 +168,6 @@ __device__ __forceinline__ float vq_u2f(unsigned small) {
   return __uint_as_float(small | 0x4B000000u) - 8388608.f;
 }
 
-// A code (< 2^23) as a float: by vq_u2f (two full-rate ops) where U2F is set, else by the
-// conversion unit (I2F, a quarter-rate pipe on Hopper: 16 per clock and SM against 64 for
-// integer and 128 for float ops). The same value either way (both exact).
-template <int U2F>
-__device__ __forceinline__ float vq_code_float(unsigned code) {
-  return U2F ? vq_u2f(code) : (float)code;
-}
-
 // The merge of one (batch*kv-head)'s block partials into its R output rows (flash-decoding's
 // second pass), done inside the partials kernel by the block that finishes last: every block,
 // its partial written, fences it and counts itself in (counts[bh], zero at launch); the block
@@ -462,7 +454,7 @@ _PARTIALS_TEMPLATE = r"""
           for (int r = 0; r < R; ++r) qd[r] = qs[d * R + r];
           #pragma unroll
           for (int i = 0; i < TPL; ++i) {
-            const float kv = fmaf(sc, vq_code_float<U2F>((w >> (i * KB)) & ((1u << KB) - 1u)), zp);
+            const float kv = fmaf(sc, (float)((w >> (i * KB)) & ((1u << KB) - 1u)), zp);
             #pragma unroll
             for (int r = 0; r < R; ++r) s[i][r] = fmaf(qd[r], kv, s[i][r]);
           }
@@ -580,7 +572,7 @@ _PARTIALS_TEMPLATE = r"""
             #pragma unroll
             for (int c = 0; c < CPL; ++c) {
               const unsigned code = (words[k][(c * VB) >> 5] >> (((c * VB) & 31) + sub)) & ((1u << VB) - 1u);
-              const float v = fmaf(sc[k], vq_code_float<U2F>(code), zp[k]);
+              const float v = fmaf(sc[k], (float)code, zp[k]);
               #pragma unroll
               for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pj[r], v, acc[r][c]);
             }
@@ -898,11 +890,6 @@ def tokens_per_block(n_valid: int, n_heads: int, tile: int = TILE, max_tiles: in
 # 32K tokens on the H200 (bench.kernel_probe, results/kernel_probe_decode_h200_s4.json; 32 lanes
 # of 4 channels: 0.090).
 MAX_LANE_ACCUMULATORS = 32
-# The kernel turns codes into floats by vq_u2f's mantissa trick (template U2F) rather than the
-# conversion unit: one I2F per key element and per value element read, 67 M per layer at 32K
-# tokens over 8 KV heads of 128 channels, ~16 us of the conversion pipe at its 16 per clock and
-# SM on the H200. 0 restores the conversion, for an A/B (--set fused_decode.CODES_BY_MANTISSA=0).
-CODES_BY_MANTISSA = 1
 MAX_LANES_PER_TOKEN = 16
 
 
@@ -1246,7 +1233,7 @@ def affine_launch(
               meta, window_rows(window_keys.shape[2]), *extra_inputs]
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                 ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits, R)), ("QT", dtype),
-                ("ST", side), *stage, ("WB", 0), ("U2F", int(CODES_BY_MANTISSA)), *extra_template]
+                ("ST", side), *stage, ("WB", 0), *extra_template]
     kernel = _kernels()[0] if kernel is None else kernel
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
 
