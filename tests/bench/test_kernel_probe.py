@@ -23,7 +23,9 @@ def test_variants_cut_one_half_of_the_shipped_kernel():
     assert "#pragma unroll\n        for (int b0 = 0; b0 < VST / TPR" in kernel_probe.variant_source("unrolled")
     assert "vq_u2f(code)" in kernel_probe.variant_source("u2f") and "vq_u2f(code)" not in full
     assert "0x3F800000u" in kernel_probe.variant_source("unit")
-    with pytest.raises(ValueError, match="allowed are full, unrolled, u2f, unit, or of noscore, novalue"):
+    assert "const int last = window ? 0 : min(first + per_block, n_valid);" in kernel_probe.variant_source("nowindow")
+    assert "n_window) : first;" in kernel_probe.variant_source("windowonly")
+    with pytest.raises(ValueError, match="allowed are full, unrolled, nowindow, windowonly, u2f, unit, or of noscore, novalue"):
         kernel_probe.variant_source("half")
 
 
@@ -54,13 +56,24 @@ def test_the_probes_launch_runs_every_variant_and_the_full_one_is_the_attention(
         # float32 queries: the CPU's portable path in bf16 rounds its scores (see
         # tests/cache/test_fused_decode_emulated.py); the kernels accumulate in float32.
         expected = cache.attention(q.astype(mx.float32), scale=kernel_probe.D**-0.5)
-        for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled", "u2f", "unit"):
+        split = {}
+        for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled", "u2f", "unit", "nowindow", "windowonly"):
             parts = kernel_probe._partials_call(kernel_probe.variant_kernel(mode), cache, q, 4096)()
             mx.eval(parts)
-            assert parts[0].shape[:3] == (8, parts[1].shape[1], 4) and mx.isfinite(parts[1]).all().item()
+            assert parts[0].shape[:3] == (8, parts[1].shape[1], 4)
+            # Blocks with no tokens (the exact one, or the history's) leave a max of -inf.
+            kept = {"nowindow": parts[1][:, :-1], "windowonly": parts[1][:, -1:]}.get(mode, parts[1])
+            assert mx.isfinite(kept).all().item()
+            if mode in ("nowindow", "windowonly"):
+                assert not mx.isfinite(parts[1]).all().item()
+                split[mode] = parts
             if mode in ("full", "unrolled", "u2f", "unit"):  # the same attention, other code
                 got = fused_decode.merge_partials(*parts, q).astype(mx.float32)
                 assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
+        # The history blocks of one and the exact block of the other are the whole attention.
+        joined = [mx.concatenate([h[:, :-1], w[:, -1:]], axis=1) for h, w in zip(split["nowindow"], split["windowonly"])]
+        got = fused_decode.merge_partials(*joined, q).astype(mx.float32)
+        assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
         # The shipped launch the probe times as fused_full: the merge fused in, the attention out.
         fused = kernel_probe._partials_call(None, cache, q, 4096, merged=True)
         for _ in range(2):  # two launch states of the probe's pool in turn, each left ready

@@ -13,7 +13,9 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   kivi's whole `cache.attention`, the shipped launch with the merge fused in (`fused_full`), and
   cache/fused_decode.py's partials kernel alone as shipped ("full"), with the value half removed
   ("noscore" keeps values and the softmax, "novalue" keeps the scores, "noscore+novalue" only
-  what they share), with its value loop unrolled whole as before session 9 ("unrolled"; the
+  what they share), without the exact block's tokens ("nowindow") or with only them
+  ("windowonly": which part ends the launch), with its value loop unrolled whole as before
+  session 9 ("unrolled"; the
   variants "u2f" and "unit", codes turned into floats without the conversion instruction, are
   built by `variant_source` but not timed by default: session 9 found them no faster), with other warp
   targets (`TARGET_WARPS`) and with other value accumulators per lane (`MAX_LANE_ACCUMULATORS`
@@ -64,6 +66,9 @@ _CUTS = {
     "novalue": ("    } else {\n      // The tile's values staged", "    __syncwarp();\n  }\n\n  // Lanes holding"),
 }
 
+# The partials kernel's line that ends each block's tokens (the exact block's: sink + window).
+_LAST = "const int last = window ? n_sink + (WB ? wn_shape[0] : n_window) : min(first + per_block, n_valid);"
+
 # Text substitutions of fused_decode._PARTIALS for the variants that change how codes become
 # floats: "u2f" by the 2^23 mantissa trick (vq_u2f: a logic op and a subtraction) instead of an
 # int-to-float conversion; "unit" as 1 + code / 2^bits (the code or-ed into the mantissa of 1.0,
@@ -74,6 +79,12 @@ _SUBS = {
         ("#pragma unroll 1\n        for (int b0 = 0; b0 < VST / TPR; b0 += BATCH) {",
          "#pragma unroll\n        for (int b0 = 0; b0 < VST / TPR; b0 += BATCH) {"),
     ),
+    # The exact block (sink and window: one block per head, its rows read from global memory one
+    # token per lane) or the history blocks left with no tokens: which of the two ends the
+    # launch. Why: Nsight (results/ncu_full_s21_kivi_decode.csv, 32K) has the SMs active 73 K of
+    # the launch's 125 K cycles on average, a tail that a few long blocks would make.
+    "nowindow": ((_LAST, _LAST.replace("window ? n_sink + (WB ? wn_shape[0] : n_window) :", "window ? 0 :")),),
+    "windowonly": ((_LAST, _LAST.replace("min(first + per_block, n_valid);", "first;")),),
     "u2f": (
         ("(float)((w >> (i * KB)) & ((1u << KB) - 1u))", "vq_u2f((w >> (i * KB)) & ((1u << KB) - 1u))"),
         ("fmaf(sc[k], (float)code, zp[k])", "fmaf(sc[k], vq_u2f(code), zp[k])"),
@@ -313,7 +324,7 @@ def probe_decode(n: int) -> dict:
         # the shipped launch: partials with the merge fused in (vs partials_full: the split build)
         "fused_full_ms": timed(_partials_call(None, cache, q, fd.TARGET_WARPS, merged=True)),
     }
-    for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled"):
+    for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled", "nowindow", "windowonly"):
         kernel = variant_kernel(mode)
         targets = (fd.TARGET_WARPS, 1024, 16384) if mode == "full" else (fd.TARGET_WARPS,)
         for warps in targets:
