@@ -14,7 +14,8 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   cache/fused_decode.py's partials kernel alone as shipped ("full"), with the value half removed
   ("noscore" keeps values and the softmax, "novalue" keeps the scores, "noscore+novalue" only
   what they share), without the exact block's tokens ("nowindow") or with only them
-  ("windowonly": which part ends the launch), with its value loop unrolled whole as before
+  ("windowonly": which part ends the launch), with the exact block's rows read 16 bytes a load
+  ("wvec": one element a load as shipped), with its value loop unrolled whole as before
   session 9 ("unrolled"; the
   variants "u2f" and "unit", codes turned into floats without the conversion instruction, are
   built by `variant_source` but not timed by default: session 9 found them no faster), with other warp
@@ -85,6 +86,38 @@ _SUBS = {
     # the launch's 125 K cycles on average, a tail that a few long blocks would make.
     "nowindow": ((_LAST, _LAST.replace("window ? n_sink + (WB ? wn_shape[0] : n_window) :", "window ? 0 :")),),
     "windowonly": ((_LAST, _LAST.replace("min(first + per_block, n_valid);", "first;")),),
+    # The exact block's rows read 16 bytes a load instead of one element (the shipped kernel
+    # loads a bf16 window row as 128 scalar loads per token, each warp load touching 32 rows):
+    # fewer load instructions where the tail may lie. The probe's shape only (D and a lane's
+    # value channels whole vectors: static_assert).
+    "wvec": (
+        ("""        #pragma unroll 16
+        for (int d = 0; d < D; ++d) {
+          const float kv = vq_f32(krow[d]);
+          #pragma unroll
+          for (int r = 0; r < R; ++r) s[i][r] = fmaf(qs[d * R + r], kv, s[i][r]);
+        }""", """        constexpr int EV = 16 / (int)sizeof(QT);  // elements per 16-byte load
+        static_assert(D % EV == 0, "wvec: whole vectors per key row");
+        #pragma unroll 4
+        for (int d0 = 0; d0 < D; d0 += EV) {
+          const uint4 raw = __ldg(reinterpret_cast<const uint4*>(krow + d0));
+          const QT* e = reinterpret_cast<const QT*>(&raw);
+          #pragma unroll
+          for (int j = 0; j < EV; ++j) {
+            const float kv = vq_f32(e[j]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) s[i][r] = fmaf(qs[(d0 + j) * R + r], kv, s[i][r]);
+          }
+        }"""),
+        ("""          for (int c = 0; c < CPL; ++c) v[k][c] = vq_f32(vrow[ch0 + c]);""",
+         """          for (int c0 = 0; c0 < CPL; c0 += 16 / (int)sizeof(QT)) {
+            static_assert(CPL % (16 / (int)sizeof(QT)) == 0, "wvec: whole vectors per lane");
+            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(vrow + ch0 + c0));
+            const QT* e = reinterpret_cast<const QT*>(&raw);
+            #pragma unroll
+            for (int j = 0; j < 16 / (int)sizeof(QT); ++j) v[k][c0 + j] = vq_f32(e[j]);
+          }"""),
+    ),
     "u2f": (
         ("(float)((w >> (i * KB)) & ((1u << KB) - 1u))", "vq_u2f((w >> (i * KB)) & ((1u << KB) - 1u))"),
         ("fmaf(sc[k], (float)code, zp[k])", "fmaf(sc[k], vq_u2f(code), zp[k])"),
@@ -324,7 +357,7 @@ def probe_decode(n: int) -> dict:
         # the shipped launch: partials with the merge fused in (vs partials_full: the split build)
         "fused_full_ms": timed(_partials_call(None, cache, q, fd.TARGET_WARPS, merged=True)),
     }
-    for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled", "nowindow", "windowonly"):
+    for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled", "nowindow", "windowonly", "wvec"):
         kernel = variant_kernel(mode)
         targets = (fd.TARGET_WARPS, 1024, 16384) if mode == "full" else (fd.TARGET_WARPS,)
         for warps in targets:
