@@ -25,10 +25,7 @@ def test_variants_cut_one_half_of_the_shipped_kernel():
     assert "0x3F800000u" in kernel_probe.variant_source("unit")
     assert "const int last = window ? 0 : min(first + per_block, n_valid);" in kernel_probe.variant_source("nowindow")
     assert "n_window) : first;" in kernel_probe.variant_source("windowonly")
-    wvec = kernel_probe.variant_source("wvec")
-    assert "const float kv = vq_f32(krow[d]);" in full and "const float kv = vq_f32(krow[d]);" not in wvec
-    assert wvec.count("__ldg(reinterpret_cast<const uint4*>") == 2
-    with pytest.raises(ValueError, match="allowed are full, unrolled, nowindow, windowonly, wvec, u2f, unit, or of noscore, novalue"):
+    with pytest.raises(ValueError, match="allowed are full, unrolled, nowindow, windowonly, u2f, unit, or of noscore, novalue"):
         kernel_probe.variant_source("half")
 
 
@@ -60,7 +57,7 @@ def test_the_probes_launch_runs_every_variant_and_the_full_one_is_the_attention(
         # tests/cache/test_fused_decode_emulated.py); the kernels accumulate in float32.
         expected = cache.attention(q.astype(mx.float32), scale=kernel_probe.D**-0.5)
         split = {}
-        for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled", "u2f", "unit", "nowindow", "windowonly", "wvec"):
+        for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled", "u2f", "unit", "nowindow", "windowonly"):
             parts = kernel_probe._partials_call(kernel_probe.variant_kernel(mode), cache, q, 4096)()
             mx.eval(parts)
             assert parts[0].shape[:3] == (8, parts[1].shape[1], 4)
@@ -70,13 +67,17 @@ def test_the_probes_launch_runs_every_variant_and_the_full_one_is_the_attention(
             if mode in ("nowindow", "windowonly"):
                 assert not mx.isfinite(parts[1]).all().item()
                 split[mode] = parts
-            if mode in ("full", "unrolled", "u2f", "unit", "wvec"):  # the same attention, other code
+            if mode in ("full", "unrolled", "u2f", "unit"):  # the same attention, other code
                 got = fused_decode.merge_partials(*parts, q).astype(mx.float32)
                 assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
         # The history blocks of one and the exact block of the other are the whole attention.
         joined = [mx.concatenate([h[:, :-1], w[:, -1:]], axis=1) for h, w in zip(split["nowindow"], split["windowonly"])]
         got = fused_decode.merge_partials(*joined, q).astype(mx.float32)
         assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
+        # The shipped kernel with the exact block's rows 16 bytes a load (partials_full_row_vectors).
+        got = fused_decode.merge_partials(*kernel_probe._partials_call(None, cache, q, 4096, row_vectors=1)(), q)
+        assert mx.allclose(got.astype(mx.float32), expected, atol=1e-2, rtol=1e-2).item()
+        assert fused_decode.WINDOW_ROW_VECTORS == 0  # restored after the call
         # The shipped launch the probe times as fused_full: the merge fused in, the attention out.
         fused = kernel_probe._partials_call(None, cache, q, 4096, merged=True)
         for _ in range(2):  # two launch states of the probe's pool in turn, each left ready

@@ -15,7 +15,8 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   ("noscore" keeps values and the softmax, "novalue" keeps the scores, "noscore+novalue" only
   what they share), without the exact block's tokens ("nowindow") or with only them
   ("windowonly": which part ends the launch), with the exact block's rows read 16 bytes a load
-  ("wvec": one element a load as shipped), with its value loop unrolled whole as before
+  (`fused_decode.WINDOW_ROW_VECTORS`, off as shipped: "full_row_vectors", and the fused launch
+  "fused_full_row_vectors"), with its value loop unrolled whole as before
   session 9 ("unrolled"; the
   variants "u2f" and "unit", codes turned into floats without the conversion instruction, are
   built by `variant_source` but not timed by default: session 9 found them no faster), with other warp
@@ -86,38 +87,6 @@ _SUBS = {
     # the launch's 125 K cycles on average, a tail that a few long blocks would make.
     "nowindow": ((_LAST, _LAST.replace("window ? n_sink + (WB ? wn_shape[0] : n_window) :", "window ? 0 :")),),
     "windowonly": ((_LAST, _LAST.replace("min(first + per_block, n_valid);", "first;")),),
-    # The exact block's rows read 16 bytes a load instead of one element (the shipped kernel
-    # loads a bf16 window row as 128 scalar loads per token, each warp load touching 32 rows):
-    # fewer load instructions where the tail may lie. The probe's shape only (D and a lane's
-    # value channels whole vectors: static_assert).
-    "wvec": (
-        ("""        #pragma unroll 16
-        for (int d = 0; d < D; ++d) {
-          const float kv = vq_f32(krow[d]);
-          #pragma unroll
-          for (int r = 0; r < R; ++r) s[i][r] = fmaf(qs[d * R + r], kv, s[i][r]);
-        }""", """        constexpr int EV = 16 / (int)sizeof(QT);  // elements per 16-byte load
-        static_assert(D % EV == 0, "wvec: whole vectors per key row");
-        #pragma unroll 4
-        for (int d0 = 0; d0 < D; d0 += EV) {
-          const uint4 raw = __ldg(reinterpret_cast<const uint4*>(krow + d0));
-          const QT* e = reinterpret_cast<const QT*>(&raw);
-          #pragma unroll
-          for (int j = 0; j < EV; ++j) {
-            const float kv = vq_f32(e[j]);
-            #pragma unroll
-            for (int r = 0; r < R; ++r) s[i][r] = fmaf(qs[(d0 + j) * R + r], kv, s[i][r]);
-          }
-        }"""),
-        ("""          for (int c = 0; c < CPL; ++c) v[k][c] = vq_f32(vrow[ch0 + c]);""",
-         """          for (int c0 = 0; c0 < CPL; c0 += 16 / (int)sizeof(QT)) {
-            static_assert(CPL % (16 / (int)sizeof(QT)) == 0, "wvec: whole vectors per lane");
-            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(vrow + ch0 + c0));
-            const QT* e = reinterpret_cast<const QT*>(&raw);
-            #pragma unroll
-            for (int j = 0; j < 16 / (int)sizeof(QT); ++j) v[k][c0 + j] = vq_f32(e[j]);
-          }"""),
-    ),
     "u2f": (
         ("(float)((w >> (i * KB)) & ((1u << KB) - 1u))", "vq_u2f((w >> (i * KB)) & ((1u << KB) - 1u))"),
         ("fmaf(sc[k], (float)code, zp[k])", "fmaf(sc[k], vq_u2f(code), zp[k])"),
@@ -278,11 +247,11 @@ def _filled_kivi(n: int):
 
 
 def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int | None = None,
-                   merged: bool = False):
+                   merged: bool = False, row_vectors: int | None = None):
     """The partials kernel `kernel` alone -> (part_o, part_m, part_l), launched as the shipped
     decode step launches it (fused_decode.affine_partials) with TARGET_WARPS set to
     `target_warps` (and MAX_LANE_ACCUMULATORS to `lane_accumulators` if given: more lanes per
-    value token, fewer registers); the sink is attended from its placeholder codes (skip 0,
+    value token, fewer registers; WINDOW_ROW_VECTORS to `row_vectors` if given); the sink is attended from its placeholder codes (skip 0,
     window alone). `merged` (kernel None): the shipped build with the merge fused in -> the
     attention output; successive calls take the launch states of a pool in turn (one per call
     of a per_call_ms batch, CALLS_PER_BATCH), so the calls of a batch share no counters (they stay
@@ -298,10 +267,12 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
     turn = [0]
 
     def call():
-        saved = fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN
+        saved = fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN, fd.WINDOW_ROW_VECTORS
         fd.TARGET_WARPS = target_warps
         if lane_accumulators is not None:
             fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN = lane_accumulators, 32
+        if row_vectors is not None:
+            fd.WINDOW_ROW_VECTORS = row_vectors
         try:
             return fd.affine_partials(
                 q, D**-0.5, *arrays, cache.window_keys, cache.window_values,
@@ -310,7 +281,7 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
                 state=states[turn[0] % len(states)])
         finally:
             turn[0] += 1
-            fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN = saved
+            fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN, fd.WINDOW_ROW_VECTORS = saved
 
     return call
 
@@ -357,11 +328,14 @@ def probe_decode(n: int) -> dict:
         # the shipped launch: partials with the merge fused in (vs partials_full: the split build)
         "fused_full_ms": timed(_partials_call(None, cache, q, fd.TARGET_WARPS, merged=True)),
     }
-    for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled", "nowindow", "windowonly", "wvec"):
+    for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled", "nowindow", "windowonly"):
         kernel = variant_kernel(mode)
         targets = (fd.TARGET_WARPS, 1024, 16384) if mode == "full" else (fd.TARGET_WARPS,)
         for warps in targets:
             out[f"partials_{mode}_warps{warps}_ms"] = timed(_partials_call(kernel, cache, q, warps))
+    # The exact block's rows 16 bytes a load (WINDOW_ROW_VECTORS), split build and fused launch.
+    out["partials_full_row_vectors_ms"] = timed(_partials_call(None, cache, q, fd.TARGET_WARPS, row_vectors=1))
+    out["fused_full_row_vectors_ms"] = timed(_partials_call(None, cache, q, fd.TARGET_WARPS, merged=True, row_vectors=1))
     for lanes_acc in (64, 16):  # the former default (16 channels per lane at 4 rows), and fewer
         out[f"partials_full_lane_accumulators{lanes_acc}_ms"] = timed(
             _partials_call(None, cache, q, fd.TARGET_WARPS, lanes_acc))

@@ -152,6 +152,20 @@ struct vq_stage {
   }
 };
 
+// N elements of a row as floats, 16 bytes a load (`row` 16-byte aligned, N * sizeof(T) a
+// multiple of 16; N below one vector loads nothing: the callers' WRV path excludes it).
+template <int N, typename T>
+__device__ __forceinline__ void vq_row_vectors(const T* row, float* out) {
+  constexpr int EV = 16 / (int)sizeof(T);
+  #pragma unroll
+  for (int v = 0; v < N / EV; ++v) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row) + v);
+    const T* e = reinterpret_cast<const T*>(&raw);
+    #pragma unroll
+    for (int j = 0; j < EV; ++j) out[v * EV + j] = vq_f32(e[j]);
+  }
+}
+
 __device__ __forceinline__ float vq_warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
@@ -377,6 +391,11 @@ _PARTIALS_TEMPLATE = r"""
   const QT* sv_bh = sv + (size_t)bh * n_sink * DV;
   const QT* wk_exact = wk_bh - (size_t)n_sink * D;
   const QT* wv_exact = wv_bh - (size_t)n_sink * DV;
+  // WRV (WINDOW_ROW_VECTORS): the exact block reads its rows 16 bytes a load where every row it
+  // reads starts 16-byte aligned (rows are whole vectors, WRV's condition; the bases checked
+  // here, the sink's only where it has rows: its dummy may sit in MLX's 8-byte pool).
+  const bool rows_aligned = WRV && ((reinterpret_cast<size_t>(wk) | reinterpret_cast<size_t>(wv)
+      | (n_sink ? reinterpret_cast<size_t>(sk) | reinterpret_cast<size_t>(sv) : 0)) & 15) == 0;
   float* p_tile = ps[warp];
   //@declare
 
@@ -404,7 +423,33 @@ _PARTIALS_TEMPLATE = r"""
       for (int r = 0; r < R; ++r) s[i][r] = 0.f;
     }
     //@score_init
-    if (window) {
+    if (window && rows_aligned) {
+      // 16 bytes a load (WRV): the lane's TPL token rows advance together, one vector of each
+      // in flight per step (a lane's 4 x D / EV loads wait D / EV times).
+      constexpr int EV = 16 / (int)sizeof(QT);  // elements per 16-byte load
+      const QT* krow[TPL];
+      #pragma unroll
+      for (int i = 0; i < TPL; ++i) {
+        const int t = min(t0 + i, last - 1);
+        krow[i] = R == 4 ? (t < n_sink ? sk_bh : wk_exact) + (size_t)t * D
+                  : t < n_sink ? sk_bh + (size_t)t * D : wk_bh + (size_t)(t - n_sink) * D;
+      }
+      #pragma unroll 1
+      for (int d0 = 0; d0 < D; d0 += EV) {
+        uint4 raw[TPL];
+        #pragma unroll
+        for (int i = 0; i < TPL; ++i) raw[i] = __ldg(reinterpret_cast<const uint4*>(krow[i] + d0));
+        #pragma unroll
+        for (int j = 0; j < EV; ++j) {
+          #pragma unroll
+          for (int i = 0; i < TPL; ++i) {
+            const float kv = vq_f32(reinterpret_cast<const QT*>(&raw[i])[j]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) s[i][r] = fmaf(qs[(d0 + j) * R + r], kv, s[i][r]);
+          }
+        }
+      }
+    } else if (window) {
       // The window block is one per head and little else runs beside it at short contexts:
       // unrolled, so a lane's loads along its token rows are in flight together.
       #pragma unroll
@@ -509,8 +554,12 @@ _PARTIALS_TEMPLATE = r"""
           const int tj = min(base + (b0 + k) * TPR + tl, last - 1);
           const QT* vrow = R == 4 ? (tj < n_sink ? sv_bh : wv_exact) + (size_t)tj * DV
                      : tj < n_sink ? sv_bh + (size_t)tj * DV : wv_bh + (size_t)(tj - n_sink) * DV;
-          #pragma unroll
-          for (int c = 0; c < CPL; ++c) v[k][c] = vq_f32(vrow[ch0 + c]);
+          if (rows_aligned) {
+            vq_row_vectors<CPL>(vrow + ch0, v[k]);
+          } else {
+            #pragma unroll
+            for (int c = 0; c < CPL; ++c) v[k][c] = vq_f32(vrow[ch0 + c]);
+          }
         }
         #pragma unroll
         for (int k = 0; k < WBATCH; ++k) {
@@ -892,6 +941,22 @@ def tokens_per_block(n_valid: int, n_heads: int, tile: int = TILE, max_tiles: in
 MAX_LANE_ACCUMULATORS = 32
 MAX_LANES_PER_TOKEN = 16
 
+# The exact block (sink and window, one block per head) reads its rows 16 bytes a load instead
+# of one element a load (template WRV). Why: Nsight on the H200 (results/ncu_full_s21_kivi_
+# decode.csv, kivi at 32K) finds the launch's SMs active 73 K of 125 K cycles on average, the
+# busiest 38% above the average as if one of its blocks cost ~2.4 history blocks: the exact
+# block's lanes each read a token row as D two-byte loads, a warp load touching 32 rows. Off
+# (0) until an H200 run measures it (kernel_probe / chunk_kernels --set
+# fused_decode.WINDOW_ROW_VECTORS=1); the CPU emulation and nvcc check it meanwhile.
+WINDOW_ROW_VECTORS = 0
+
+
+def window_row_vectors(head_dim: int, lane_channels: int, dtype) -> int:
+    """WRV for a launch: 1 where WINDOW_ROW_VECTORS is set and a key row and a lane's value
+    channels are whole 16-byte vectors of the queries' dtype, else 0."""
+    size = dtype.size
+    return int(bool(WINDOW_ROW_VECTORS) and head_dim * size % 16 == 0 and lane_channels * size % 16 == 0)
+
 
 def history_blocks(tokens: int, n_heads: int, label: str, split=None) -> tuple[int, int, int]:
     """(tokens per block, history blocks, all blocks) of a partials launch over `tokens` history
@@ -1231,9 +1296,11 @@ def affine_launch(
     inputs = [queries, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
               window_keys.astype(dtype), window_values.astype(dtype), sink_keys, sink_values,
               meta, window_rows(window_keys.shape[2]), *extra_inputs]
+    lanes = lanes_per_token(DV, value_bits, R)
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
-                ("VB", value_bits), ("LPT", lanes_per_token(DV, value_bits, R)), ("QT", dtype),
-                ("ST", side), *stage, ("WB", 0), *extra_template]
+                ("VB", value_bits), ("LPT", lanes), ("QT", dtype),
+                ("ST", side), *stage, ("WB", 0), ("WRV", window_row_vectors(D, DV // lanes, dtype)),
+                *extra_template]
     kernel = _kernels()[0] if kernel is None else kernel
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
 
