@@ -16,9 +16,8 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   what they share), without the exact block's tokens ("nowindow") or with only them
   ("windowonly": which part ends the launch), with the exact block's rows read 16 bytes a load
   (`fused_decode.WINDOW_ROW_VECTORS`, off as shipped: "full_row_vectors", and the fused launch
-  "fused_full_row_vectors"), with its value loop unrolled whole as before
-  session 9 ("unrolled"; the
-  variants "u2f" and "unit", codes turned into floats without the conversion instruction, are
+  "fused_full_row_vectors"), with its value loop unrolled whole as before session 9 ("unrolled";
+  the variants "u2f" and "unit", codes turned into floats without the conversion instruction, are
   built by `variant_source` but not timed by default: session 9 found them no faster), with other warp
   targets (`TARGET_WARPS`) and with other value accumulators per lane (`MAX_LANE_ACCUMULATORS`
   64 / 16 beside the default 32: at 4 rows 8 / 16 lanes per value token; fewer accumulators,
@@ -251,8 +250,8 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
     """The partials kernel `kernel` alone -> (part_o, part_m, part_l), launched as the shipped
     decode step launches it (fused_decode.affine_partials) with TARGET_WARPS set to
     `target_warps` (and MAX_LANE_ACCUMULATORS to `lane_accumulators` if given: more lanes per
-    value token, fewer registers; WINDOW_ROW_VECTORS to `row_vectors` if given); the sink is attended from its placeholder codes (skip 0,
-    window alone). `merged` (kernel None): the shipped build with the merge fused in -> the
+    value token, fewer registers; WINDOW_ROW_VECTORS to `row_vectors` if given); the sink is
+    attended from its placeholder codes (skip 0, window alone). `merged` (kernel None): the shipped build with the merge fused in -> the
     attention output; successive calls take the launch states of a pool in turn (one per call
     of a per_call_ms batch, CALLS_PER_BATCH), so the calls of a batch share no counters (they stay
     as independent as the split build's) and none pays a new state's zero fills (at 128K its

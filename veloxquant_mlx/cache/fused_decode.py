@@ -396,6 +396,11 @@ _PARTIALS_TEMPLATE = r"""
   // here, the sink's only where it has rows: its dummy may sit in MLX's 8-byte pool).
   const bool rows_aligned = WRV && ((reinterpret_cast<size_t>(wk) | reinterpret_cast<size_t>(wv)
       | (n_sink ? reinterpret_cast<size_t>(sk) | reinterpret_cast<size_t>(sv) : 0)) & 15) == 0;
+  // The exact block's key row of token t (sink or window), as both of its key loops read it.
+  const auto exact_key_row = [&](int t) -> const QT* {
+    return R == 4 ? (t < n_sink ? sk_bh : wk_exact) + (size_t)t * D
+                  : t < n_sink ? sk_bh + (size_t)t * D : wk_bh + (size_t)(t - n_sink) * D;
+  };
   float* p_tile = ps[warp];
   //@declare
 
@@ -430,9 +435,7 @@ _PARTIALS_TEMPLATE = r"""
       const QT* krow[TPL];
       #pragma unroll
       for (int i = 0; i < TPL; ++i) {
-        const int t = min(t0 + i, last - 1);
-        krow[i] = R == 4 ? (t < n_sink ? sk_bh : wk_exact) + (size_t)t * D
-                  : t < n_sink ? sk_bh + (size_t)t * D : wk_bh + (size_t)(t - n_sink) * D;
+        krow[i] = exact_key_row(min(t0 + i, last - 1));
       }
       #pragma unroll 1
       for (int d0 = 0; d0 < D; d0 += EV) {
@@ -454,9 +457,7 @@ _PARTIALS_TEMPLATE = r"""
       // unrolled, so a lane's loads along its token rows are in flight together.
       #pragma unroll
       for (int i = 0; i < TPL; ++i) {
-        const int t = min(t0 + i, last - 1);
-        const QT* krow = R == 4 ? (t < n_sink ? sk_bh : wk_exact) + (size_t)t * D
-                         : t < n_sink ? sk_bh + (size_t)t * D : wk_bh + (size_t)(t - n_sink) * D;
+        const QT* krow = exact_key_row(min(t0 + i, last - 1));
         #pragma unroll 16
         for (int d = 0; d < D; ++d) {
           const float kv = vq_f32(krow[d]);
