@@ -95,14 +95,17 @@ def test_turboquant_rvqs_bounded_kernel_fits_five_blocks_per_sm(tmp_path):
     assert registers <= 65536 // (fused_decode_rotated.MIN_BLOCKS_PER_SM * 128) // 8 * 8, report
 
 
-@pytest.mark.parametrize("method", ["kivi", "gear"])
-def test_the_exact_blocks_row_vectors_compile_without_spills(tmp_path, monkeypatch, method):
-    # fused_decode.WINDOW_ROW_VECTORS (off as shipped) at the 8B shape: the WRV build compiles
-    # and does not spill (session 21: kivi 125 registers, gear 125 against 96 off).
+@pytest.mark.parametrize("method, dtype, rep, D", [
+    pytest.param(method, dtype, rep, D, id=f"{method}-{str(dtype).split('.')[-1]}-r{rep}-d{D}")
+    for method in ("kivi", "xquant", "gear") for dtype, rep, D in SHAPES])
+def test_the_exact_blocks_row_vectors_compile_without_spills(tmp_path, monkeypatch, method, dtype, rep, D):
+    # fused_decode.WINDOW_ROW_VECTORS (off as shipped) over the shapes above: the WRV build
+    # compiles and does not spill; -s prints its registers (session 21, at the 8B shape: kivi
+    # and xquant 125, gear 125 against 96 off).
     from veloxquant_mlx.cache import fused_decode
 
     monkeypatch.setattr(fused_decode, "WINDOW_ROW_VECTORS", 1)
-    captured = _captured(method, mx.bfloat16, 4, 128)
+    captured = _captured(method, dtype, rep, D)
     sources = {k.cuda_source(sig) for k, sig in captured if "partials" in k.name}
     assert sources and all("constexpr int WRV = 1;" in s for s in sources)
     for i, source in enumerate(sorted(sources)):
