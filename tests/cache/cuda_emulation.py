@@ -159,6 +159,7 @@ template <typename T> inline T __shfl_up_sync(unsigned, T x, unsigned d, int wid
 // CUDA's vector types the kernels load whole (vector_types.h; 16 / 8-byte aligned there too).
 struct __align__(16) uint4 { unsigned int x, y, z, w; };
 struct __align__(8) uint2 { unsigned int x, y; };
+inline uint2 make_uint2(unsigned int x, unsigned int y) { return uint2{x, y}; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 template <typename T> inline T __ldcg(const T* p) { return *p; }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
@@ -199,6 +200,46 @@ inline __nv_bfloat16 __float2bfloat16(float x) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{(uint16_t)((u >> 16) | 0x40u)};  // NaN stays NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return __nv_bfloat16{(uint16_t)(u >> 16)};
+}
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t xy = ((uint64_t)y << 32) | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned)((xy >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+  return r;
+}
+// The warp's mma.sync.m16n8k16 (fp16 A, B; float32 C) as PTX lays out its fragments (see
+// fused_decode's vq_mma_f16): every lane leaves its registers, the warp meets, each lane
+// computes its four C entries from the whole A and B (products of fp16 exact in float32,
+// summed in k order: the GPU's order and rounding of the sum may differ in the last bits).
+#define VQ_EMULATED_MMA 1
+std::vector<std::array<uint32_t, 32 * 6>> vq_mma_buf;
+inline float vq_half_bits_f32(uint32_t h) { __half x; x.x = (uint16_t)h; return (float)x; }
+inline void vq_mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const int w = vq_tid / 32, l = vq_tid % 32;
+  uint32_t* mine = vq_mma_buf[w].data() + 6 * l;
+  for (int i = 0; i < 4; ++i) mine[i] = a[i];
+  mine[4] = b0;
+  mine[5] = b1;
+  vq_warp_bar[w]->arrive_and_wait();
+  const uint32_t* all = vq_mma_buf[w].data();
+  // A[row][k]: lane 4 (row % 8) + (k % 8) / 2, register (row / 8) + 2 (k / 8), half k % 2.
+  const auto A = [all](int row, int k) {
+    return vq_half_bits_f32(all[6 * (4 * (row % 8) + (k % 8) / 2) + row / 8 + 2 * (k / 8)] >> (16 * (k % 2)));
+  };
+  // B[k][col]: lane 4 col + (k % 8) / 2, register 4 + k / 8, half k % 2.
+  const auto B = [all](int k, int col) {
+    return vq_half_bits_f32(all[6 * (4 * col + (k % 8) / 2) + 4 + k / 8] >> (16 * (k % 2)));
+  };
+  const int g = l / 4, t = l % 4;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    float sum = c[i];
+    for (int k = 0; k < 16; ++k) sum += A(row, k) * B(k, col);
+    out[i] = sum;
+  }
+  vq_warp_bar[w]->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) c[i] = out[i];
 }
 """
 
@@ -244,6 +285,7 @@ int main(int argc, char** argv) {
   vq_block_bar = &block;
   for (int w = 0; w * 32 < T; ++w) vq_warp_bar.push_back(std::make_unique<std::barrier<>>(std::min(32, T - 32 * w)));
   vq_xbuf.resize(vq_warp_bar.size());
+  vq_mma_buf.resize(vq_warp_bar.size());
   for (unsigned bz = 0; bz < gridDim.z; ++bz) for (unsigned by = 0; by < gridDim.y; ++by)
   for (unsigned bx = 0; bx < gridDim.x; ++bx) {
     blockIdx = {bx, by, bz};

@@ -84,13 +84,14 @@ def test_supported_shapes():
     assert fused_decode.supports(128, 128, 32, 2, 2, rows=16)
     assert not fused_decode.supports(128, 128, 32, 2, 2, rows=32)  # shared memory
     # 19 rows of (96 + 4 * 132 + 8) floats = 48,032 bytes (132: the tile's probability slots,
-    # TILE_SLOTS) leave each warp 256 bytes of stage: a stage of 8 value tokens with float32
-    # scales needs 512; 18 rows (45,504) leave 896, enough for 8 tokens and 12 key channels (the
+    # TILE_SLOTS), + 16 (MMA's B fragments, one word per warp while off) leave each warp 240
+    # bytes of stage: a stage of 8 value tokens with float32 scales needs 512; 18 rows (45,520)
+    # leave 880, enough for 8 tokens and 12 key channels (the
     # emulation reads the kernel's static shared memory: tests/cache/cuda_emulation.py)
     assert not fused_decode.supports(96, 128, 32, 2, 2, rows=19)
     assert fused_decode.supports(96, 128, 32, 2, 2, rows=18)
-    assert fused_decode.shared_bytes(96, 128, 19) == 48_032 and fused_decode.TILE_SLOTS == 132
-    assert fused_decode.stage_template(96, 128, 18, 32, 2, 2, 4) == (("STAGE_WORDS", 224), ("KSC", 12), ("VST", 8))
+    assert fused_decode.shared_bytes(96, 128, 19) == 48_048 and fused_decode.TILE_SLOTS == 132
+    assert fused_decode.stage_template(96, 128, 18, 32, 2, 2, 4) == (("STAGE_WORDS", 220), ("KSC", 12), ("VST", 8))
     # The 8B shape: a whole tile of 2-bit keys and of values per stage (6 KB per warp)
     assert fused_decode.stage_template(128, 128, 4, 32, 2, 2, 2) == (("STAGE_WORDS", 1536), ("KSC", 128), ("VST", 128))
     assert fused_decode.supports(64, 64, 32, 2, 2)  # 4 words per value token: 4 lanes
@@ -160,6 +161,35 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, make, dtype, D
     fused = fused.astype(mx.float32)
     tol = 2e-2 if dtype == mx.bfloat16 else 2e-3
     assert mx.allclose(fused, portable, atol=tol, rtol=tol).item(), mx.abs(fused - portable).max().item()
+
+
+@cuda_only
+@pytest.mark.parametrize("name, make, dtype, D, B, rep, warps", [
+    (*KERNEL_CASES[0], None), (*KERNEL_CASES[4], None), (*KERNEL_CASES[5], None), (*KERNEL_CASES[0], 1)],
+    ids=["kivi-2", "kivi-default-sink", "xquant-2", "kivi-2-many-tiles"])
+def test_tensor_core_scores_match_the_portable_step_and_the_fma_kernel(monkeypatch, name, make, dtype, D, B, rep, warps):
+    # fused_decode.MMA_SCORES (off as shipped) on the GPU's own mma.sync: the same attention as
+    # the portable path and as the FMA build, within the bf16 output's rounding.
+    if warps:
+        monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
+    shape = dict(B=B, rep=rep, D=D, Dv=D, dtype=dtype)
+    cache = _filled(make(), 5000 if warps else 1000, **shape)
+    q_heads = _decode_step(cache, **shape)
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
+    portable = cache.attention(q_heads, scale=D**-0.5).astype(mx.float32)
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
+    outputs, templates = {}, []
+    launch = fused_decode.PartialsKernel.attend
+    monkeypatch.setattr(fused_decode.PartialsKernel, "attend",
+                        lambda self, *a, **k: templates.append(dict(k["template"])) or launch(self, *a, **k))
+    for mma in (0, 1):
+        monkeypatch.setattr(fused_decode, "MMA_SCORES", mma)
+        cache.__dict__.pop("_fused_plan", None)  # the plan keeps the template it was built with
+        outputs[mma] = cache.attention(q_heads, scale=D**-0.5).astype(mx.float32)
+        assert templates[-1]["MMA"] == mma
+    for got in (outputs[1], portable):
+        assert mx.allclose(outputs[1], got, atol=2e-2, rtol=2e-2).item(), mx.abs(outputs[1] - got).max().item()
+    assert mx.allclose(outputs[0], outputs[1], atol=2e-2, rtol=2e-2).item()
 
 
 @cuda_only

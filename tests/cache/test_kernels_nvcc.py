@@ -110,3 +110,22 @@ def test_the_exact_blocks_row_vectors_compile_without_spills(tmp_path, monkeypat
     assert sources and all("constexpr int WRV = 1;" in s for s in sources)
     for i, source in enumerate(sorted(sources)):
         compiled_without_spills(source, tmp_path, i)
+
+
+@pytest.mark.parametrize("method, dtype, rep, D", [
+    pytest.param(method, dtype, rep, D, id=f"{method}-{str(dtype).split('.')[-1]}-r{rep}-d{D}")
+    for method in ("kivi", "xquant", "gear") for dtype, rep, D in SHAPES])
+def test_the_tensor_core_scores_compile_without_spills(tmp_path, monkeypatch, method, dtype, rep, D):
+    # fused_decode.MMA_SCORES (off as shipped) over the shapes above: where a shape takes it
+    # (16-bit queries, 2-bit keys, 1, 2 or 4 rows, whole-tile stages: the 8B shape; not 8 rows, whose stage
+    # does not fit beside the B fragments) the MMA build compiles with its mma.sync and does
+    # not spill; -s prints its registers.
+    from veloxquant_mlx.cache import fused_decode
+
+    monkeypatch.setattr(fused_decode, "MMA_SCORES", 1)
+    captured = _captured(method, dtype, rep, D)
+    sources = {k.cuda_source(sig) for k, sig in captured if "partials" in k.name}
+    expected = dtype != mx.float32 and rep in (1, 2, 4) and D % 16 == 0
+    assert sources and all(f"constexpr int MMA = {int(expected)};" in s for s in sources)
+    for i, source in enumerate(sorted(sources)):
+        compiled_without_spills(source, tmp_path, i)

@@ -16,7 +16,8 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   what they share), without the exact block's tokens ("nowindow") or with only them
   ("windowonly": which part ends the launch), with the exact block's rows read 16 bytes a load
   (`fused_decode.WINDOW_ROW_VECTORS`, off as shipped: "full_row_vectors", and the fused launch
-  "fused_full_row_vectors"), with its value loop unrolled whole as before session 9 ("unrolled";
+  "fused_full_row_vectors"), with the history's scores on tensor cores
+  (`fused_decode.MMA_SCORES`, off as shipped: "full_mma", "fused_full_mma"), with its value loop unrolled whole as before session 9 ("unrolled";
   the variants "u2f" and "unit", codes turned into floats without the conversion instruction, are
   built by `variant_source` but not timed by default: session 9 found them no faster), with other warp
   targets (`TARGET_WARPS`) and with other value accumulators per lane (`MAX_LANE_ACCUMULATORS`
@@ -246,11 +247,12 @@ def _filled_kivi(n: int):
 
 
 def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int | None = None,
-                   merged: bool = False, row_vectors: int | None = None):
+                   merged: bool = False, row_vectors: int | None = None, mma: int | None = None):
     """The partials kernel `kernel` alone -> (part_o, part_m, part_l), launched as the shipped
     decode step launches it (fused_decode.affine_partials) with TARGET_WARPS set to
     `target_warps` (and MAX_LANE_ACCUMULATORS to `lane_accumulators` if given: more lanes per
-    value token, fewer registers; WINDOW_ROW_VECTORS to `row_vectors` if given); the sink is
+    value token, fewer registers; WINDOW_ROW_VECTORS to `row_vectors` and MMA_SCORES to `mma`
+    if given); the sink is
     attended from its placeholder codes (skip 0, window alone). `merged` (kernel None): the shipped build with the merge fused in -> the
     attention output; successive calls take the launch states of a pool in turn (one per call
     of a per_call_ms batch, CALLS_PER_BATCH), so the calls of a batch share no counters (they stay
@@ -266,8 +268,11 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
     turn = [0]
 
     def call():
-        saved = fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN, fd.WINDOW_ROW_VECTORS
+        saved = (fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN, fd.WINDOW_ROW_VECTORS,
+                 fd.MMA_SCORES)
         fd.TARGET_WARPS = target_warps
+        if mma is not None:
+            fd.MMA_SCORES = mma
         if lane_accumulators is not None:
             fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN = lane_accumulators, 32
         if row_vectors is not None:
@@ -280,7 +285,8 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
                 state=states[turn[0] % len(states)])
         finally:
             turn[0] += 1
-            fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN, fd.WINDOW_ROW_VECTORS = saved
+            (fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN, fd.WINDOW_ROW_VECTORS,
+             fd.MMA_SCORES) = saved
 
     return call
 
@@ -335,6 +341,9 @@ def probe_decode(n: int) -> dict:
     # The exact block's rows 16 bytes a load (WINDOW_ROW_VECTORS), split build and fused launch.
     out["partials_full_row_vectors_ms"] = timed(_partials_call(None, cache, q, fd.TARGET_WARPS, row_vectors=1))
     out["fused_full_row_vectors_ms"] = timed(_partials_call(None, cache, q, fd.TARGET_WARPS, merged=True, row_vectors=1))
+    # The history's scores on tensor cores (MMA_SCORES), split build and fused launch.
+    out["partials_full_mma_ms"] = timed(_partials_call(None, cache, q, fd.TARGET_WARPS, mma=1))
+    out["fused_full_mma_ms"] = timed(_partials_call(None, cache, q, fd.TARGET_WARPS, merged=True, mma=1))
     for lanes_acc in (64, 16):  # the former default (16 channels per lane at 4 rows), and fewer
         out[f"partials_full_lane_accumulators{lanes_acc}_ms"] = timed(
             _partials_call(None, cache, q, fd.TARGET_WARPS, lanes_acc))

@@ -176,6 +176,38 @@ __device__ __forceinline__ float vq_warp_sum(float x) {
   return x;
 }
 
+// Tensor-core scores (template MMA, fused_decode.MMA_SCORES): one warp's
+// mma.sync.m16n8k16 (A 16 x 16 row-major and B 16 x 8 column-major in fp16, C float32 16 x 8,
+// C += A B). Fragments as PTX defines them, lane = 4 g + t: a[0] = A[g][2t, 2t + 1], a[1] =
+// A[g + 8][2t, 2t + 1], a[2] / a[3] the same at columns 2t + 8, 2t + 9 (the low half the first
+// column); b0 = B[2t, 2t + 1][g], b1 = B[2t + 8, 2t + 9][g]; c[0], c[1] = C[g][2t, 2t + 1],
+// c[2], c[3] = C[g + 8][2t, 2t + 1]. Defined for sm_80 and later; earlier GPUs never call it
+// (VQ_HAS_MMA 0 keeps MMA's branch dead) and the CPU emulation brings its own.
+#if defined(VQ_EMULATED_MMA) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+#define VQ_HAS_MMA 1
+#else
+#define VQ_HAS_MMA 0
+#endif
+#ifndef VQ_EMULATED_MMA
+__device__ __forceinline__ void vq_mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+#endif
+
+// Two floats rounded to fp16, packed as an mma fragment register (lo in the low half).
+__device__ __forceinline__ uint32_t vq_half2_bits(float lo, float hi) {
+  const __half a = __float2half(lo), b = __float2half(hi);
+  return (uint32_t)*reinterpret_cast<const unsigned short*>(&a)
+         | ((uint32_t)*reinterpret_cast<const unsigned short*>(&b) << 16);
+}
+
 // A small unsigned integer (< 2^23) as a float without the int-to-float conversion unit (a
 // slower path on Hopper): or it into the mantissa of 2^23 and subtract 2^23.
 __device__ __forceinline__ float vq_u2f(unsigned small) {
@@ -331,6 +363,12 @@ _PARTIALS_TEMPLATE = r"""
   static_assert(TILE % VST == 0 && VST * (4 * WV + 2 * GV * (int)sizeof(ST)) <= 4 * STAGE_WORDS
                 && VST * 4 * WV % 16 == 0 && VST * GV * (int)sizeof(ST) % 16 == 0, "value stage");
   constexpr int PS = (SLOTS > DMAX ? SLOTS : DMAX) * R;  // a warp's probabilities, later its partial
+  // MMA (fused_decode.MMA_SCORES): the history's scores on tensor cores, where the GPU has them.
+  constexpr bool USE_MMA = MMA && VQ_HAS_MMA;
+  // A warp's B fragments of one key group: the lanes of B's columns 0 .. R - 1 (lanes 4 R on hold
+  // columns past the query rows: zeros, never stored).
+  constexpr int MMA_WORDS = MMA ? D / 16 * 8 * R : 1;
+  static_assert(!MMA || (KB == 2 && KSC == D && D % 16 == 0 && G % 16 == 0 && R <= 8 && 32 % R == 0), "MMA");
   const float neg_inf = __int_as_float(0xff800000);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -366,6 +404,7 @@ _PARTIALS_TEMPLATE = r"""
   __shared__ float red_m[NW][R];
   __shared__ float red_l[NW][R];
   __shared__ __align__(16) uint32_t kstage[NW][STAGE_WORDS];
+  __shared__ __align__(16) uint32_t bfrag[NW][MMA_WORDS];
   for (int i = threadIdx.x; i < R * D; i += 32 * NW) {
     const int r = i / D, d = i % D;
     qs[d * R + r] = scale * vq_f32(q[(size_t)bh * R * D + i]);
@@ -465,6 +504,98 @@ _PARTIALS_TEMPLATE = r"""
           for (int r = 0; r < R; ++r) s[i][r] = fmaf(qs[d * R + r], kv, s[i][r]);
         }
       }
+    } else if (USE_MMA) {
+      // Tensor cores: per key group, scores[t][r] = sum_d A[t][d] B[d][r] + bias[r] with
+      // A = 1 + code / 4, exact in fp16 (the code's two bits put into the mantissa of 1.0),
+      // B = fp16(4 q[d][r] scale[d]): A B = sum_d B + sum_d (B / 4) code, whose first sum an
+      // mma of ones over the same B takes off, and bias[r] = sum_d q[d][r] zero[d] (float32).
+      // Why: the FMA loop below spends ~2 instructions per multiply-add of the scores
+      // (dequantizing, converting each code); here a warp's m16n8k16 does 16 tokens x 16
+      // channels x 8 rows, and a code costs ~1 bit operation. The whole tile is staged at once
+      // (KSC == D); the tile's scores go through p_tile into the lanes' s[i][r].
+      const ST* kss = reinterpret_cast<const ST*>(kstage[warp] + KSC * WR);
+      const ST* kzs = kss + KSC * NGK;
+      __syncwarp();  // the stage's and p_tile's last readers are done
+      {
+        vq_stage<KSC, KCODE_ROW> codes;
+        vq_stage<KSC, KSIDE_ROW> scales, zeros;
+        codes.load(kc_bh + (base * KB >> 5), (size_t)wk_words * 4, lane);
+        scales.load(ks_bh + base / G, (size_t)gk * sizeof(ST), lane);
+        zeros.load(kz_bh + base / G, (size_t)gk * sizeof(ST), lane);
+        codes.store(kstage[warp], lane);
+        scales.store(kstage[warp] + KSC * WR, lane);
+        zeros.store(reinterpret_cast<ST*>(kstage[warp] + KSC * WR) + KSC * NGK, lane);
+      }
+      __syncwarp();
+      const int g8 = lane >> 2, t4 = lane & 3;
+      // Token g8's two bits (at 2 g8 of the m-tile's word) to bits 8, 9; token g8 + 8's to 24, 25.
+      const int rot = (2 * g8 - 8) & 31;
+      uint32_t* bf = bfrag[warp];
+      float* sbuf = p_tile;  // the tile's scores [token][r] (p_tile is free until the softmax)
+      constexpr int MPG = G / 16 < TILE / 16 ? G / 16 : TILE / 16;  // m-tiles per group in a tile
+      const uint32_t ones[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};
+      #pragma unroll 1
+      for (int gi = 0; gi < NGK; ++gi) {
+        // The group's B (lane's pairs of channels of query row h = lane % R) and bias partial.
+        float bz = 0.f;
+        for (int i = lane; i < D / 2 * R; i += 32) {
+          const int h = i % R, c = i / R * 2, cc = c % 16;
+          const float q0 = qs[c * R + h], q1 = qs[(c + 1) * R + h];
+          bf[((c / 16) * 4 * R + h * 4 + (cc % 8) / 2) * 2 + cc / 8] = vq_half2_bits(
+              4.f * q0 * vq_f32(kss[c * NGK + gi]), 4.f * q1 * vq_f32(kss[(c + 1) * NGK + gi]));
+          bz = fmaf(q0, vq_f32(kzs[c * NGK + gi]), fmaf(q1, vq_f32(kzs[(c + 1) * NGK + gi]), bz));
+        }
+        #pragma unroll
+        for (int o = R; o < 32; o <<= 1) bz += __shfl_xor_sync(0xffffffffu, bz, o);
+        // The lane's C columns are rows 2 t4 and 2 t4 + 1 (those from R on are not used).
+        const float bz0 = __shfl_sync(0xffffffffu, bz, (2 * t4) % R);
+        const float bz1 = __shfl_sync(0xffffffffu, bz, (2 * t4 + 1) % R);
+        __syncwarp();  // the group's B fragments are written
+        // Lane's B fragment of k-tile kt (zeros past the query rows).
+        const auto b_frag = [&](int kt) {
+          return g8 < R ? *reinterpret_cast<const uint2*>(bf + (kt * 4 * R + lane) * 2) : make_uint2(0u, 0u);
+        };
+        float off[4] = {0.f, 0.f, 0.f, 0.f};
+        #pragma unroll
+        for (int kt = 0; kt < D / 16; ++kt) {
+          const uint2 b = b_frag(kt);
+          vq_mma_f16(off, ones, b.x, b.y);
+        }
+        #pragma unroll 1
+        for (int mt = gi * MPG; mt < (gi + 1) * MPG; ++mt) {
+          float c[4] = {bz0 - off[0], bz1 - off[1], bz0 - off[2], bz1 - off[3]};
+          #pragma unroll
+          for (int kt = 0; kt < D / 16; ++kt) {
+            // Channels kt * 16 + 2 t4 (+ 1, + 8, + 9): their words of the m-tile's 16 tokens.
+            const uint32_t* w = kstage[warp] + (kt * 16 + 2 * t4) * WR + mt;
+            const uint32_t x0 = __funnelshift_r(w[0], w[0], rot), x1 = __funnelshift_r(w[WR], w[WR], rot);
+            const uint32_t x2 = __funnelshift_r(w[8 * WR], w[8 * WR], rot);
+            const uint32_t x3 = __funnelshift_r(w[9 * WR], w[9 * WR], rot);
+            const uint32_t a[4] = {(__byte_perm(x0, x1, 0x5410) & 0x03000300u) | 0x3C003C00u,
+                                   (__byte_perm(x0, x1, 0x7632) & 0x03000300u) | 0x3C003C00u,
+                                   (__byte_perm(x2, x3, 0x5410) & 0x03000300u) | 0x3C003C00u,
+                                   (__byte_perm(x2, x3, 0x7632) & 0x03000300u) | 0x3C003C00u};
+            const uint2 b = b_frag(kt);
+            vq_mma_f16(c, a, b.x, b.y);
+          }
+          if (2 * t4 < R) {
+            const int tok = mt * 16 + g8;
+            sbuf[tok * R + 2 * t4] = c[0];
+            sbuf[(tok + 8) * R + 2 * t4] = c[2];
+            if (2 * t4 + 1 < R) {
+              sbuf[tok * R + 2 * t4 + 1] = c[1];
+              sbuf[(tok + 8) * R + 2 * t4 + 1] = c[3];
+            }
+          }
+        }
+        __syncwarp();  // the group's B fragments are read before the next group's are written
+      }
+      #pragma unroll
+      for (int i = 0; i < TPL; ++i) {
+        #pragma unroll
+        for (int r = 0; r < R; ++r) s[i][r] += sbuf[(lane * TPL + i) * R + r];
+      }
+      __syncwarp();  // read before the softmax writes the probabilities there
     } else {
       // Past-the-end lanes read the last valid slice (their scores are dropped below).
       const int tc = min(t0, (last - 1) / TPL * TPL) - base;  // in the tile
@@ -959,6 +1090,41 @@ def window_row_vectors(head_dim: int, lane_channels: int, dtype) -> int:
     return int(bool(WINDOW_ROW_VECTORS) and head_dim * size % 16 == 0 and lane_channels * size % 16 == 0)
 
 
+# The history's scores on tensor cores (template MMA: one mma.sync.m16n8k16 per 16 tokens x 16
+# channels x 8 query rows, the codes turned into fp16 by bit operations, the scales folded into
+# the queries in fp16). Why: Nsight on the H200 (results/ncu_full_s21_kivi_decode.csv) finds the
+# decode kernel issuing instructions 61% of its active cycles, ~11 K instructions per warp and
+# 128-token tile; the FMA loop spends ~2 instructions per multiply-add of the scores (a code's
+# extraction, conversion and dequantization, then one FMA per query row). Taken where
+# mma_scores() allows it (16-bit queries: the fp16 rounding of the scaled queries stays below
+# the queries' own; 2-bit keys; the whole tile's keys staged at once); elsewhere, and on GPUs
+# before sm_80, the FMA loop. Off (0) until an H200 run measures it (kernel_probe /
+# chunk_kernels --set fused_decode.MMA_SCORES=1); the CPU emulation checks it meanwhile.
+MMA_SCORES = 0
+
+
+def mma_shared_bytes(head_dim: int, rows: int) -> int:
+    """Static shared memory MMA adds: per warp one key group's B fragments (fp16 pairs of the
+    lanes holding B's columns 0 .. rows - 1: 8 words per row and 16 channels)."""
+    return WARPS_PER_BLOCK * head_dim // 16 * 8 * rows * 4
+
+
+def mma_plan(head_dim: int, value_dim: int, rows: int, group_size: int, key_bits: int,
+             value_bits: int, side_bytes: int, extra_shared: int, dtype):
+    """(MMA, stage template) of a launch: MMA 1 where MMA_SCORES is set, the queries are 16-bit,
+    the keys 2-bit, head_dim and the group multiples of 16, at most 8 query rows (the mma's
+    8 columns) dividing 32, and the whole tile's keys fit one stage beside the B fragments;
+    else 0 and the stage without them (None where no stage fits: supports() refuses)."""
+    if (MMA_SCORES and dtype in (mx.float16, mx.bfloat16) and key_bits == 2 and head_dim % 16 == 0
+            and group_size % 16 == 0 and rows <= 8 and 32 % rows == 0):
+        stage = stage_template(head_dim, value_dim, rows, group_size, key_bits, value_bits, side_bytes,
+                               extra_shared + mma_shared_bytes(head_dim, rows))
+        if stage is not None and dict(stage)["KSC"] == head_dim:
+            return 1, stage
+    return 0, stage_template(head_dim, value_dim, rows, group_size, key_bits, value_bits, side_bytes,
+                             extra_shared)
+
+
 def history_blocks(tokens: int, n_heads: int, label: str, split=None) -> tuple[int, int, int]:
     """(tokens per block, history blocks, all blocks) of a partials launch over `tokens` history
     tokens per head: `split`'s tokens per block (a kernel's own tokens_per_block; default this
@@ -1014,7 +1180,8 @@ def shared_bytes(head_dim: int, value_dim: int, rows: int) -> int:
     the queries, per warp a tile's probabilities in TILE_SLOTS slots of `rows` floats (later the
     warp's partial), and per warp and row its max and sum (red_m, red_l)."""
     widest = max(head_dim, value_dim, TILE_SLOTS)
-    return 4 * rows * (head_dim + WARPS_PER_BLOCK * widest + 2 * WARPS_PER_BLOCK)
+    # + bfrag's one word per warp where MMA is off (mma_shared_bytes where it is on)
+    return 4 * rows * (head_dim + WARPS_PER_BLOCK * widest + 2 * WARPS_PER_BLOCK) + 4 * WARPS_PER_BLOCK
 
 
 # Static shared memory a kernel may declare (CUDA's limit without opting in), and a margin for
@@ -1285,7 +1452,7 @@ def affine_launch(
         raise QuantizerConfigError(
             f"fused decode: the store's capacity {value_codes.shape[2]} is not a multiple of "
             f"the kernel's tile of {TILE} tokens")
-    stage = stage_template(D, DV, R, group_size, key_bits, value_bits, side.size, extra_shared)
+    mma, stage = mma_plan(D, DV, R, group_size, key_bits, value_bits, side.size, extra_shared, queries.dtype)
     if stage is None:
         raise QuantizerConfigError(
             f"fused decode: no stage of the history fits the shared memory at head_dim {D}, "
@@ -1301,7 +1468,7 @@ def affine_launch(
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                 ("VB", value_bits), ("LPT", lanes), ("QT", dtype),
                 ("ST", side), *stage, ("WB", 0), ("WRV", window_row_vectors(D, DV // lanes, dtype)),
-                *extra_template]
+                ("MMA", mma), *extra_template]
     kernel = _kernels()[0] if kernel is None else kernel
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
 
