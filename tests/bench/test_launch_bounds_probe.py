@@ -45,3 +45,16 @@ def test_bad_options_are_usage_errors(argv, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "allowed" in err or "invalid" in err, err
+
+
+@pytest.mark.parametrize("text, says", [("fused_decode.MMA_SCORES", "expected MODULE.NAME=VALUE"),
+                                        ("nomodule.X=1", "no module veloxquant_mlx.cache.nomodule")])
+def test_a_bad_setting_is_a_usage_error_naming_it(text, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        probe.parse_args(["--set", text])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_set_takes_a_cache_modules_constant():
+    args = probe.parse_args(["--set", "fused_decode.MMA_SCORES=1", "--methods", "kivi,gear"])
+    assert len(args.set) == 1 and args.methods == ["kivi", "gear"]

@@ -2,6 +2,8 @@
 
     python -m veloxquant_mlx.bench.launch_bounds_probe --context 131072 \
         --methods turboquant_rvq,kvquant,gear,kivi --bounds 5 --out X.json   # MLX's CUDA backend only
+    python -m veloxquant_mlx.bench.launch_bounds_probe --methods kivi --bounds 4 \
+        --set fused_decode.MMA_SCORES=1 --out Y.json   # a constant set first (bench/constants.py)
 
 Why: Nsight Compute on the H200 (results/ncu_h200_s12.json) found every decode kernel of ours at
 4 blocks of 4 warps per SM, bound by registers (102-128 per thread), with ~1 eligible warp per
@@ -107,14 +109,19 @@ def probe_method(method: str, n: int, bounds: list[int], log) -> dict:
 
 
 def parse_args(argv=None):
-    from veloxquant_mlx.bench import command
+    from veloxquant_mlx.bench import command, constants
     from veloxquant_mlx.cache.fused_decode import MAX_MIN_BLOCKS
 
     p = command.parser(MODULE, __doc__)
     p.add_argument("--context", type=command.positive, default=131072, help="history tokens (default 131072)")
     p.add_argument("--methods", default="turboquant_rvq,kvquant,gear,kivi", help="comma list of cache methods")
     p.add_argument("--bounds", default="5", help=f"comma list of blocks per SM, 0..{MAX_MIN_BLOCKS} (0: no bounds)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
     args = p.parse_args(argv)
+    try:
+        args.set = [constants.parse_setting(x) for x in args.set]
+    except ValueError as exc:
+        p.error(f"--set: {exc}")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown or not args.methods:
@@ -134,14 +141,17 @@ def _log(message: str) -> None:
 
 
 def run(args) -> dict:
+    from veloxquant_mlx.bench import constants
     from veloxquant_mlx.bench.kernel_probe import on_cuda
     from veloxquant_mlx.errors import QuantizerConfigError
 
     if not on_cuda():
         raise QuantizerConfigError(f"{MODULE} needs MLX's CUDA backend as the default device (it times CUDA kernels)")
+    # Constants set first: "shipped" is then the kernels built with them.
+    settings = constants.apply_settings(args.set)
     rows = {m: probe_method(m, args.context, args.bounds, _log) for m in args.methods}
     return {"settings": {"context": args.context, "methods": args.methods, "bounds": args.bounds,
-                         "threads_per_block": 128},
+                         "threads_per_block": 128, "constants_set": settings},
             "results": rows}
 
 
