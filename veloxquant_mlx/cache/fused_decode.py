@@ -369,10 +369,6 @@ _PARTIALS_TEMPLATE = r"""
   // columns past the query rows: zeros, never stored).
   constexpr int MMA_WORDS = MMA ? D / 16 * 8 * R : 1;
   static_assert(!MMA || (KB == 2 && KSC == D && D % 16 == 0 && G % 16 == 0 && R <= 8 && 32 % R == 0), "MMA");
-  // PFV (with MMA, fused_decode.VALUE_PREFETCH): the tile's values loaded into registers while
-  // its scores are computed, stored to the stage after them (one stage: VST == TILE).
-  constexpr bool USE_PFV = PFV && USE_MMA;
-  static_assert(!PFV || (MMA && VST == TILE), "PFV");
   const float neg_inf = __int_as_float(0xff800000);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -471,9 +467,6 @@ _PARTIALS_TEMPLATE = r"""
       for (int r = 0; r < R; ++r) s[i][r] = 0.f;
     }
     //@score_init
-    // PFV: the values' stage, loaded in the MMA branch below, stored in the value loop.
-    vq_stage<USE_PFV ? VST * 4 * WV / 16 : 1, 16> pv_codes;
-    vq_stage<USE_PFV ? VST * GV * (int)sizeof(ST) / 16 : 1, 16> pv_scales, pv_zeros;
     if (window && rows_aligned) {
       // 16 bytes a load (WRV): the lane's TPL token rows advance together, one vector of each
       // in flight per step (a lane's 4 x D / EV loads wait D / EV times).
@@ -529,12 +522,6 @@ _PARTIALS_TEMPLATE = r"""
         codes.load(kc_bh + (base * KB >> 5), (size_t)wk_words * 4, lane);
         scales.load(ks_bh + base / G, (size_t)gk * sizeof(ST), lane);
         zeros.load(kz_bh + base / G, (size_t)gk * sizeof(ST), lane);
-        if (USE_PFV) {
-          // In flight behind the keys' loads and through the scores (the warp's one tile wait).
-          pv_codes.load(vc_bh + (size_t)base * WV, 16, lane);
-          pv_scales.load(vs_bh + (size_t)base * GV, 16, lane);
-          pv_zeros.load(vz_bh + (size_t)base * GV, 16, lane);
-        }
         codes.store(kstage[warp], lane);
         scales.store(kstage[warp] + KSC * WR, lane);
         zeros.store(reinterpret_cast<ST*>(kstage[warp] + KSC * WR) + KSC * NGK, lane);
@@ -725,11 +712,7 @@ _PARTIALS_TEMPLATE = r"""
       for (int v0 = 0; v0 < TILE; v0 += VST) {
         if (v0 > t_last) break;  // the rest of the tile is past the end (warp-uniform)
         __syncwarp();  // the stage's last readers (the keys' or the previous values') are done
-        if (USE_PFV) {
-          pv_codes.store(kstage[warp], lane);
-          pv_scales.store(kstage[warp] + VST * WV, lane);
-          pv_zeros.store(reinterpret_cast<ST*>(kstage[warp] + VST * WV) + VST * GV, lane);
-        } else {
+        {
           vq_stage<VST * 4 * WV / 16, 16> codes;
           vq_stage<VST * GV * (int)sizeof(ST) / 16, 16> scales, zeros;
           codes.load(vc_bh + (size_t)(base + v0) * WV, 16, lane);
@@ -1095,8 +1078,10 @@ MAX_LANES_PER_TOKEN = 16
 # decode.csv, kivi at 32K) finds the launch's SMs active 73 K of 125 K cycles on average, the
 # busiest 38% above the average as if one of its blocks cost ~2.4 history blocks: the exact
 # block's lanes each read a token row as D two-byte loads, a warp load touching 32 rows. Off
-# (0) until an H200 run measures it (kernel_probe / chunk_kernels --set
-# fused_decode.WINDOW_ROW_VECTORS=1); the CPU emulation and nvcc check it meanwhile.
+# (0): measured on the H200 (session 22, results/kernel_probe_h200_s22_rowvec.json) it is no
+# faster: kivi's partials 0.0530 against 0.0537 ms at 32K, 0.149 against 0.141 at 128K; the
+# exact block is no tail either (the partials without its tokens 0.0503 ms at 32K, with only
+# them 0.0179). Correct on the GPU (results/cuda_tests_h200_s22_rowvec.txt).
 WINDOW_ROW_VECTORS = 0
 
 
@@ -1115,16 +1100,14 @@ def window_row_vectors(head_dim: int, lane_channels: int, dtype) -> int:
 # extraction, conversion and dequantization, then one FMA per query row). Taken where
 # mma_scores() allows it (16-bit queries: the fp16 rounding of the scaled queries stays below
 # the queries' own; 2-bit keys; the whole tile's keys staged at once); elsewhere, and on GPUs
-# before sm_80, the FMA loop. Off (0) until an H200 run measures it (kernel_probe /
-# chunk_kernels --set fused_decode.MMA_SCORES=1); the CPU emulation checks it meanwhile.
+# before sm_80, the FMA loop. Off (0): measured on the H200 (session 22) it is no faster, so the
+# scores' instructions are not what bounds the kernel: one kivi layer's partials at 32K 0.0587
+# ms against 0.0581, at 128K 0.146 against 0.144 (results/kernel_probe_h200_s22_mma.json); the
+# whole chained attention (launch_bounds_probe) kivi 177 against 180 us at 128K, gear 272
+# against 271, at 32K within the runs' +-10 us (results/lb_h200_s22_*.json). Its values'
+# loads issued before the scores (registers 166: 3 blocks per SM) were slower still (kivi 184,
+# gear 318 us at 128K). Correct on the GPU (tests/cache/test_fused_decode.py -m cuda).
 MMA_SCORES = 0
-
-# With MMA, the tile's values loaded into registers while its scores are computed (template
-# PFV; where one stage holds the whole tile's values). Why: Nsight finds the kernel's warps one
-# tile each at 32K, waiting on memory twice per tile (keys, then values) with ~3 warps per
-# scheduler to hide it; the MMA branch leaves the registers to hold the values' loads (48 at
-# the 8B shape). 0 turns it off for an A/B beside MMA alone.
-VALUE_PREFETCH = 1
 
 
 def mma_shared_bytes(head_dim: int, rows: int) -> int:
@@ -1492,8 +1475,7 @@ def affine_launch(
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                 ("VB", value_bits), ("LPT", lanes), ("QT", dtype),
                 ("ST", side), *stage, ("WB", 0), ("WRV", window_row_vectors(D, DV // lanes, dtype)),
-                ("MMA", mma), ("PFV", int(bool(mma and VALUE_PREFETCH) and dict(stage)["VST"] == TILE)),
-                *extra_template]
+                ("MMA", mma), *extra_template]
     kernel = _kernels()[0] if kernel is None else kernel
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
 
