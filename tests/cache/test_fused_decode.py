@@ -49,7 +49,7 @@ def test_the_kernels_algorithm_is_the_portable_attention():
     # The same step through partials: queries folded like the kernels fold GQA rows.
     q = (q_heads * 0.125).reshape(1, 2, 4, 64)
     keys, values = cache._decode()
-    per_block = fused_decode.tokens_per_block(cache.n_compressed, 2)
+    per_block = fused_decode.affine_tokens_per_block(cache.n_compressed, 2)
     for block in (per_block, 128, 100):  # 100 leaves a ragged last block
         o, m, l = reference_partials(q, keys, values, cache.n_compressed, block)
         got = merge_with_window(q, o, m, l, cache.window_keys, cache.window_values)
@@ -74,6 +74,11 @@ def test_blocks_fill_the_gpu_within_bounds():
     assert fused_decode.tokens_per_block(32768, 8) == 512
     assert fused_decode.tokens_per_block(131072, 8) == 1024
     assert fused_decode.tokens_per_block(10**8, 64) == 128 * 4 * 64
+    # kivi's and xquant's launches (AFFINE_TARGET_WARPS, ~1024 warps): twice the tiles per warp
+    # at 32K, eight at 128K (8 heads); GEAR's launch keeps the split above
+    assert fused_decode.affine_tokens_per_block(4096, 8) == 512
+    assert fused_decode.affine_tokens_per_block(32768, 8) == 1024
+    assert fused_decode.affine_tokens_per_block(131072, 8) == 4096
 
 
 def test_supported_shapes():
@@ -171,7 +176,7 @@ def test_tensor_core_scores_match_the_portable_step_and_the_fma_kernel(monkeypat
     # fused_decode.MMA_SCORES (off as shipped) on the GPU's own mma.sync: the same attention as
     # the portable path and as the FMA build, within the bf16 output's rounding.
     if warps:
-        monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
+        monkeypatch.setattr(fused_decode, "AFFINE_TARGET_WARPS", warps)
     shape = dict(B=B, rep=rep, D=D, Dv=D, dtype=dtype)
     cache = _filled(make(), 5000 if warps else 1000, **shape)
     q_heads = _decode_step(cache, **shape)
@@ -196,10 +201,10 @@ def test_tensor_core_scores_match_the_portable_step_and_the_fma_kernel(monkeypat
 def test_kernel_with_many_tiles_per_warp_matches_the_portable_step(monkeypatch):
     # Few target warps: every warp walks several 128-token tiles (the online softmax across
     # tiles) and the history spans several blocks; same template as the kivi-2 bf16 case.
-    monkeypatch.setattr(fused_decode, "TARGET_WARPS", 1)
+    monkeypatch.setattr(fused_decode, "AFFINE_TARGET_WARPS", 1)
     shape = dict(B=1, rep=4, D=128, Dv=128, dtype=mx.bfloat16)
     cache = _filled(_kivi(bit_width_inlier=2)(), 5000, **shape)
-    assert fused_decode.tokens_per_block(cache.n_compressed, 2) == 128 * 4 * 64
+    assert fused_decode.affine_tokens_per_block(cache.n_compressed, 2) == 128 * 4 * 64
     q_heads = _decode_step(cache, **shape)
     monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
     portable = cache.attention(q_heads, scale=128**-0.5).astype(mx.float32)
@@ -359,6 +364,7 @@ def test_partials_launch_gets_the_sink_or_dummies_and_its_length_in_meta(monkeyp
 def test_history_blocks_split_and_their_limit(monkeypatch):
     # 1100 tokens, 2 heads: 18 tiles, far below TARGET_WARPS, so one tile per warp: blocks of 512
     assert fused_decode.history_blocks(1100, 2, "k") == (512, 3, 4)
+    assert fused_decode.history_blocks(1100, 2, "k", fused_decode.affine_tokens_per_block) == (512, 3, 4)
     # another kernel's split (e.g. 32-token tiles) is honoured
     assert fused_decode.history_blocks(1100, 2, "k", lambda n, h: 128) == (128, 9, 10)
     monkeypatch.setattr(fused_decode, "MAX_BLOCKS", 3)

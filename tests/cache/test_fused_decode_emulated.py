@@ -52,7 +52,7 @@ def _filled(cache, n, *, B, H, rep, D, dtype, seed=0):
 
 _emulated_step = cuda_emulation.emulated_decode_step
 
-# (name, cache factory, dtype, head dim, batch, GQA rows, prefill tokens, TARGET_WARPS or None)
+# (name, cache factory, dtype, head dim, batch, GQA rows, prefill tokens, AFFINE_TARGET_WARPS or None)
 CASES = [
     ("kivi-2 hd128 gqa4 sink", _kivi(bit_width_inlier=2), mx.float32, 128, 1, 4, 1100, None),
     ("kivi-4/2 hd64 batch2 mha", _kivi(key_bits=4, value_bits=2), mx.float32, 64, 2, 1, 700, None),
@@ -167,7 +167,7 @@ def test_small_stages_walk_several_key_and_value_stages_per_tile(monkeypatch):
 @pytest.mark.parametrize("name, make, dtype, D, B, rep, n, warps", CASES, ids=[c[0] for c in CASES])
 def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make, dtype, D, B, rep, n, warps):
     if warps:
-        monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
+        monkeypatch.setattr(fused_decode, "AFFINE_TARGET_WARPS", warps)
     cache = make()
     q_heads = _filled(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
     n_valid, window = cache.n_compressed, cache.window_keys.shape[2]
@@ -185,7 +185,7 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
     assert [k.calls for k in made if k.calls] == _launches(), "the decode step did not run its kernels"
     assert got.dtype == dtype and got.shape == q_heads.shape
 
-    per_block = fused_decode.tokens_per_block(n_valid, B * 2)
+    per_block = fused_decode.affine_tokens_per_block(n_valid, B * 2)
     if "ragged" in name:
         assert n_valid % per_block and (n_valid % per_block) % fused_decode.TILE
     if warps:

@@ -40,7 +40,7 @@ def _gear():
     return GEARCache(KVCacheConfig(method="gear"))
 
 
-# (name, cache factory, filler, dtype, head dim, batch, GQA rows, prefill tokens, TARGET_WARPS)
+# (name, cache factory, filler, dtype, head dim, batch, GQA rows, prefill tokens, target warps)
 CASES = [
     ("kivi-2 bf16 hd128 gqa4 sink", _kivi(), _filled_affine, mx.bfloat16, 128, 1, 4, 1100, None),
     ("kivi-2 fp16 hd128 gqa2 group 64", _kivi(kivi_group_size=64), _filled_affine, mx.float16, 128, 1, 2, 700, None),
@@ -111,7 +111,8 @@ def _step(monkeypatch, cache, q_heads, D, mma: int):
 @pytest.mark.parametrize("name, make, fill, dtype, D, B, rep, n, warps", CASES, ids=[c[0] for c in CASES])
 def test_the_tensor_core_scores_are_the_portable_attention(monkeypatch, name, make, fill, dtype, D, B, rep, n, warps):
     if warps:
-        monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
+        monkeypatch.setattr(fused_decode, "AFFINE_TARGET_WARPS", warps)
+        monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)  # GEAR's launch
     cache = make()
     q_heads = fill(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
     # The portable path over the same store with float32 queries (the kernels compute in float32).

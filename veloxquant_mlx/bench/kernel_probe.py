@@ -20,7 +20,7 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   (`fused_decode.MMA_SCORES`, off as shipped: "full_mma", "fused_full_mma"), with its value loop unrolled whole as before session 9 ("unrolled";
   the variants "u2f" and "unit", codes turned into floats without the conversion instruction, are
   built by `variant_source` but not timed by default: session 9 found them no faster), with other warp
-  targets (`TARGET_WARPS`) and with other value accumulators per lane (`MAX_LANE_ACCUMULATORS`
+  targets (`AFFINE_TARGET_WARPS`) and with other value accumulators per lane (`MAX_LANE_ACCUMULATORS`
   64 / 16 beside the default 32: at 4 rows 8 / 16 lanes per value token; fewer accumulators,
   fewer registers, more warps per SM).
 - `prefill`: one layer's 32K prompt in 2048-token chunks for the fp16 KVCache with `mx.fast`
@@ -249,7 +249,7 @@ def _filled_kivi(n: int):
 def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int | None = None,
                    merged: bool = False, row_vectors: int | None = None, mma: int | None = None):
     """The partials kernel `kernel` alone -> (part_o, part_m, part_l), launched as the shipped
-    decode step launches it (fused_decode.affine_partials) with TARGET_WARPS set to
+    decode step launches it (fused_decode.affine_partials) with AFFINE_TARGET_WARPS set to
     `target_warps` (and MAX_LANE_ACCUMULATORS to `lane_accumulators` if given: more lanes per
     value token, fewer registers; WINDOW_ROW_VECTORS to `row_vectors` and MMA_SCORES to `mma`
     if given); the sink is
@@ -268,9 +268,9 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
     turn = [0]
 
     def call():
-        saved = (fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN, fd.WINDOW_ROW_VECTORS,
+        saved = (fd.AFFINE_TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN, fd.WINDOW_ROW_VECTORS,
                  fd.MMA_SCORES)
-        fd.TARGET_WARPS = target_warps
+        fd.AFFINE_TARGET_WARPS = target_warps
         if mma is not None:
             fd.MMA_SCORES = mma
         if lane_accumulators is not None:
@@ -285,7 +285,7 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
                 state=states[turn[0] % len(states)])
         finally:
             turn[0] += 1
-            (fd.TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN, fd.WINDOW_ROW_VECTORS,
+            (fd.AFFINE_TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN, fd.WINDOW_ROW_VECTORS,
              fd.MMA_SCORES) = saved
 
     return call
@@ -331,22 +331,22 @@ def probe_decode(n: int) -> dict:
         "kivi_attention_ms": timed(attend),
         "history_bytes": int(sum(a.nbytes for a in cache.store.values()) * cache.n_compressed / cache.capacity),
         # the shipped launch: partials with the merge fused in (vs partials_full: the split build)
-        "fused_full_ms": timed(_partials_call(None, cache, q, fd.TARGET_WARPS, merged=True)),
+        "fused_full_ms": timed(_partials_call(None, cache, q, fd.AFFINE_TARGET_WARPS, merged=True)),
     }
     for mode in ("full", "noscore", "novalue", "noscore+novalue", "unrolled", "nowindow", "windowonly"):
         kernel = variant_kernel(mode)
-        targets = (fd.TARGET_WARPS, 1024, 16384) if mode == "full" else (fd.TARGET_WARPS,)
+        targets = (fd.AFFINE_TARGET_WARPS, 4096, 16384) if mode == "full" else (fd.AFFINE_TARGET_WARPS,)
         for warps in targets:
             out[f"partials_{mode}_warps{warps}_ms"] = timed(_partials_call(kernel, cache, q, warps))
     # The exact block's rows 16 bytes a load (WINDOW_ROW_VECTORS), split build and fused launch.
-    out["partials_full_row_vectors_ms"] = timed(_partials_call(None, cache, q, fd.TARGET_WARPS, row_vectors=1))
-    out["fused_full_row_vectors_ms"] = timed(_partials_call(None, cache, q, fd.TARGET_WARPS, merged=True, row_vectors=1))
+    out["partials_full_row_vectors_ms"] = timed(_partials_call(None, cache, q, fd.AFFINE_TARGET_WARPS, row_vectors=1))
+    out["fused_full_row_vectors_ms"] = timed(_partials_call(None, cache, q, fd.AFFINE_TARGET_WARPS, merged=True, row_vectors=1))
     # The history's scores on tensor cores (MMA_SCORES), split build and fused launch.
-    out["partials_full_mma_ms"] = timed(_partials_call(None, cache, q, fd.TARGET_WARPS, mma=1))
-    out["fused_full_mma_ms"] = timed(_partials_call(None, cache, q, fd.TARGET_WARPS, merged=True, mma=1))
+    out["partials_full_mma_ms"] = timed(_partials_call(None, cache, q, fd.AFFINE_TARGET_WARPS, mma=1))
+    out["fused_full_mma_ms"] = timed(_partials_call(None, cache, q, fd.AFFINE_TARGET_WARPS, merged=True, mma=1))
     for lanes_acc in (64, 16):  # the former default (16 channels per lane at 4 rows), and fewer
         out[f"partials_full_lane_accumulators{lanes_acc}_ms"] = timed(
-            _partials_call(None, cache, q, fd.TARGET_WARPS, lanes_acc))
+            _partials_call(None, cache, q, fd.AFFINE_TARGET_WARPS, lanes_acc))
     return out
 
 
@@ -499,9 +499,9 @@ def probe_step_spec(spec, k, v, q, new) -> dict:
         wk, wv = cache.window_keys, cache.window_values
         out["kivi_sink_concat_ms"] = per_call_ms(lambda: [
             mx.concatenate([cache.sink_keys, wk], axis=2), mx.concatenate([cache.sink_values, wv], axis=2)])
-        parts = _partials_call(None, cache, q, fd.TARGET_WARPS)()
+        parts = _partials_call(None, cache, q, fd.AFFINE_TARGET_WARPS)()
         mx.eval(parts)
-        out["kivi_partials_ms"] = per_call_ms(_partials_call(None, cache, q, fd.TARGET_WARPS))
+        out["kivi_partials_ms"] = per_call_ms(_partials_call(None, cache, q, fd.AFFINE_TARGET_WARPS))
         out["kivi_merge_ms"] = per_call_ms(lambda: fd.merge_partials(*parts, q))
     return out
 

@@ -339,6 +339,17 @@ TILE = 128
 TILE_SLOTS = TILE // 32 * 33  # p_tile's slots per warp (tile_slot: 4 runs of 32, one spare each)
 WARPS_PER_BLOCK = 4
 TARGET_WARPS = 4096  # ~31 warps per SM on an H200 (132 SMs)
+# The affine kernel's own launches (kivi, xquant: affine_launch's default split; GEAR's launch of
+# the same source keeps TARGET_WARPS) aim at fewer warps, so each walks more tiles: on the H200
+# one layer's whole chained attention (bench.launch_bounds_probe --set fused_decode.TARGET_WARPS=,
+# which set both then) took at 32K kivi 62-66 us with 1024 warps against 74-79 with 4096, xquant
+# 62-63 against 73-77, and at 128K kivi 160-171 (2048) / 170-171 (1024) against 173-178; 512
+# was slower (~96 us at 32K, ~300 at 128K), and GEAR slower with 1024 (108-110 us at 32K
+# against 95-96), hence its own target (results/lb_h200_s22*_tw*.json, session 22). Why fewer
+# warps help: a model's layers run one after another, so a launch's ramp, its slowest SM and the
+# merge of every block's partial are each layer's wait; half as many blocks halve the partials
+# the last block merges, and a warp's second tile overlaps other warps' waits on memory.
+AFFINE_TARGET_WARPS = 1024
 _PARTIALS_TEMPLATE = r"""
   constexpr int NW = 4;               // warps per block
   constexpr int TILE = 128;           // tokens per warp tile
@@ -1052,6 +1063,11 @@ def _kernels():
     return partials, merge
 
 
+def affine_tokens_per_block(n_valid: int, n_heads: int) -> int:
+    """History tokens per block of the affine kernel's own launches (AFFINE_TARGET_WARPS)."""
+    return tokens_per_block(n_valid, n_heads, target_warps=AFFINE_TARGET_WARPS)
+
+
 def tokens_per_block(n_valid: int, n_heads: int, tile: int = TILE, max_tiles: int = 64,
                      target_warps: int | None = None) -> int:
     """History tokens per block of 4 warps: tiles of `tile` tokens, enough warps to fill the GPU
@@ -1443,11 +1459,12 @@ def affine_launch(
     queries, scale: float, key_codes, key_scales, key_zeros, value_codes, value_scales,
     value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
     value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0, sink=None,
-    kernel=None, extra_inputs=(), extra_template=(), extra_shared: int = 0,
+    kernel=None, extra_inputs=(), extra_template=(), extra_shared: int = 0, split=None,
 ):
     """The checks, block split, meta and template of kernel 1's launch (affine_partials) ->
     (kernel, inputs, {template, n_blocks, heads, value_dim}). `extra_shared`: the static
-    shared bytes a kernel built on this one adds (the stages get what is left)."""
+    shared bytes a kernel built on this one adds (the stages get what is left); `split`:
+    (tokens, heads) -> history tokens per block (default affine_tokens_per_block)."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -1464,7 +1481,7 @@ def affine_launch(
         raise QuantizerConfigError(
             f"fused decode: no stage of the history fits the shared memory at head_dim {D}, "
             f"value_dim {DV}, {R} rows, {key_bits}/{value_bits} bits (supports() refuses it)")
-    per_block, n_hist_blocks, n_blocks = history_blocks(n_valid, BH, "fused decode")
+    per_block, n_hist_blocks, n_blocks = history_blocks(n_valid, BH, "fused decode", split or affine_tokens_per_block)
     dtype = queries.dtype
     sink_keys, sink_values, n_sink = _sink_inputs(sink, queries, window_keys, window_values, DV)
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip, n_sink)

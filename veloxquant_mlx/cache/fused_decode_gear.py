@@ -382,6 +382,8 @@ def decode_step(cache, queries, scale: float):
             n_valid=cache.n_compressed, group_size=cache.code_group, key_bits=cache.code_bits,
             value_bits=cache.code_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache,
             kernel=_partials_kernel(), extra_inputs=extra, extra_template=template,
+            # TARGET_WARPS, not the affine kernel's own target (fused_decode.AFFINE_TARGET_WARPS)
+            split=fused_decode.tokens_per_block,
             extra_shared=sparse_shared_bytes(cache.value_dim, rows, "v_out_values" in cache.store),
         )
         return inputs, shape, fused_decode.WINDOW_INPUTS
