@@ -59,3 +59,30 @@ def test_a_list_without_our_caches_is_refused():
 
     with pytest.raises(TypeError, match="KVCache"):
         in_place_windows([KVCache()])
+
+
+def test_the_previous_target_warps_spec_marks_its_caches_and_their_launches_take_it(monkeypatch):
+    # `kivi-tw4096` / `xquant-tw4096`: the method's caches whose decode launches split the
+    # history for 4096 target warps (fused_decode.AFFINE_TARGET_WARPS before session 22) while
+    # the module's target stays as shipped; here the module's is set to 1 (one block per head)
+    # so that a short history tells the two splits apart (4096 warps: blocks of 512 tokens).
+    from tests.cache import cuda_emulation
+    from tests.cache.test_fused_decode_emulated import _filled
+    from veloxquant_mlx.bench.ablations import ABLATIONS
+    from veloxquant_mlx.cache import fused_decode
+
+    assert {"kivi-tw4096", "xquant-tw4096"} <= set(ABLATIONS)
+    monkeypatch.setattr(fused_decode, "AFFINE_TARGET_WARPS", 1)
+    blocks = {}
+    launch = fused_decode.PartialsKernel.attend
+    monkeypatch.setattr(fused_decode.PartialsKernel, "attend",
+                        lambda self, *a, **k: blocks.setdefault(name, k["n_blocks"]) and launch(self, *a, **k))
+    for name in ("kivi", "kivi-tw4096", "xquant-tw4096"):
+        cache = parse_layer_spec(f"{name}:{name.split('-')[0]}_residual_length=32").make(0, 2)
+        assert cache.decode_target_warps == (4096 if "tw" in name else None)
+        q = _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.bfloat16)
+        with cuda_emulation.signatures_only(), cuda_emulation.emulated_kernels():
+            cache.attention(q, scale=128**-0.5)
+    # 1088 history tokens (kivi: 1 exact sink token skipped): one block per head and the exact
+    # block with the module's target, 3 history blocks of 512 and the exact one with 4096
+    assert blocks == {"kivi": 2, "kivi-tw4096": 4, "xquant-tw4096": 4}

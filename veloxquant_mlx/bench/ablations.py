@@ -27,28 +27,44 @@ class SmallBlockGEAR(GEARCache):
     block_tokens = 64
 
 
-def in_place_windows(caches: list) -> list:
-    """Mark each of our caches in `caches` to write its decode steps' tokens into the exact
-    window in place (cache/window_buffer.py), whatever base.DECODE_WINDOW_IN_PLACE says: `kivi`
-    and `kivi-inplace` in one interleaved gpu_speed run are an A/B on one machine, seconds
-    apart (a --set holds for a whole process, and two processes meet two machine states)."""
-    from veloxquant_mlx.cache.base import CompressedKVCache
+class Marked:
+    """An ablation that is a method's own caches with one attribute set per instance (a
+    per-cache switch whose module-wide default stays as shipped): `kivi` and `kivi-inplace` in
+    one interleaved gpu_speed run are an A/B on one machine, seconds apart (a --set holds for a
+    whole process, and two processes meet two machine states). Called as a builder it gives one
+    layer's cache from the factory; a model's lists come from the patch and go through `mark`
+    (layer_specs.LayerSpec.open): cross-layer methods share a coordinator over the list."""
 
-    ours = [c for c in caches if isinstance(c, CompressedKVCache)]
-    if not ours:
-        raise TypeError(f"no cache of {[type(c).__name__ for c in caches]} keeps the base's exact window")
-    for cache in ours:
-        cache.decode_window_in_place = True
-    return caches
+    def __init__(self, attribute: str, value):
+        self.attribute, self.value = attribute, value
+
+    def mark(self, caches: list) -> list:
+        from veloxquant_mlx.cache.base import CompressedKVCache
+
+        ours = [c for c in caches if isinstance(c, CompressedKVCache)]
+        if not ours:
+            raise TypeError(f"no cache of {[type(c).__name__ for c in caches]} is one of ours "
+                            f"(the ablation sets {self.attribute})")
+        for cache in ours:
+            setattr(cache, self.attribute, self.value)
+        return caches
+
+    def __call__(self, config, layer_index: int, n_layers: int):
+        from veloxquant_mlx.cache.factory import KVCacheFactory
+
+        return self.mark([KVCacheFactory.create(config, layer_index, n_layers)])[0]
 
 
-def in_place_window(config, layer_index: int, n_layers: int):
-    """One layer's cache as the factory builds it, its decode window written in place. A
-    model's lists come from the patch instead (layer_specs.LayerSpec.open): cross-layer methods
-    share a coordinator over the list."""
-    from veloxquant_mlx.cache.factory import KVCacheFactory
+# The decode window written in place (cache/window_buffer.py), whatever
+# base.DECODE_WINDOW_IN_PLACE says.
+in_place_window = Marked("decode_window_in_place", True)
+in_place_windows = in_place_window.mark
 
-    return in_place_windows([KVCacheFactory.create(config, layer_index, n_layers)])[0]
+# kivi's and xquant's decode launches at the target warps they had before session 22
+# (fused_decode.AFFINE_TARGET_WARPS took 1024 from one layer's chained attention on the H200;
+# this ablation measures it through a model's decode).
+PREVIOUS_AFFINE_TARGET_WARPS = 4096
+previous_target_warps = Marked("decode_target_warps", PREVIOUS_AFFINE_TARGET_WARPS)
 
 
 # The methods whose decode steps append to the base's exact window (pyramidkv's update is its own).
@@ -60,4 +76,7 @@ ABLATIONS: dict[str, tuple] = {
     "gear-magnitude": (MagnitudeGEAR, "gear", "gear, outliers by |x| (paper literal)"),
     "gear-block64": (SmallBlockGEAR, "gear", "gear, 64-token blocks"),
     **{f"{m}-inplace": (in_place_window, m, f"{m}, decode window written in place") for m in WINDOW_METHODS},
+    **{f"{m}-tw{PREVIOUS_AFFINE_TARGET_WARPS}": (previous_target_warps, m,
+                                                  f"{m}, decode launches at {PREVIOUS_AFFINE_TARGET_WARPS} target warps")
+       for m in ("kivi", "xquant")},
 }

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-from veloxquant_mlx.bench.ablations import ABLATIONS, in_place_window, in_place_windows
+from veloxquant_mlx.bench.ablations import ABLATIONS, Marked
 from veloxquant_mlx.bench.methods import CacheSpec, _parse_params, parse_spec, refuse_repeats
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -51,10 +51,11 @@ class LayerSpec:
             with CacheSpec(self.name, self.kind, self.label, self.params).open(model) as make_cache:
                 yield make_cache
             return
-        if ABLATIONS[self.ablation][0] is in_place_window:
+        build = ABLATIONS[self.ablation][0]
+        if isinstance(build, Marked):
             # The patch's own lists (a cross-layer method's layers share a coordinator), marked.
             with CacheSpec(self.name, "ours", self.label, self.params).open(model) as make_cache:
-                yield lambda: in_place_windows(make_cache())
+                yield lambda: build.mark(make_cache())
             return
         from veloxquant_mlx.integration import patch_model_kv_cache, unpatch_model_kv_cache
 

@@ -1313,7 +1313,9 @@ def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bi
     cache reading another layer's store passes that store's state)."""
     if not kernels_enabled():
         return None
-    key = (skip, group_size, key_bits, value_bits, plan_key,
+    warps = cache.decode_target_warps  # None: AFFINE_TARGET_WARPS (affine_launch's default split)
+    split = None if warps is None else (lambda n, h: tokens_per_block(n, h, target_warps=warps))
+    key = (skip, group_size, key_bits, value_bits, plan_key, warps,
            None if exact_prefix is None else (id(exact_prefix[0]), id(exact_prefix[1])))
 
     def launch():
@@ -1326,7 +1328,7 @@ def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bi
             queries, scale, *arrays(), cache.window_keys, cache.window_values,
             n_valid=cache.n_compressed, group_size=group_size, key_bits=key_bits,
             value_bits=value_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache, skip=skip,
-            sink=exact_prefix,
+            sink=exact_prefix, split=split,
         )
         return inputs, shape, WINDOW_INPUTS
 
