@@ -95,37 +95,29 @@ def test_turboquant_rvqs_bounded_kernel_fits_five_blocks_per_sm(tmp_path):
     assert registers <= 65536 // (fused_decode_rotated.MIN_BLOCKS_PER_SM * 128) // 8 * 8, report
 
 
+# The affine kernel's switches that are off as shipped, each (constant, template name, whether
+# a shape takes it): WINDOW_ROW_VECTORS (session 21, at the 8B shape kivi and xquant 125
+# registers, gear 125 against 96 off) and MMA_SCORES (session 22: 16-bit queries, 2-bit keys,
+# 1, 2 or 4 rows, whole-tile stages: the 8B shape; kivi 128 registers, gear 102).
+SWITCHES = [
+    ("WINDOW_ROW_VECTORS", "WRV", lambda dtype, rep, D: True),
+    ("MMA_SCORES", "MMA", lambda dtype, rep, D: dtype != mx.float32 and rep in (1, 2, 4) and D % 16 == 0),
+]
+
+
+@pytest.mark.parametrize("constant, name, takes", SWITCHES, ids=[s[0] for s in SWITCHES])
 @pytest.mark.parametrize("method, dtype, rep, D", [
     pytest.param(method, dtype, rep, D, id=f"{method}-{str(dtype).split('.')[-1]}-r{rep}-d{D}")
     for method in ("kivi", "xquant", "gear") for dtype, rep, D in SHAPES])
-def test_the_exact_blocks_row_vectors_compile_without_spills(tmp_path, monkeypatch, method, dtype, rep, D):
-    # fused_decode.WINDOW_ROW_VECTORS (off as shipped) over the shapes above: the WRV build
-    # compiles and does not spill; -s prints its registers (session 21, at the 8B shape: kivi
-    # and xquant 125, gear 125 against 96 off).
+def test_the_switched_off_paths_compile_without_spills(tmp_path, monkeypatch, method, dtype, rep, D,
+                                                       constant, name, takes):
+    # Each switch on over the shapes above: the build takes it where the shape allows, compiles
+    # and does not spill; -s prints its registers.
     from veloxquant_mlx.cache import fused_decode
 
-    monkeypatch.setattr(fused_decode, "WINDOW_ROW_VECTORS", 1)
+    monkeypatch.setattr(fused_decode, constant, 1)
     captured = _captured(method, dtype, rep, D)
     sources = {k.cuda_source(sig) for k, sig in captured if "partials" in k.name}
-    assert sources and all("constexpr int WRV = 1;" in s for s in sources)
-    for i, source in enumerate(sorted(sources)):
-        compiled_without_spills(source, tmp_path, i)
-
-
-@pytest.mark.parametrize("method, dtype, rep, D", [
-    pytest.param(method, dtype, rep, D, id=f"{method}-{str(dtype).split('.')[-1]}-r{rep}-d{D}")
-    for method in ("kivi", "xquant", "gear") for dtype, rep, D in SHAPES])
-def test_the_tensor_core_scores_compile_without_spills(tmp_path, monkeypatch, method, dtype, rep, D):
-    # fused_decode.MMA_SCORES (off as shipped) over the shapes above: where a shape takes it
-    # (16-bit queries, 2-bit keys, 1, 2 or 4 rows, whole-tile stages: the 8B shape; not 8 rows, whose stage
-    # does not fit beside the B fragments) the MMA build compiles with its mma.sync and does
-    # not spill; -s prints its registers.
-    from veloxquant_mlx.cache import fused_decode
-
-    monkeypatch.setattr(fused_decode, "MMA_SCORES", 1)
-    captured = _captured(method, dtype, rep, D)
-    sources = {k.cuda_source(sig) for k, sig in captured if "partials" in k.name}
-    expected = dtype != mx.float32 and rep in (1, 2, 4) and D % 16 == 0
-    assert sources and all(f"constexpr int MMA = {int(expected)};" in s for s in sources)
+    assert sources and all(f"constexpr int {name} = {int(takes(dtype, rep, D))};" in s for s in sources)
     for i, source in enumerate(sorted(sources)):
         compiled_without_spills(source, tmp_path, i)
