@@ -61,28 +61,37 @@ def test_a_list_without_our_caches_is_refused():
         in_place_windows([KVCache()])
 
 
-def test_the_previous_target_warps_spec_marks_its_caches_and_their_launches_take_it(monkeypatch):
-    # `kivi-tw4096` / `xquant-tw4096`: the method's caches whose decode launches split the
-    # history for 4096 target warps (fused_decode.AFFINE_TARGET_WARPS before session 22) while
-    # the module's target stays as shipped; here the module's is set to 1 (one block per head)
-    # so that a short history tells the two splits apart (4096 warps: blocks of 512 tokens).
+@pytest.mark.parametrize("method", WINDOW_METHODS)
+def test_a_target_warps_spec_marks_its_caches_and_their_launches_take_it(method, monkeypatch):
+    # `<method>-tw4096`: the method's caches whose decode launches split the history for 4096
+    # target warps whatever the kernel's own target; here every kernel's own is set to 1 (one
+    # block per head: the most tiles per warp), so a short history tells the two splits apart.
     from tests.cache import cuda_emulation
     from tests.cache.test_fused_decode_emulated import _filled
-    from veloxquant_mlx.bench.ablations import ABLATIONS
-    from veloxquant_mlx.cache import fused_decode
+    from veloxquant_mlx.cache import fused_decode, fused_decode_rotated
 
-    assert {"kivi-tw4096", "xquant-tw4096"} <= set(ABLATIONS)
-    monkeypatch.setattr(fused_decode, "AFFINE_TARGET_WARPS", 1)
+    for module, name in ((fused_decode, "TARGET_WARPS"), (fused_decode, "AFFINE_TARGET_WARPS"),
+                         (fused_decode_rotated, "TARGET_WARPS")):
+        monkeypatch.setattr(module, name, 1)
     blocks = {}
     launch = fused_decode.PartialsKernel.attend
     monkeypatch.setattr(fused_decode.PartialsKernel, "attend",
-                        lambda self, *a, **k: blocks.setdefault(name, k["n_blocks"]) and launch(self, *a, **k))
-    for name in ("kivi", "kivi-tw4096", "xquant-tw4096"):
-        cache = parse_layer_spec(f"{name}:{name.split('-')[0]}_residual_length=32").make(0, 2)
-        assert cache.decode_target_warps == (4096 if "tw" in name else None)
-        q = _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.bfloat16)
-        with cuda_emulation.signatures_only(), cuda_emulation.emulated_kernels():
-            cache.attention(q, scale=128**-0.5)
-    # 1088 history tokens (kivi: 1 exact sink token skipped): one block per head and the exact
-    # block with the module's target, 3 history blocks of 512 and the exact one with 4096
-    assert blocks == {"kivi": 2, "kivi-tw4096": 4, "xquant-tw4096": 4}
+                        lambda self, *a, **k: blocks.setdefault(spec_name, k["n_blocks"]) and launch(self, *a, **k))
+    for spec_name in (method, f"{method}-tw4096"):
+        # minicache: layer 1 of 2 is the pair's upper layer from its first token on
+        fields = "minicache_start_fraction=0" if method == "minicache" else ""
+        spec = parse_layer_spec(f"{spec_name}:{fields}" if fields else spec_name)
+        with spec.open(_pair_model()) as make_cache:
+            caches = make_cache()
+            assert all(c.decode_target_warps == (4096 if "tw" in spec_name else None) for c in caches)
+            # filled on the portable path; the decode step's launch recorded, not run
+            queries = [_filled(cache, 1500, B=1, H=2, rep=4, D=128, dtype=mx.bfloat16) for cache in caches]
+            with cuda_emulation.signatures_only(), cuda_emulation.emulated_kernels():
+                for cache, q in zip(caches, queries):
+                    cache.attention(q, scale=128**-0.5)
+    assert blocks[method] < blocks[f"{method}-tw4096"], blocks
+
+
+def _pair_model():
+    """A 2-layer llama of the 8B attention shape (GQA 4, head_dim 128) for the specs' lists."""
+    return random_llama(hidden=256, layers=2, heads=8, kv_heads=2, head_dim=128, intermediate=256, vocab=64)

@@ -134,9 +134,10 @@ class CompressedKVCache(_BaseCache):
     # the `<method>-inplace` bench ablations, so one interleaved run times both forms side by
     # side (bench/ablations.py).
     decode_window_in_place = False
-    # Per instance, the target warps of the affine decode kernel's launches (fused_decode.
-    # decode_step: kivi, xquant; None: fused_decode.AFFINE_TARGET_WARPS): set by the
-    # `<method>-tw4096` bench ablations, the same A/B for the launch split.
+    # Per instance, the target warps of the decode kernel's launches (fused_decode.
+    # tokens_per_block while fused_decode.planned_attend builds the cache's plan; None: the
+    # kernel's own target): set by the `<method>-tw<N>` bench ablations, the same A/B for the
+    # launch split.
     decode_target_warps = None
 
     def __init_subclass__(cls, **kwargs):

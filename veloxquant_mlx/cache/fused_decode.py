@@ -36,6 +36,7 @@ against it on the CPU.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import re
 from functools import lru_cache
@@ -520,10 +521,11 @@ _PARTIALS_TEMPLATE = r"""
       // A = 1 + code / 4, exact in fp16 (the code's two bits put into the mantissa of 1.0),
       // B = fp16(4 q[d][r] scale[d]): A B = sum_d B + sum_d (B / 4) code, whose first sum an
       // mma of ones over the same B takes off, and bias[r] = sum_d q[d][r] zero[d] (float32).
-      // Why: the FMA loop below spends ~2 instructions per multiply-add of the scores
+      // Why tried: the FMA loop below spends ~2 instructions per multiply-add of the scores
       // (dequantizing, converting each code); here a warp's m16n8k16 does 16 tokens x 16
-      // channels x 8 rows, and a code costs ~1 bit operation. The whole tile is staged at once
-      // (KSC == D); the tile's scores go through p_tile into the lanes' s[i][r].
+      // channels x 8 rows, and a code costs ~1 bit operation. Measured no faster on the H200
+      // (MMA_SCORES' note): off as shipped. The whole tile is staged at once (KSC == D); the
+      // tile's scores go through p_tile into the lanes' s[i][r].
       const ST* kss = reinterpret_cast<const ST*>(kstage[warp] + KSC * WR);
       const ST* kzs = kss + KSC * NGK;
       __syncwarp();  // the stage's and p_tile's last readers are done
@@ -1068,12 +1070,20 @@ def affine_tokens_per_block(n_valid: int, n_heads: int) -> int:
     return tokens_per_block(n_valid, n_heads, target_warps=AFFINE_TARGET_WARPS)
 
 
+# The target warps of the cache whose launch plan is being built, where it has its own
+# (CompressedKVCache.decode_target_warps, set by the `<method>-tw<N>` bench ablations): taken by
+# tokens_per_block over every kernel's own target while planned_attend builds that plan.
+_PLAN_TARGET_WARPS: contextvars.ContextVar = contextvars.ContextVar("plan_target_warps", default=None)
+
+
 def tokens_per_block(n_valid: int, n_heads: int, tile: int = TILE, max_tiles: int = 64,
                      target_warps: int | None = None) -> int:
     """History tokens per block of 4 warps: tiles of `tile` tokens, enough warps to fill the GPU
-    (`target_warps`, default TARGET_WARPS, over all heads) and at most `max_tiles` tiles per warp.
-    The other partials kernels call it with their own tile and bound."""
-    warps = TARGET_WARPS if target_warps is None else target_warps
+    (`target_warps`, default TARGET_WARPS, over all heads; a cache's own while its launch plan
+    is built) and at most `max_tiles` tiles per warp. The other partials kernels call it with
+    their own tile, bound and target."""
+    own = _PLAN_TARGET_WARPS.get()
+    warps = own if own is not None else TARGET_WARPS if target_warps is None else target_warps
     tiles = -(-n_valid // tile) * n_heads
     tiles_per_warp = min(max_tiles, max(1, -(-tiles // warps)))
     return tile * WARPS_PER_BLOCK * tiles_per_warp
@@ -1313,9 +1323,7 @@ def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bi
     cache reading another layer's store passes that store's state)."""
     if not kernels_enabled():
         return None
-    warps = cache.decode_target_warps  # None: AFFINE_TARGET_WARPS (affine_launch's default split)
-    split = None if warps is None else (lambda n, h: tokens_per_block(n, h, target_warps=warps))
-    key = (skip, group_size, key_bits, value_bits, plan_key, warps,
+    key = (skip, group_size, key_bits, value_bits, plan_key,
            None if exact_prefix is None else (id(exact_prefix[0]), id(exact_prefix[1])))
 
     def launch():
@@ -1328,7 +1336,7 @@ def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bi
             queries, scale, *arrays(), cache.window_keys, cache.window_values,
             n_valid=cache.n_compressed, group_size=group_size, key_bits=key_bits,
             value_bits=value_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache, skip=skip,
-            sink=exact_prefix, split=split,
+            sink=exact_prefix,
         )
         return inputs, shape, WINDOW_INPUTS
 
@@ -1384,10 +1392,16 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
     # The window as in-place buffers (window_buffer.py) or None: the template's WB, the inputs.
     held = cache.window_buffers()
     buffered = held is not None
-    key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale, buffered, key)
+    own_warps = cache.decode_target_warps
+    key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale, buffered,
+           own_warps, key)
     plan = cache.__dict__.get("_fused_plan")
     if plan is None or plan[0] != key:
-        built = launch()
+        token = _PLAN_TARGET_WARPS.set(own_warps)
+        try:
+            built = launch()
+        finally:
+            _PLAN_TARGET_WARPS.reset(token)
         if built is not None:
             # The plan keeps no step's own arrays (the queries, the window): they would stay
             # alive until the next plan.
