@@ -87,6 +87,22 @@ def test_the_probes_launch_runs_every_variant_and_the_full_one_is_the_attention(
         for _ in range(2):  # two launch states of the probe's pool in turn, each left ready
             got = fused().astype(mx.float32)
             assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
+        # Chained (fused_chain_*): one launch state, each launch taking the last one's output.
+        made = []
+
+        class Recorded(fused_decode.FusedLaunchState):
+            def __init__(self):
+                super().__init__()
+                made.append(self)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fused_decode, "FusedLaunchState", Recorded)
+            chained = kernel_probe._partials_call(None, cache, q, 2048, merged=True, chained=True)
+        outs = [chained() for _ in range(3)]
+        assert len(made) == 1 and made[0].last_out is outs[-1]
+        for got in outs:
+            got = got.astype(mx.float32)
+            assert mx.allclose(got, expected, atol=1e-2, rtol=1e-2).item(), mx.abs(got - expected).max().item()
     finally:
         fused_decode._kernels.cache_clear()
 

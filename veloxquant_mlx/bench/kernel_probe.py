@@ -17,7 +17,9 @@ One layer of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16), kivi-2 (g
   ("windowonly": which part ends the launch), with the exact block's rows read 16 bytes a load
   (`fused_decode.WINDOW_ROW_VECTORS`, off as shipped: "full_row_vectors", and the fused launch
   "fused_full_row_vectors"), with the history's scores on tensor cores
-  (`fused_decode.MMA_SCORES`, off as shipped: "full_mma", "fused_full_mma"), with its value loop unrolled whole as before session 9 ("unrolled";
+  (`fused_decode.MMA_SCORES`, off as shipped: "full_mma", "fused_full_mma"), the fused launch
+  chained (each call after the last, as a model's layers run: "fused_chain_warps1024/2048/4096",
+  "fused_chain_mma"), with its value loop unrolled whole as before session 9 ("unrolled";
   the variants "u2f" and "unit", codes turned into floats without the conversion instruction, are
   built by `variant_source` but not timed by default: session 9 found them no faster), with other warp
   targets (`AFFINE_TARGET_WARPS`) and with other value accumulators per lane (`MAX_LANE_ACCUMULATORS`
@@ -247,7 +249,8 @@ def _filled_kivi(n: int):
 
 
 def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int | None = None,
-                   merged: bool = False, row_vectors: int | None = None, mma: int | None = None):
+                   merged: bool = False, row_vectors: int | None = None, mma: int | None = None,
+                   chained: bool = False):
     """The partials kernel `kernel` alone -> (part_o, part_m, part_l), launched as the shipped
     decode step launches it (fused_decode.affine_partials) with AFFINE_TARGET_WARPS set to
     `target_warps` (and MAX_LANE_ACCUMULATORS to `lane_accumulators` if given: more lanes per
@@ -257,14 +260,17 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
     attention output; successive calls take the launch states of a pool in turn (one per call
     of a per_call_ms batch, CALLS_PER_BATCH), so the calls of a batch share no counters (they stay
     as independent as the split build's) and none pays a new state's zero fills (at 128K its
-    scratch is ~17 MB: before session 10's pool every call filled a new one)."""
+    scratch is ~17 MB: before session 10's pool every call filled a new one). `chained` (with
+    `merged`): one launch state for every call, so each launch follows the last (its `after`
+    input), as a model's layers run them: its ramp, slowest SM and merge are then not hidden
+    behind the next call's blocks, as they are between independent launches."""
     from veloxquant_mlx.cache import fused_decode as fd
 
     s = cache.store
     arrays = [s[name] for name in ("key_codes", "key_scales", "key_biases", "value_codes",
                                    "value_scales", "value_biases")]
     meta = fd.FusedDecodeMeta()
-    states = [fd.FusedLaunchState() for _ in range(CALLS_PER_BATCH)] if merged else [None]
+    states = [fd.FusedLaunchState() for _ in range(1 if chained else CALLS_PER_BATCH)] if merged else [None]
     turn = [0]
 
     def call():
@@ -344,6 +350,13 @@ def probe_decode(n: int) -> dict:
     # The history's scores on tensor cores (MMA_SCORES), split build and fused launch.
     out["partials_full_mma_ms"] = timed(_partials_call(None, cache, q, fd.AFFINE_TARGET_WARPS, mma=1))
     out["fused_full_mma_ms"] = timed(_partials_call(None, cache, q, fd.AFFINE_TARGET_WARPS, merged=True, mma=1))
+    # Each fused launch after the last (one launch state), as a model's layers run them: the
+    # figure that set AFFINE_TARGET_WARPS (session 22, measured then through the whole
+    # attention: bench.launch_bounds_probe), per target, and with MMA.
+    for warps in (1024, 2048, 4096):
+        out[f"fused_chain_warps{warps}_ms"] = timed(_partials_call(None, cache, q, warps, merged=True, chained=True))
+    out["fused_chain_mma_ms"] = timed(_partials_call(None, cache, q, fd.AFFINE_TARGET_WARPS, merged=True, mma=1,
+                                                     chained=True))
     for lanes_acc in (64, 16):  # the former default (16 channels per lane at 4 rows), and fewer
         out[f"partials_full_lane_accumulators{lanes_acc}_ms"] = timed(
             _partials_call(None, cache, q, fd.AFFINE_TARGET_WARPS, lanes_acc))
