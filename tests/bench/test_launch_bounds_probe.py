@@ -38,7 +38,8 @@ def test_off_cuda_it_refuses_before_timing(capsys):
 
 
 @pytest.mark.parametrize("argv", [["--methods", "minicache"], ["--methods", ","], ["--bounds", "17"],
-                                  ["--bounds", "-1"], ["--bounds", "x"], ["--context", "0"]])
+                                  ["--bounds", "-1"], ["--bounds", "x"], ["--context", "0"],
+                                  ["--warps", "0"], ["--warps", "1024,x"]])
 def test_bad_options_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         probe.parse_args(argv)
@@ -55,6 +56,7 @@ def test_a_bad_setting_is_a_usage_error_naming_it(text, says, capsys):
     assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
-def test_set_takes_a_cache_modules_constant():
-    args = probe.parse_args(["--set", "fused_decode.MMA_SCORES=1", "--methods", "kivi,gear"])
-    assert len(args.set) == 1 and args.methods == ["kivi", "gear"]
+def test_set_takes_a_cache_modules_constant_and_warps_a_list():
+    args = probe.parse_args(["--set", "fused_decode.MMA_SCORES=1", "--methods", "kivi,gear", "--warps", "1024,4096"])
+    assert len(args.set) == 1 and args.methods == ["kivi", "gear"] and args.warps == [1024, 4096]
+    assert probe.parse_args([]).warps == []

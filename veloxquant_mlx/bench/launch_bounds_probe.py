@@ -4,6 +4,8 @@
         --methods turboquant_rvq,kvquant,gear,kivi --bounds 5 --out X.json   # MLX's CUDA backend only
     python -m veloxquant_mlx.bench.launch_bounds_probe --methods kivi --bounds 4 \
         --set fused_decode.MMA_SCORES=1 --out Y.json   # a constant set first (bench/constants.py)
+    python -m veloxquant_mlx.bench.launch_bounds_probe --context 32768 --bounds 0 \
+        --methods kivi,xquant,gear,kvquant,turboquant_rvq --warps 1024,2048,4096 --out Z.json
 
 Why: Nsight Compute on the H200 (results/ncu_h200_s12.json) found every decode kernel of ours at
 4 blocks of 4 warps per SM, bound by registers (102-128 per thread), with ~1 eligible warp per
@@ -22,6 +24,12 @@ the declaration reset to carry none, which undoes a shipped kernel's own bounds,
 turboquant_rvq's at the 8B shape), its output compared with the shipped kernel's (max |diff|:
 bounds change the register allocation, not the arithmetic, so 0 is expected). Written from the
 ad-hoc probe of session 12 (results/lb_probe_h200_s12.json) after that run.
+
+`--warps`: the same call with the cache's launches split for each W target warps (the cache's
+`decode_target_warps`, which every decode kernel's split takes over its own target; the plan
+is rebuilt), as shipped otherwise: the split sweep of session 22 (results/lb_h200_s22*_tw*.json,
+there one process per target through --set) in one process, for every method's kernel. The
+split changes which blocks sum which tokens, so the outputs differ in the last bits.
 """
 
 from __future__ import annotations
@@ -80,8 +88,9 @@ def bounded_kernels(bounds: int):
         _clear_factories()
 
 
-def probe_method(method: str, n: int, bounds: list[int], log) -> dict:
-    """ms per call as shipped and under each bound, with each bound's max |diff| to shipped."""
+def probe_method(method: str, n: int, bounds: list[int], log, warps: list[int] = ()) -> dict:
+    """ms per call as shipped, under each bound and split for each target of `warps`, with the
+    max |diff| of each to shipped."""
     import mlx.core as mx
 
     from veloxquant_mlx.bench.kernel_probe import per_call_ms
@@ -105,6 +114,13 @@ def probe_method(method: str, n: int, bounds: list[int], log) -> dict:
             row[f"lb{b}_ms"] = per_call_ms(call, build_untimed=True)
         row[f"lb{b}_max_abs_diff"] = diff
         log(f"  {method} bounds {b}: {row[f'lb{b}_ms']:.4f} ms, max |diff| {diff:.3g}")
+    for w in warps:
+        cache.decode_target_warps = w
+        out = call()
+        row[f"tw{w}_max_abs_diff"] = mx.abs(out.astype(mx.float32) - shipped.astype(mx.float32)).max().item()
+        row[f"tw{w}_ms"] = per_call_ms(call, build_untimed=True)
+        log(f"  {method} target warps {w}: {row[f'tw{w}_ms']:.4f} ms, max |diff| {row[f'tw{w}_max_abs_diff']:.3g}")
+    cache.decode_target_warps = None
     return row
 
 
@@ -116,6 +132,8 @@ def parse_args(argv=None):
     p.add_argument("--context", type=command.positive, default=131072, help="history tokens (default 131072)")
     p.add_argument("--methods", default="turboquant_rvq,kvquant,gear,kivi", help="comma list of cache methods")
     p.add_argument("--bounds", default="5", help=f"comma list of blocks per SM, 0..{MAX_MIN_BLOCKS} (0: no bounds)")
+    p.add_argument("--warps", default="", help="comma list of target warps to split the launches for, "
+                                                "per cache (default: none)")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
     args = p.parse_args(argv)
     try:
@@ -133,6 +151,13 @@ def parse_args(argv=None):
         args.bounds = []
     if not args.bounds or not all(0 <= b <= MAX_MIN_BLOCKS for b in args.bounds):
         p.error(f"--bounds {text!r} is invalid: allowed is a comma list of integers in 0..{MAX_MIN_BLOCKS}")
+    text = args.warps
+    try:
+        args.warps = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        args.warps = [0]
+    if not all(w >= 1 for w in args.warps):
+        p.error(f"--warps {text!r} is invalid: allowed is a comma list of positive integers")
     return args
 
 
@@ -149,8 +174,9 @@ def run(args) -> dict:
         raise QuantizerConfigError(f"{MODULE} needs MLX's CUDA backend as the default device (it times CUDA kernels)")
     # Constants set first: "shipped" is then the kernels built with them.
     settings = constants.apply_settings(args.set)
-    rows = {m: probe_method(m, args.context, args.bounds, _log) for m in args.methods}
+    rows = {m: probe_method(m, args.context, args.bounds, _log, args.warps) for m in args.methods}
     return {"settings": {"context": args.context, "methods": args.methods, "bounds": args.bounds,
+                         "warps": args.warps,
                          "threads_per_block": 128, "constants_set": settings},
             "results": rows}
 
