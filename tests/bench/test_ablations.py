@@ -5,7 +5,7 @@ interleaved run times both forms."""
 import mlx.core as mx
 import pytest
 
-from veloxquant_mlx.bench.ablations import WINDOW_METHODS, in_place_windows
+from veloxquant_mlx.bench.ablations import WINDOW_METHODS, in_place_window
 from veloxquant_mlx.bench.layer_specs import parse_layer_spec
 from veloxquant_mlx.bench.tiny import random_llama
 from veloxquant_mlx.cache import base, window_buffer
@@ -58,7 +58,7 @@ def test_a_list_without_our_caches_is_refused():
     from mlx_lm.models.cache import KVCache
 
     with pytest.raises(TypeError, match="KVCache"):
-        in_place_windows([KVCache()])
+        in_place_window.mark([KVCache()])
 
 
 @pytest.mark.parametrize("method", WINDOW_METHODS)

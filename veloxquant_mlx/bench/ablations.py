@@ -58,7 +58,6 @@ class Marked:
 # The decode window written in place (cache/window_buffer.py), whatever
 # base.DECODE_WINDOW_IN_PLACE says.
 in_place_window = Marked("decode_window_in_place", True)
-in_place_windows = in_place_window.mark
 
 # The decode kernel's launches split for N target warps whatever the kernel's own target
 # (fused_decode.tokens_per_block): one layer's chained attention on the H200 was ~15% faster at

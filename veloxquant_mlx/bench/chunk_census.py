@@ -85,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--history", type=int, default=512, help="tokens cached before the counted chunk (default 512)")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (default 2048, mlx-lm's)")
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
+    constants.add_set_option(p)
     p.add_argument("--alternate", default=None, metavar="MODULE.NAME=VALUE",
                    help="also count every method with this constant set (an A/B)")
     args = p.parse_args(argv)

@@ -65,7 +65,7 @@ def parse_args(argv=None):
     steps.add_argument("--repeats", type=int, default=2, help="fresh caches per method (default 2)")
     steps.add_argument("--out", help="JSON file for the step times (optional)")
     for parser in (prof, steps):
-        parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
+        constants.add_set_option(parser)
     summ = sub.add_parser("summarize", help="ncu CSVs -> JSON")
     summ.add_argument("--csv", action="append", required=True, metavar="METHOD=FILE")
     summ.add_argument("--out", required=True)
@@ -79,10 +79,7 @@ def parse_args(argv=None):
     if args.command == "steps" and (args.steps < 1 or args.repeats < 1):
         p.error(f"--steps {args.steps} / --repeats {args.repeats}: allowed is at least 1 of each")
     if args.command in ("profile", "steps"):
-        try:
-            args.set = [constants.parse_setting(x) for x in args.set]
-        except ValueError as exc:
-            p.error(f"--set: {exc}")
+        args.set = constants.parsed_settings(p, args.set)
     return args
 
 

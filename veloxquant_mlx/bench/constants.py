@@ -36,6 +36,19 @@ def parse_setting(text: str) -> tuple:
         raise ValueError(f"{text!r}: {raw!r} is not an integer") from None
 
 
+def add_set_option(parser) -> None:
+    """A measurement module's repeatable `--set MODULE.NAME=VALUE` option."""
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=HELP)
+
+
+def parsed_settings(parser, texts) -> list:
+    """The texts of `--set` as (module, NAME, value); a bad one is `parser`'s usage error."""
+    try:
+        return [parse_setting(x) for x in texts]
+    except ValueError as exc:
+        parser.error(f"--set: {exc}")
+
+
 def apply_settings(settings) -> dict:
     """Set each (module, NAME, value); -> {"module.NAME": {"default": old, "set": new}} for the
     result file."""

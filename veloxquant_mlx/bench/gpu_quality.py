@@ -111,14 +111,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model dtype (default bfloat16, the GPU's; float32 on the CPU)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="start no new spec after this many seconds (default 480: a device call ends at 600)")
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
+    constants.add_set_option(p)
     p.add_argument("--allow-other-model-file", action="store_true",
                    help="run even if the GGUF's sha256 is not the one the committed ids were written for")
     args = p.parse_args(argv)
-    try:
-        args.set = [constants.parse_setting(x) for x in args.set]
-    except ValueError as exc:
-        p.error(f"--set: {exc}")
+    args.set = constants.parsed_settings(p, args.set)
     return args
 
 

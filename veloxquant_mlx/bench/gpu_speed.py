@@ -93,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --interleave, decode rounds may still start this many seconds past --budget-s "
                         "(a round of 8 caches x 8 tokens takes ~0.2 s at 32K): a budget spent on prefills, "
                         "e.g. a fresh machine's JIT compiles, still yields decode figures (default 30)")
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
+    constants.add_set_option(p)
     p.add_argument("--run-after-failed-warmup", action="store_true",
                    help="time a spec whose warm-up failed anyway (default: its cases are recorded "
                         "as skipped, naming the warm-up's error)")
@@ -110,10 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="smoke test: first context only (4096 unless --contexts), 8 decode tokens")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    try:
-        args.set = [constants.parse_setting(x) for x in args.set]
-    except ValueError as exc:
-        p.error(f"--set: {exc}")
+    args.set = constants.parsed_settings(p, args.set)
     if args.contexts is None:
         args.contexts = [4096] if args.quick else _int_list(DEFAULT_CONTEXTS)
     if args.quick:

@@ -148,12 +148,9 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no new case after this many seconds (recorded as skipped); set it "
                         "below the device call's timeout so the JSON is complete up to there")
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
+    constants.add_set_option(p)
     args = p.parse_args(argv)
-    try:
-        args.set = [constants.parse_setting(x) for x in args.set]
-    except ValueError as exc:
-        p.error(f"--set: {exc}")
+    args.set = constants.parsed_settings(p, args.set)
     if args.fills < 1 or args.prefill_chunk < 1 or args.prefill_context < args.prefill_chunk:
         p.error(f"--fills {args.fills} / --prefill-chunk {args.prefill_chunk} / --prefill-context "
                 f"{args.prefill_context}: allowed are fills >= 1, a chunk >= 1 and a context of at "

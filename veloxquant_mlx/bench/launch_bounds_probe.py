@@ -124,6 +124,18 @@ def probe_method(method: str, n: int, bounds: list[int], log, warps: list[int] =
     return row
 
 
+def _int_list(p, option: str, text: str, valid, allowed: str, required: bool) -> list[int]:
+    """`option`'s comma list of integers, each passing `valid` (at least one where `required`),
+    else `p`'s usage error naming the option, its text and what is `allowed`."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = None
+    if values is None or (required and not values) or not all(valid(v) for v in values):
+        p.error(f"{option} {text!r} is invalid: allowed is {allowed}")
+    return values
+
+
 def parse_args(argv=None):
     from veloxquant_mlx.bench import command, constants
     from veloxquant_mlx.cache.fused_decode import MAX_MIN_BLOCKS
@@ -134,30 +146,17 @@ def parse_args(argv=None):
     p.add_argument("--bounds", default="5", help=f"comma list of blocks per SM, 0..{MAX_MIN_BLOCKS} (0: no bounds)")
     p.add_argument("--warps", default="", help="comma list of target warps to split the launches for, "
                                                 "per cache (default: none)")
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
+    constants.add_set_option(p)
     args = p.parse_args(argv)
-    try:
-        args.set = [constants.parse_setting(x) for x in args.set]
-    except ValueError as exc:
-        p.error(f"--set: {exc}")
+    args.set = constants.parsed_settings(p, args.set)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown or not args.methods:
         p.error(f"--methods: {unknown or 'none given'} is invalid; allowed are {', '.join(METHODS)}")
-    text = args.bounds
-    try:
-        args.bounds = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        args.bounds = []
-    if not args.bounds or not all(0 <= b <= MAX_MIN_BLOCKS for b in args.bounds):
-        p.error(f"--bounds {text!r} is invalid: allowed is a comma list of integers in 0..{MAX_MIN_BLOCKS}")
-    text = args.warps
-    try:
-        args.warps = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        args.warps = [0]
-    if not all(w >= 1 for w in args.warps):
-        p.error(f"--warps {text!r} is invalid: allowed is a comma list of positive integers")
+    args.bounds = _int_list(p, "--bounds", args.bounds, lambda b: 0 <= b <= MAX_MIN_BLOCKS,
+                            f"a comma list of integers in 0..{MAX_MIN_BLOCKS}", required=True)
+    args.warps = _int_list(p, "--warps", args.warps, lambda w: w >= 1, "a comma list of positive integers",
+                           required=False)
     return args
 
 

@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--keep-buffers", action="store_true", help="do not clear MLX's buffer cache between chunks")
     p.add_argument("--budget-s", type=float, default=400.0, help="start no new spec after this many seconds")
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help=constants.HELP)
+    constants.add_set_option(p)
     p.add_argument("--alternate", default=None, metavar="MODULE.NAME=VALUE",
                    help="time each spec's fills alternately as set (after --set) and with this setting "
                         "too, in one process (the JIT compiles paid once); its summary is SPEC@SETTING")
@@ -64,10 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("context", "fills", "prefill_step_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: allowed is an integer >= 1")
-    try:
-        args.set = [constants.parse_setting(x) for x in args.set]
-    except ValueError as exc:
-        p.error(f"--set: {exc}")
+    args.set = constants.parsed_settings(p, args.set)
     if args.alternate is not None:
         try:
             args.alternate = (args.alternate, constants.parse_setting(args.alternate))
