@@ -453,6 +453,19 @@ _PARTIALS_TEMPLATE = r"""
                   : t < n_sink ? sk_bh + (size_t)t * D : wk_bh + (size_t)(t - n_sink) * D;
   };
   float* p_tile = ps[warp];
+  // The warp's stage of the keys of the tile at `base`, KSC channels from c0 (codes, then scales,
+  // then zeros; every load issued before the first store): the FMA and MMA score loops' one
+  // copy of the history's keys into shared memory.
+  const auto stage_keys = [&](int base, int c0) {
+    vq_stage<KSC, KCODE_ROW> codes;
+    vq_stage<KSC, KSIDE_ROW> scales, zeros;
+    codes.load(kc_bh + (size_t)c0 * wk_words + (base * KB >> 5), (size_t)wk_words * 4, lane);
+    scales.load(ks_bh + (size_t)c0 * gk + base / G, (size_t)gk * sizeof(ST), lane);
+    zeros.load(kz_bh + (size_t)c0 * gk + base / G, (size_t)gk * sizeof(ST), lane);
+    codes.store(kstage[warp], lane);
+    scales.store(kstage[warp] + KSC * WR, lane);
+    zeros.store(reinterpret_cast<ST*>(kstage[warp] + KSC * WR) + KSC * NGK, lane);
+  };
   //@declare
 
   float m[R], l[R], acc[R][CPL];
@@ -529,16 +542,7 @@ _PARTIALS_TEMPLATE = r"""
       const ST* kss = reinterpret_cast<const ST*>(kstage[warp] + KSC * WR);
       const ST* kzs = kss + KSC * NGK;
       __syncwarp();  // the stage's and p_tile's last readers are done
-      {
-        vq_stage<KSC, KCODE_ROW> codes;
-        vq_stage<KSC, KSIDE_ROW> scales, zeros;
-        codes.load(kc_bh + (base * KB >> 5), (size_t)wk_words * 4, lane);
-        scales.load(ks_bh + base / G, (size_t)gk * sizeof(ST), lane);
-        zeros.load(kz_bh + base / G, (size_t)gk * sizeof(ST), lane);
-        codes.store(kstage[warp], lane);
-        scales.store(kstage[warp] + KSC * WR, lane);
-        zeros.store(reinterpret_cast<ST*>(kstage[warp] + KSC * WR) + KSC * NGK, lane);
-      }
+      stage_keys(base, 0);
       __syncwarp();
       const int g8 = lane >> 2, t4 = lane & 3;
       // Token g8's two bits (at 2 g8 of the m-tile's word) to bits 8, 9; token g8 + 8's to 24, 25.
@@ -622,16 +626,7 @@ _PARTIALS_TEMPLATE = r"""
       #pragma unroll 1
       for (int c0 = 0; c0 < D; c0 += KSC) {
         __syncwarp();  // the stage's last readers are done
-        {
-          vq_stage<KSC, KCODE_ROW> codes;
-          vq_stage<KSC, KSIDE_ROW> scales, zeros;
-          codes.load(kc_bh + (size_t)c0 * wk_words + (base * KB >> 5), (size_t)wk_words * 4, lane);
-          scales.load(ks_bh + (size_t)c0 * gk + base / G, (size_t)gk * sizeof(ST), lane);
-          zeros.load(kz_bh + (size_t)c0 * gk + base / G, (size_t)gk * sizeof(ST), lane);
-          codes.store(kstage[warp], lane);
-          scales.store(kstage[warp] + KSC * WR, lane);
-          zeros.store(reinterpret_cast<ST*>(kstage[warp] + KSC * WR) + KSC * NGK, lane);
-        }
+        stage_keys(base, c0);
         __syncwarp();
         #pragma unroll 16
         for (int dd = 0; dd < KSC; ++dd) {
