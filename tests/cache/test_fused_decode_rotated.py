@@ -287,9 +287,12 @@ def test_supported_shapes():
 
 
 def test_blocks_fill_the_gpu_within_bounds():
+    # TARGET_WARPS 2048 over 8 heads: 64 blocks of 4 warps per head, at least one 32-token
+    # tile per warp (128 tokens a block).
+    assert fdr.TARGET_WARPS == 2048
     assert fdr.tokens_per_block(4096, 8) == 128
-    assert fdr.tokens_per_block(32768, 8) == 256
-    assert fdr.tokens_per_block(131072, 8) == 1024
+    assert fdr.tokens_per_block(32768, 8) == 512
+    assert fdr.tokens_per_block(131072, 8) == 2048
     assert fdr.tokens_per_block(10**9, 8) == 32 * 4 * fdr.MAX_TILES_PER_WARP
 
 

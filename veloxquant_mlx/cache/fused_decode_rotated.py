@@ -129,7 +129,13 @@ from veloxquant_mlx.cache import fused_decode
 
 TILE = 32  # tokens per warp tile: one per lane when scoring
 WARPS_PER_BLOCK = 4
-TARGET_WARPS = 4096  # ~31 warps per SM on an H200 (132 SMs), as fused_decode
+# Warps a launch aims at (its split of the history over blocks): 2048 since session 23. On the
+# H200 one layer's whole chained attention (bench.launch_bounds_probe --warps 1024,2048,4096)
+# took at 32K 93 us with 2048 against 103-105 with 4096 (104 with 1024), at 128K 256 against
+# 257-259 (311 with 1024); in the 8-layer model's interleaved decode at 32K (gpu_speed
+# --interleave, the ablation turboquant_rvq-tw2048 beside the method) 0.92x fp16's tokens/s
+# (paired median) against 0.90x (results/lb_h200_s23_warps_*.json, gpu_speed_h200_s23_tw_32k.json).
+TARGET_WARPS = 2048
 MAX_TILES_PER_WARP = 256
 # The budget of value sums per lane: a lane owns CPL = 16 value channels while R x 16 <= the
 # budget, else 8 (channels_per_lane; the kernel's CPL). 32 since session 5 (8 channels from 3
