@@ -23,7 +23,7 @@ crash or a hang is a test failure with the program's message, not a dead test se
     its bits, float -> bfloat16 rounding to nearest even), so fp16/bf16 inputs and outputs run
     the kernels' own load and store paths;
   * __ldg, __funnelshift_l/r, __int_as_float and friends, rsqrtf, __popc, atomicAdd (a lock)
-    as their definitions; __match_any_sync as a warp exchange;
+    as their definitions;
   * CUDA's launch limits (1024 threads per block, grid sizes) and its 48 KB of static shared
     memory per block (the kernel's statics, read from the program's symbol table) are checked;
   * outputs start filled with 0xff bytes (NaN for floats), as MLX hands a kernel uninitialized
@@ -147,19 +147,6 @@ template <typename T> inline T __shfl_xor_sync(unsigned, T x, int o, int width =
 template <typename T> inline T __shfl_sync(unsigned, T x, int src, int width = 32) {
   const int l = vq_tid % 32;
   return vq_exchange(x, (l / width) * width + (src & (width - 1)));
-}
-// The lanes whose x equals this lane's, as a bit mask (every lane of the warp calls it).
-template <typename T> inline unsigned __match_any_sync(unsigned, T x) {
-  static_assert(sizeof(T) <= 8, "match of a value wider than 8 bytes");
-  const int w = vq_tid / 32, l = vq_tid % 32;
-  uint64_t mine = 0;
-  std::memcpy(&mine, &x, sizeof(T));
-  vq_xbuf[w][l] = mine;
-  vq_warp_bar[w]->arrive_and_wait();
-  unsigned peers = 0;
-  for (int j = 0; j < 32; ++j) peers |= vq_xbuf[w][j] == mine ? 1u << j : 0u;
-  vq_warp_bar[w]->arrive_and_wait();
-  return peers;
 }
 template <typename T> inline T __shfl_down_sync(unsigned, T x, unsigned d, int width = 32) {
   const int l = vq_tid % 32;

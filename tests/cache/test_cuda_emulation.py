@@ -89,21 +89,6 @@ def test_primitives_are_cudas():
     assert kernel.calls == 2
 
 
-def test_match_any_is_cudas():
-    # __match_any_sync: the warp's lanes holding this lane's value, as a bit mask (fused_decode's
-    # vq_round_add tells a round's unique targets by it).
-    kernel = emu.cuda_kernel("match", ["x"], ["peers"], """
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  peers[t] = __match_any_sync(0xffffffffu, x[t]);
-""")
-    x = mx.array([i % 7 if i % 32 < 20 else -1 - i for i in range(N)], dtype=mx.int32)
-    (peers,) = kernel(inputs=[x], template=[], grid=(N, 1, 1), threadgroup=(BLOCK, 1, 1),
-                      output_shapes=[(N,)], output_dtypes=[mx.uint32])
-    xs = np.array(x).reshape(-1, 32)
-    expected = [sum(1 << j for j in range(32) if row[j] == row[i]) for row in xs for i in range(32)]
-    assert np.array(peers).tolist() == expected
-
-
 def test_a_crashing_kernel_is_an_error_naming_it():
     kernel = emu.cuda_kernel("crash", ["x"], ["y"], "volatile float* p = nullptr; if (threadIdx.x == 3) *p = x[0];\ny[0] = 1;")
     with pytest.raises(emu.EmulationError, match="emulated kernel 'crash' failed with exit status"):

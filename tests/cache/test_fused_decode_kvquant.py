@@ -159,7 +159,7 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
     template = dict(launch["template"])
     n_out = 41 if outliers else 0  # round(0.01 * 32 * 128)
     assert template == {"D": 128, "DV": 128, "R": 4, "G": 32, "BITS": 3, "LPT": 16, "NOK": n_out,
-                        "NOV": n_out, "PARK": True, "UB": 8, "OB": 8, "UA": 0, "QT": mx.float32, "ST": mx.float32,
+                        "NOV": n_out, "PARK": True, "UB": 8, "OB": 8, "QT": mx.float32, "ST": mx.float32,
                         "WB": 0}
     assert (launch["n_blocks"], launch["heads"], launch["value_dim"]) == (n_hist + 1, 2, 128)
     # Off, or a shape the kernel refuses: the portable path (supports() is asked when a launch

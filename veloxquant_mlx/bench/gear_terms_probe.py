@@ -17,11 +17,9 @@ the clock, median of 5 batches), for each target of `--warps` (the cache's decod
 and each variant: the kernel as shipped, and the same launch with template constants changed
 (VARIANTS): a term dropped (RANK / KCNT / VCNT = 0: the kernel then skips that term's code;
 the arrays, split and shared-memory stages stay as shipped, so only the term's own work goes),
-all three dropped (kivi's work over GEAR's store), OB, the outlier entries a lane loads at
-once, or UA, the outlier rounds' adds plain where their targets are unique
-(fused_decode_gear.UNIQUE_ADDS). A dropped term changes the output (its max |diff| to shipped,
-recorded, shows that the term was really off); OB must not (0 expected), UA only in the last
-bits (the adds' order).
+all three dropped (kivi's work over GEAR's store), or OB, the outlier entries a lane loads at
+once. A dropped term changes the output (its max |diff| to shipped, recorded, shows that the
+term was really off); OB must not (0 expected).
 """
 
 from __future__ import annotations
@@ -41,8 +39,6 @@ VARIANTS = {
     "no_terms": {"RANK": 0, "KCNT": 0, "VCNT": 0},
     "ob8": {"OB": 8},
     "ob12": {"OB": 12},
-    "unique_adds": {"UA": 1},
-    "unique_adds_ob12": {"UA": 1, "OB": 12},
 }
 
 

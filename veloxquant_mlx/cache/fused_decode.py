@@ -177,35 +177,6 @@ __device__ __forceinline__ float vq_warp_sum(float x) {
   return x;
 }
 
-// One round of a warp's scattered adds into shared memory (the sparse outliers' terms of GEAR's
-// and KVQuant's kernels): each lane with `ok` adds v[r] at at[r * stride], r < R. UA = 0: an
-// atomicAdd each. UA = 1: a lane whose `key` (its target: the token's slot, the channel) no
-// other lane holds in this round adds with a plain load and store, the others atomically. Why:
-// a float atomicAdd on shared memory is a compare-and-swap loop on sm_90 (ptxas: ATOMS.CAST.SPIN,
-// a load, the add, the swap and a branch, one after another: 4 x OB per lane and round at R = 4),
-// and two entries of a round rarely share a token. Every lane of the warp calls it (the match,
-// and the __syncwarp that orders the round's plain stores before the next round's loads).
-template <int UA, int R>
-__device__ __forceinline__ void vq_round_add(float* at, int stride, const float (&v)[R], bool ok, int key) {
-  if (UA) {
-    const int lane = threadIdx.x & 31;
-    const unsigned peers = __match_any_sync(0xffffffffu, ok ? key : -1 - lane);
-    if (ok) {
-      if (peers == (1u << lane)) {
-        #pragma unroll
-        for (int r = 0; r < R; ++r) at[r * stride] += v[r];
-      } else {
-        #pragma unroll
-        for (int r = 0; r < R; ++r) atomicAdd(at + r * stride, v[r]);
-      }
-    }
-    __syncwarp();
-  } else if (ok) {
-    #pragma unroll
-    for (int r = 0; r < R; ++r) atomicAdd(at + r * stride, v[r]);
-  }
-}
-
 // Tensor-core scores (template MMA, fused_decode.MMA_SCORES): one warp's
 // mma.sync.m16n8k16 (A 16 x 16 row-major and B 16 x 8 column-major in fp16, C float32 16 x 8,
 // C += A B). Fragments as PTX defines them, lane = 4 g + t: a[0] = A[g][2t, 2t + 1], a[1] =

@@ -145,10 +145,6 @@ UNALIGNED_VALUE_BATCH = 8
 # H200's nvrtc build of 4 already took 102 (Nsight Compute, results/ncu_h200_s12.json), i.e. 4
 # blocks per SM, which 122 keeps.
 OUTLIER_BATCH = 8
-# The outlier rounds' adds into shared memory (the template's UA; fused_decode's vq_round_add):
-# False, an atomicAdd each (a compare-and-swap loop on sm_90); True, plain adds by the lanes
-# whose token slot (keys) or channel (values) no other lane holds in the round, atomics for the rest.
-UNIQUE_ADDS = False
 MAX_ROWS = 8  # GQA rows per KV head
 MAX_HEAD_DIM = 256
 SHARED_BYTES = 48 * 1024
@@ -385,8 +381,7 @@ _PARTIALS = r"""
         // OUTLIER_BATCH). Past-the-end entries of a batch repeat the last one, dropped below.
         const int g0 = base / G;
         const int n_entries = ((tile_end - 1) / G - g0 + 1) * NOK1;
-        for (int j00 = 0; j00 < n_entries; j00 += 32 * OB) {  // warp-uniform (vq_round_add's match)
-          const int j0 = j00 + lane;
+        for (int j0 = lane; j0 < n_entries; j0 += 32 * OB) {
           int pos[OB], gbo[OB];
           float ex[OB];
           #pragma unroll
@@ -410,14 +405,13 @@ _PARTIALS = r"""
           for (int b = 0; b < OB; ++b) {
             const int c = pos[b] % D;
             const int t = gbo[b] * G + pos[b] / D;
-            const bool in_tile = j0 + 32 * b < n_entries && t >= base && t < tile_end;
-            const unsigned code = (word[b] >> ((pos[b] % PER) * BITS)) & MASK;
-            const float delta = ex[b] - fmaf(cbk[code], osc[b], ozp[b]);
-            const int slot = in_tile ? ((t - base) % TPL) * 33 + (t - base) / TPL : 0;
-            float add[R];
-            #pragma unroll
-            for (int r = 0; r < R; ++r) add[r] = qs[c * R + r] * delta;
-            vq_round_add<UA, R>(&p_tile[slot * R], 1, add, in_tile, slot);
+            if (j0 + 32 * b < n_entries && t >= base && t < tile_end) {
+              const unsigned code = (word[b] >> ((pos[b] % PER) * BITS)) & MASK;
+              const float delta = ex[b] - fmaf(cbk[code], osc[b], ozp[b]);
+              const int slot = ((t - base) % TPL) * 33 + (t - base) / TPL;
+              #pragma unroll
+              for (int r = 0; r < R; ++r) atomicAdd(&p_tile[slot * R + r], qs[c * R + r] * delta);
+            }
           }
         }
         __syncwarp();
@@ -480,8 +474,7 @@ _PARTIALS = r"""
       // OB entries per lane at a time, as for the keys.
       const int g0 = base / G;
       const int n_entries = ((tile_end - 1) / G - g0 + 1) * NOV1;
-      for (int j00 = 0; j00 < n_entries; j00 += 32 * OB) {  // warp-uniform (vq_round_add's match)
-        const int j0 = j00 + lane;
+      for (int j0 = lane; j0 < n_entries; j0 += 32 * OB) {
         int pos[OB], gbo[OB];
         float ex[OB];
         #pragma unroll
@@ -505,14 +498,13 @@ _PARTIALS = r"""
         for (int b = 0; b < OB; ++b) {
           const int c = pos[b] % DV;
           const int t = gbo[b] * G + pos[b] / DV;
-          const bool in_tile = j0 + 32 * b < n_entries && t >= max(base, lo) && t < tile_end;
-          const unsigned code = (word[b] >> ((pos[b] % PER) * BITS)) & MASK;
-          const float u = (ex[b] - ozp[b]) / osc[b] - cbv[code];  // unused where !in_tile
-          const int slot = in_tile ? ((t - base) % TPL) * 33 + (t - base) / TPL : 0;
-          float add[R];
-          #pragma unroll
-          for (int r = 0; r < R; ++r) add[r] = p_tile[slot * R + r] * u;
-          vq_round_add<UA, R>(&corr[warp][c], DV, add, in_tile, c);
+          if (j0 + 32 * b < n_entries && t >= max(base, lo) && t < tile_end) {
+            const unsigned code = (word[b] >> ((pos[b] % PER) * BITS)) & MASK;
+            const float u = (ex[b] - ozp[b]) / osc[b] - cbv[code];
+            const int slot = ((t - base) % TPL) * 33 + (t - base) / TPL;
+            #pragma unroll
+            for (int r = 0; r < R; ++r) atomicAdd(&corr[warp][r * DV + c], p_tile[slot * R + r] * u);
+          }
         }
       }
     }
@@ -770,7 +762,7 @@ def decode_step(cache, queries, scale: float):
     # Read at each call (probes set them).
     batches = (UNALIGNED_VALUE_BATCH, OUTLIER_BATCH)
     accumulators, park = MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS
-    key = (accumulators, park, batches, UNIQUE_ADDS)  # beside planned_attend's own (the store's writes, the history...)
+    key = (accumulators, park, batches)  # beside planned_attend's own (the store's writes, the history...)
 
     def launch():
         rows = queries.shape[1] // cache.n_kv_heads
@@ -869,6 +861,6 @@ def codebook_launch(
               fused_decode.window_rows(window_keys.shape[2])]
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
                 ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]), ("PARK", park),
-                ("UB", ub), ("OB", ob), ("UA", int(UNIQUE_ADDS)),
+                ("UB", ub), ("OB", ob),
                 ("QT", dtype), ("ST", side), ("WB", 0)]
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}

@@ -72,10 +72,6 @@ MAX_ROW_RANKS = 32  # rows x max(rank, 1): the per-lane (q B_k) and (p A_v) sums
 # loaded together before the sums. Before session 11 one at a time (1), each entry's loads waited
 # on; a 128-token tile walks its 256-token block's entries (the 8B shape at 1%: 328, ~11 per lane).
 OUTLIER_BATCH = 4
-# The outlier rounds' adds into shared memory (the template's UA; fused_decode's vq_round_add):
-# False, an atomicAdd each (a compare-and-swap loop on sm_90); True, plain adds by the lanes
-# whose token (keys) or channel (values) no other lane holds in the round, atomics for the rest.
-UNIQUE_ADDS = False
 GEAR_INPUTS = ("kat", "kbc", "koi", "kov", "vat", "vbc", "voi", "vov")
 
 # Template constants beyond fused_decode's: RANK, BLK (tokens per low-rank / outlier block),
@@ -162,9 +158,7 @@ _SCORE_INIT = r"""
         // OB entries per lane at a time: their indices and values loaded together, then the
         // sums (OB = 1: one entry's loads waited on at a time, as before session 11;
         // OUTLIER_BATCH). Past-the-end entries of a batch repeat the last one, dropped below.
-        // Warp-uniform rounds (every lane runs each: vq_round_add's match).
-        for (int e00 = 0; e00 < KCNT; e00 += 32 * OB) {
-          const int e0 = e00 + lane;
+        for (int e0 = lane; e0 < KCNT; e0 += 32 * OB) {
           int oix[OB];
           float oval[OB];
           #pragma unroll
@@ -177,12 +171,12 @@ _SCORE_INIT = r"""
           for (int b = 0; b < OB; ++b) {
             const int idx = oix[b];
             const int t = idx / D - toff;
-            const bool in_tile = e0 + 32 * b < KCNT && t >= 0 && t < TILE;
-            const int c = idx - (idx / D) * D;
-            float add[R];
-            #pragma unroll
-            for (int r = 0; r < R; ++r) add[r] = qs[c * R + r] * oval[b];
-            vq_round_add<UA, R>(&p_tile[tile_slot(in_tile ? t : 0) * R], 1, add, in_tile, t);
+            if (e0 + 32 * b < KCNT && t >= 0 && t < TILE) {
+              const int c = idx - (idx / D) * D;
+              const float val = oval[b];
+              #pragma unroll
+              for (int r = 0; r < R; ++r) atomicAdd(&p_tile[tile_slot(t) * R + r], qs[c * R + r] * val);
+            }
           }
         }
         __syncwarp();
@@ -266,8 +260,7 @@ _PROBS = r"""
         __syncwarp();
         const VIT* oi = voi_bh + (size_t)gb * VCNT;
         const ST* ov = vov_bh + (size_t)gb * VCNT;
-        for (int e00 = 0; e00 < VCNT; e00 += 32 * OB) {  // OB at a time, warp-uniform, as for the keys
-          const int e0 = e00 + lane;
+        for (int e0 = lane; e0 < VCNT; e0 += 32 * OB) {  // OB at a time, as for the keys
           int oix[OB];
           float oval[OB];
           #pragma unroll
@@ -280,13 +273,12 @@ _PROBS = r"""
           for (int b = 0; b < OB; ++b) {
             const int idx = oix[b];
             const int t = idx / DV - toff;
-            const bool in_tile = e0 + 32 * b < VCNT && t >= 0 && t < TILE;
-            const int c = idx - (idx / DV) * DV;
-            const int slot = tile_slot(in_tile ? t : 0) * R;
-            float add[R];
-            #pragma unroll
-            for (int r = 0; r < R; ++r) add[r] = p_tile[slot + r] * oval[b];
-            vq_round_add<UA, R>(&vsp_w[c], DV, add, in_tile, c);
+            if (e0 + 32 * b < VCNT && t >= 0 && t < TILE) {
+              const int c = idx - (idx / DV) * DV;
+              const float val = oval[b];
+              #pragma unroll
+              for (int r = 0; r < R; ++r) atomicAdd(&vsp_w[r * DV + c], p_tile[tile_slot(t) * R + r] * val);
+            }
           }
         }
       }
@@ -367,7 +359,7 @@ def store_arrays(cache) -> tuple[list[mx.array], list[mx.array], list[tuple]]:
             index_dtypes.append(mx.uint16)
     template = [("RANK", cache.rank), ("BLK", cache.block_tokens), ("KCNT", counts[0]),
                 ("VCNT", counts[1]), ("KIT", index_dtypes[0]), ("VIT", index_dtypes[1]),
-                ("OB", OUTLIER_BATCH), ("UA", int(UNIQUE_ADDS))]
+                ("OB", OUTLIER_BATCH)]
     return base, extra, template
 
 
@@ -398,4 +390,4 @@ def decode_step(cache, queries, scale: float):
 
     # Planned on the store's writes and the history (fused_decode.planned_attend), and the
     # outlier batch (a probe sets it between steps).
-    return fused_decode.planned_attend(cache, queries, scale, (OUTLIER_BATCH, UNIQUE_ADDS), launch, _partials_kernel)
+    return fused_decode.planned_attend(cache, queries, scale, (OUTLIER_BATCH,), launch, _partials_kernel)
