@@ -50,11 +50,20 @@ straddle words: the portable path.
 The portable path (gear_attention.py) stays the fallback and the reference:
 tests/cache/test_fused_decode_gear_emulated.py runs this kernel's source under the thread-level
 CUDA emulation (tests/cache/cuda_emulation.py) through GEARCache.attention against it;
-tests/cache/test_fused_decode_gear.py holds the wiring test and the CUDA tests. Not yet run on a
-GPU (nvrtc's acceptance, register use and speed unchecked). On the H200:
-    python -m pytest -q -s tests/cache/test_fused_decode_gear.py
-    python -m veloxquant_mlx.bench.attention --context 32768 --q-heads 32 --kv-heads 8 \
-        --head-dim 128 --dtype bfloat16 --methods fp16,gear --kernels both --out X.json
+tests/cache/test_fused_decode_gear.py holds the wiring test and the CUDA tests, which pass on the
+H200 (results/cuda_tests_h200_s17.txt, s18.txt; `pytest -m cuda tests/cache/test_fused_decode_gear.py`).
+
+What its terms cost (session 23, bench.gear_terms_probe: the launch with a term dropped from its
+template, one layer of the 8B shape chained; results/gear_terms_h200_s23.json), us per layer at
+32K with TARGET_WARPS' 4096 warps: 90.8 as shipped, 86.0 without the low rank, 89.0 without the
+key outliers, 85.7 without the value outliers, 64.8 without all three (fp16's mx.fast attention
+~46). The outlier scans grow with the tiles a warp walks: at 1024 warps 106.8 shipped against
+87.9 without the key outliers, and at 128K 355 against 257 (164 without all three), which is why
+this launch keeps 4096 warps where kivi's aims at 1024. A tile's scan reads its whole block's
+entries and adds its own through shared-memory atomicAdd, a compare-and-swap loop on sm_90
+(ATOMS.CAST.SPIN); plain adds where a round's target is unique in the warp were faster only at
+1024 warps and were reverted (fccc141). Per layer and step at 32K the kernel needs ~20 us less
+for the model's 0.9x target.
 """
 
 from __future__ import annotations
