@@ -51,7 +51,7 @@ The portable path (gear_attention.py) stays the fallback and the reference:
 tests/cache/test_fused_decode_gear_emulated.py runs this kernel's source under the thread-level
 CUDA emulation (tests/cache/cuda_emulation.py) through GEARCache.attention against it;
 tests/cache/test_fused_decode_gear.py holds the wiring test and the CUDA tests, which pass on the
-H200 (results/cuda_tests_h200_s17.txt, s18.txt; `pytest -m cuda tests/cache/test_fused_decode_gear.py`).
+H200 (results/cuda_tests_h200_s18.txt: 39 passed with the encode and prefill kernels' tests).
 
 What its terms cost (session 23, bench.gear_terms_probe: the launch with a term dropped from its
 template, one layer of the 8B shape chained; results/gear_terms_h200_s23.json), us per layer at
