@@ -47,3 +47,10 @@ def test_options_are_checked(capsys):
     assert "no_lowrank" in err and "no_value_outliers" in err
     with pytest.raises(SystemExit):
         gear_terms_probe.parse_args(["--warps", "0"])
+
+
+def test_off_cuda_it_is_a_usage_error(capsys):
+    if fused_decode._on_cuda():
+        pytest.skip("this machine runs MLX on CUDA: the probe would run")
+    assert gear_terms_probe.main(["--contexts", "4096", "--no-openblas"]) == 2
+    assert "gear_terms_probe needs MLX's CUDA backend" in capsys.readouterr().err

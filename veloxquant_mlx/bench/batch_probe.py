@@ -217,12 +217,10 @@ def _log(message: str) -> None:
 
 
 def run(args) -> dict:
-    from veloxquant_mlx.bench.kernel_probe import on_cuda
-    from veloxquant_mlx.errors import QuantizerConfigError
+    from veloxquant_mlx.bench.kernel_probe import require_cuda
 
     check_variants()
-    if not on_cuda():
-        raise QuantizerConfigError(f"{MODULE} needs MLX's CUDA backend as the default device (it times CUDA kernels)")
+    require_cuda(MODULE)
     rows = {str(n): probe_context(n, args.methods, _log) for n in args.contexts}
     return {"settings": {"contexts": args.contexts, "methods": args.methods}, "results": rows}
 

@@ -129,11 +129,9 @@ def _log(message: str) -> None:
 
 def run(args) -> dict:
     from veloxquant_mlx.bench import constants
-    from veloxquant_mlx.bench.kernel_probe import on_cuda
-    from veloxquant_mlx.errors import QuantizerConfigError
+    from veloxquant_mlx.bench.kernel_probe import require_cuda
 
-    if not on_cuda():
-        raise QuantizerConfigError(f"{MODULE} needs MLX's CUDA backend as the default device (it times CUDA kernels)")
+    require_cuda(MODULE)
     settings = constants.apply_settings(args.set)
     rows = {str(n): probe_context(n, args.warps, args.variants, _log) for n in args.contexts}
     return {"settings": {"contexts": args.contexts, "warps": args.warps, "variants": args.variants,

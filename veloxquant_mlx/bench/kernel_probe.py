@@ -634,6 +634,15 @@ def on_cuda() -> bool:
     return _on_cuda()
 
 
+def require_cuda(module: str) -> None:
+    """Refuse to run `module` (a probe timing CUDA kernels) where MLX's CUDA backend is not the
+    default device: a usage error naming the module, not figures of the portable path."""
+    from veloxquant_mlx.errors import QuantizerConfigError
+
+    if not on_cuda():
+        raise QuantizerConfigError(f"{module} needs MLX's CUDA backend as the default device (it times CUDA kernels)")
+
+
 def _log(message: str) -> None:
     print(f"[kernel_probe {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
@@ -641,10 +650,8 @@ def _log(message: str) -> None:
 def run(args, header: dict | None = None) -> dict:
     """Every case of args (build_cases), the result written to args.out after each."""
     from veloxquant_mlx.bench import constants, report
-    from veloxquant_mlx.errors import QuantizerConfigError
 
-    if not on_cuda():
-        raise QuantizerConfigError(f"{MODULE} needs MLX's CUDA backend as the default device (it times CUDA kernels)")
+    require_cuda(MODULE)
     settings = constants.apply_settings(args.set)
     result = {**(header or {}),
               "settings": {"parts": args.parts, "contexts": args.contexts,

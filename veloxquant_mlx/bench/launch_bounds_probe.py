@@ -166,11 +166,9 @@ def _log(message: str) -> None:
 
 def run(args) -> dict:
     from veloxquant_mlx.bench import constants
-    from veloxquant_mlx.bench.kernel_probe import on_cuda
-    from veloxquant_mlx.errors import QuantizerConfigError
+    from veloxquant_mlx.bench.kernel_probe import require_cuda
 
-    if not on_cuda():
-        raise QuantizerConfigError(f"{MODULE} needs MLX's CUDA backend as the default device (it times CUDA kernels)")
+    require_cuda(MODULE)
     # Constants set first: "shipped" is then the kernels built with them.
     settings = constants.apply_settings(args.set)
     rows = {m: probe_method(m, args.context, args.bounds, _log, args.warps) for m in args.methods}
