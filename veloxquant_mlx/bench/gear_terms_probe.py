@@ -20,6 +20,12 @@ the arrays, split and shared-memory stages stay as shipped, so only the term's o
 all three dropped (kivi's work over GEAR's store), or OB, the outlier entries a lane loads at
 once. A dropped term changes the output (its max |diff| to shipped, recorded, shows that the
 term was really off); OB must not (0 expected).
+
+Registers (nvcc 13, sm_90, the 8B shape in bf16): shipped 96; one term dropped 96 / 96 / 106
+(rank / key / value outliers); two dropped 123-130; all three 128. Not the cause of the terms'
+cost: the shipped source bounded to 4 blocks per SM takes 128 registers too (`__launch_bounds__
+(128, 4)`) and was no faster (session 22's lb4: 94.2 against 92.8 us at 32K, 271.6 against 270.5
+at 128K; results/lb_h200_s22_*_default.json).
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ VARIANTS = {
     "no_key_outliers": {"KCNT": 0},
     "no_value_outliers": {"VCNT": 0},
     "no_terms": {"RANK": 0, "KCNT": 0, "VCNT": 0},
+    # two of the three dropped: is the terms' cost the sum of their parts (session 23: 26 us at
+    # 32K for all three, 2-5 us for each alone)?
+    "no_outliers": {"KCNT": 0, "VCNT": 0},
+    "no_rank_no_key_outliers": {"RANK": 0, "KCNT": 0},
+    "no_rank_no_value_outliers": {"RANK": 0, "VCNT": 0},
     "ob8": {"OB": 8},
     "ob12": {"OB": 12},
 }
