@@ -204,11 +204,9 @@ def parse_args(argv=None):
         p.error(f"--contexts {args.contexts!r}: allowed is a comma list of integers >= 1")
     if not args.contexts or min(args.contexts) < 1:
         p.error(f"--contexts {args.contexts!r}: allowed is a comma list of integers >= 1")
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown or not args.methods:
-        p.error(f"--methods: {unknown or 'none given'} is invalid; allowed are {', '.join(METHODS)} "
-                "(a standalone minicache / pyramidkv cache attends as a plain layer: nothing to probe)")
+    args.methods = command.name_list(p, "--methods", args.methods, METHODS,
+                                     " (a standalone minicache / pyramidkv cache attends as a plain layer: "
+                                     "nothing to probe)")
     return args
 
 

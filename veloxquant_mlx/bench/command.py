@@ -39,6 +39,28 @@ def add_layer_shape(p: argparse.ArgumentParser, *, dtype: str) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def int_list(p: argparse.ArgumentParser, option: str, text: str, valid, allowed: str, required: bool) -> list[int]:
+    """`option`'s comma list of integers, each passing `valid` (at least one where `required`),
+    else `p`'s usage error naming the option, its text and what is `allowed`."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = None
+    if values is None or (required and not values) or not all(valid(v) for v in values):
+        p.error(f"{option} {text!r} is invalid: allowed is {allowed}")
+    return values
+
+
+def name_list(p: argparse.ArgumentParser, option: str, text: str, allowed, note: str = "") -> list[str]:
+    """`option`'s comma list of names, at least one, each in `allowed`, else `p`'s usage error
+    naming the unknown ones and listing `allowed` (then `note`, where given)."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in allowed]
+    if unknown or not names:
+        p.error(f"{option}: {unknown or 'none given'} is invalid; allowed are {', '.join(allowed)}{note}")
+    return names
+
+
 def positive(text: str) -> int:
     from veloxquant_mlx.cli.common import _non_negative
 

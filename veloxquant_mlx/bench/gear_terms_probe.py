@@ -114,7 +114,6 @@ def probe_context(n: int, warps: list[int], variants: list[str], log) -> dict:
 
 def parse_args(argv=None):
     from veloxquant_mlx.bench import command, constants
-    from veloxquant_mlx.bench.launch_bounds_probe import _int_list
 
     p = command.parser(MODULE, __doc__)
     p.add_argument("--contexts", default="32768,131072", help="history tokens (default 32768,131072)")
@@ -123,14 +122,10 @@ def parse_args(argv=None):
     constants.add_set_option(p)
     args = p.parse_args(argv)
     args.set = constants.parsed_settings(p, args.set)
-    args.contexts = _int_list(p, "--contexts", args.contexts, lambda n: n >= 1, "a comma list of positive integers",
-                              required=True)
-    args.warps = _int_list(p, "--warps", args.warps, lambda w: w >= 1, "a comma list of positive integers",
-                           required=True)
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown or not args.variants:
-        p.error(f"--variants: {unknown or 'none given'} is invalid; allowed are {', '.join(VARIANTS)}")
+    positives = "a comma list of positive integers"
+    args.contexts = command.int_list(p, "--contexts", args.contexts, lambda n: n >= 1, positives, required=True)
+    args.warps = command.int_list(p, "--warps", args.warps, lambda w: w >= 1, positives, required=True)
+    args.variants = command.name_list(p, "--variants", args.variants, VARIANTS)
     return args
 
 

@@ -124,18 +124,6 @@ def probe_method(method: str, n: int, bounds: list[int], log, warps: list[int] =
     return row
 
 
-def _int_list(p, option: str, text: str, valid, allowed: str, required: bool) -> list[int]:
-    """`option`'s comma list of integers, each passing `valid` (at least one where `required`),
-    else `p`'s usage error naming the option, its text and what is `allowed`."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = None
-    if values is None or (required and not values) or not all(valid(v) for v in values):
-        p.error(f"{option} {text!r} is invalid: allowed is {allowed}")
-    return values
-
-
 def parse_args(argv=None):
     from veloxquant_mlx.bench import command, constants
     from veloxquant_mlx.cache.fused_decode import MAX_MIN_BLOCKS
@@ -149,14 +137,11 @@ def parse_args(argv=None):
     constants.add_set_option(p)
     args = p.parse_args(argv)
     args.set = constants.parsed_settings(p, args.set)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown or not args.methods:
-        p.error(f"--methods: {unknown or 'none given'} is invalid; allowed are {', '.join(METHODS)}")
-    args.bounds = _int_list(p, "--bounds", args.bounds, lambda b: 0 <= b <= MAX_MIN_BLOCKS,
-                            f"a comma list of integers in 0..{MAX_MIN_BLOCKS}", required=True)
-    args.warps = _int_list(p, "--warps", args.warps, lambda w: w >= 1, "a comma list of positive integers",
-                           required=False)
+    args.methods = command.name_list(p, "--methods", args.methods, METHODS)
+    args.bounds = command.int_list(p, "--bounds", args.bounds, lambda b: 0 <= b <= MAX_MIN_BLOCKS,
+                                   f"a comma list of integers in 0..{MAX_MIN_BLOCKS}", required=True)
+    args.warps = command.int_list(p, "--warps", args.warps, lambda w: w >= 1, "a comma list of positive integers",
+                                  required=False)
     return args
 
 
