@@ -10,6 +10,7 @@ subset, whose machines have no CUDA toolkit anyway."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ import mlx.core as mx
 import pytest
 
 from tests.cache import cuda_emulation
+from veloxquant_mlx.bench import gear_terms_probe
 from veloxquant_mlx.cache.factory import KVCacheFactory
 from veloxquant_mlx.config import KVCacheConfig
 
@@ -121,3 +123,38 @@ def test_the_switched_off_paths_compile_without_spills(tmp_path, monkeypatch, me
     assert sources and all(f"constexpr int {name} = {int(takes(dtype, rep, D))};" in s for s in sources)
     for i, source in enumerate(sorted(sources)):
         compiled_without_spills(source, tmp_path, i)
+
+
+def _inner_loops(sass: str) -> list[tuple[int, int]]:
+    """(instructions, FFMA) of each innermost loop of cuobjdump's SASS (a backward branch's span
+    holding no other), largest first."""
+    ins = [(int(m[1], 16), m[2].split()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    ops = [words[1] if words[0].startswith("@") else words[0] for _, words in ins]
+    at = {address: i for i, (address, _) in enumerate(ins)}
+    spans = []
+    for i, (address, words) in enumerate(ins):
+        target = re.search(r"0x([0-9a-f]+)", " ".join(words))
+        if ops[i] == "BRA" and target and int(target[1], 16) in at and int(target[1], 16) <= address:
+            spans.append((at[int(target[1], 16)], i))
+    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+    return sorted(((b - a + 1, sum(op.startswith("FFMA") for op in ops[a:b + 1])) for a, b in inner), reverse=True)
+
+
+@pytest.mark.parametrize("variant", list(gear_terms_probe.VARIANTS))
+def test_gear_terms_probes_variants_compile_without_spills(tmp_path, variant):
+    # bench.gear_terms_probe's variants (GEAR's decode kernel with terms dropped from its
+    # template) at the 8B shape: -s prints each build's registers and, where CUOBJDUMP names
+    # cuobjdump, its instruction count and innermost loops (session 23: shipped 96 registers,
+    # 8,496 instructions; without the three terms 128 and 5,680, the key and value loops the same).
+    changes = gear_terms_probe.VARIANTS[variant]
+    with gear_terms_probe.template_changes(changes):  # a new cache: its first step builds the plan
+        captured = _captured("gear", mx.bfloat16, 4, 128)
+    sources = {k.cuda_source(sig) for k, sig in captured if k.name == "vq_gear_decode_partials_merged"}
+    assert len(sources) == 1 and all(f"constexpr int {k} = {v};" in s for s in sources for k, v in changes.items())
+    compiled_without_spills(sources.pop(), tmp_path)
+    cuobjdump = os.environ.get("CUOBJDUMP")
+    if cuobjdump:
+        sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "kernel0.cubin")], capture_output=True,
+                              text=True, check=True).stdout
+        print(variant, len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[^;]*;", sass)), "instructions; innermost loops "
+              "(instructions, FFMA):", _inner_loops(sass)[:3])

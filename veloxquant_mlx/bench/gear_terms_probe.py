@@ -21,10 +21,11 @@ all three dropped (kivi's work over GEAR's store), or OB, the outlier entries a 
 once. A dropped term changes the output (its max |diff| to shipped, recorded, shows that the
 term was really off); OB must not (0 expected).
 
-Registers (nvcc 13, sm_90, the 8B shape in bf16): shipped 96; one term dropped 96 / 96 / 106
+Registers (nvcc 13, sm_90, the 8B shape in bf16; `pytest -q -s -m slow
+tests/cache/test_kernels_nvcc.py -k gear_terms`): shipped 96; one term dropped 96 / 96 / 106
 (rank / key / value outliers); two dropped 123-130; all three 128. Not the cause of the terms'
-cost: the shipped source bounded to 4 blocks per SM takes 128 registers too (`__launch_bounds__
-(128, 4)`) and was no faster (session 22's lb4: 94.2 against 92.8 us at 32K, 271.6 against 270.5
+cost: the shipped source bounded to 4 blocks per SM (`__launch_bounds__(128, 4)`: up to 128
+registers) was no faster (session 22's lb4: 94.2 against 92.8 us at 32K, 271.6 against 270.5
 at 128K; results/lb_h200_s22_*_default.json).
 """
 
