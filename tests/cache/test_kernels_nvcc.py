@@ -156,5 +156,6 @@ def test_gear_terms_probes_variants_compile_without_spills(tmp_path, variant):
     if cuobjdump:
         sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "kernel0.cubin")], capture_output=True,
                               text=True, check=True).stdout
-        print(variant, len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[^;]*;", sass)), "instructions; innermost loops "
-              "(instructions, FFMA):", _inner_loops(sass)[:3])
+        print(variant, len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[^;]*;", sass)), "instructions,",
+              len(re.findall(r"ATOMS\.CAST\.SPIN", sass)), "ATOMS.CAST.SPIN "
+              "(shared-memory compare-and-swap); innermost loops (instructions, FFMA):", _inner_loops(sass)[:3])
