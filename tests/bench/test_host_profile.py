@@ -31,8 +31,26 @@ def test_a_tiny_run_profiles_each_spec(tmp_path, capsys, mode):
     assert "##### kivi" in capsys.readouterr().out
 
 
+def test_first_steps_profiles_the_steps_right_after_the_prefill_and_keeps_each(tmp_path, capsys):
+    out = tmp_path / "hp.json"
+    assert host_profile.main(["decode", *TINY, "--methods", "kivi", "--steps", "6", "--first-steps",
+                              "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    entry = data["specs"]["kivi"]
+    assert data["settings"]["first_steps"] is True
+    assert len(entry["profiled_host_ms"]) == 6 and all(ms > 0 for ms in entry["profiled_host_ms"])
+    assert "step_ms" not in entry  # no timed burst before the profiled steps
+    assert "host ms per step, in order:" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("bad", [["--steps", "0"], ["--context", "1"], ["--top", "0"]])
 def test_refuses_bad_counts(tmp_path, capsys, bad):
     with pytest.raises(SystemExit):
         host_profile.parse_args(["decode", "--out", str(tmp_path / "x.json"), *bad])
     assert "allowed is" in capsys.readouterr().err
+
+
+def test_first_steps_is_refused_in_prefill_mode(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        host_profile.parse_args(["prefill", "--first-steps", "--out", str(tmp_path / "x.json")])
+    assert "--first-steps is a decode-mode option" in capsys.readouterr().err

@@ -116,3 +116,17 @@ def test_window_rows_views_share_one_zero_array_grown_for_long_windows():
     assert a is b and a.shape == (5,) and a.dtype == mx.uint8
     long = fused_decode.window_rows(3000)
     assert long.shape == (3000,) and not mx.any(long).item()
+
+
+def test_window_rows_waits_on_nothing(monkeypatch):
+    # mx.eval waits for every launch queued before it: on the H200 the eval it made for each
+    # window length's first step cost GEAR ~1.1 ms per step over its first 255 decode tokens.
+    def waits(*arrays):
+        raise AssertionError("window_rows evaluated (a host sync on a GPU)")
+
+    monkeypatch.setattr(mx, "eval", waits)
+    monkeypatch.setattr(mx, "synchronize", waits)
+    fresh = fused_decode.window_rows(4099)  # a length no other test asks for, and a new base
+    assert fresh.shape == (4099,) and fused_decode.window_rows(4099) is fresh
+    monkeypatch.undo()
+    assert not mx.any(fresh).item()

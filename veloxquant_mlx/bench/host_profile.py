@@ -2,6 +2,7 @@
 
     python -m veloxquant_mlx.bench.host_profile prefill --methods fp16,turboquant_rvq --out X.json
     python -m veloxquant_mlx.bench.host_profile decode --methods fp16,kvquant --steps 64 --out X.json
+    python -m veloxquant_mlx.bench.host_profile decode --first-steps --methods gear --steps 300 --out X.json
 
 Why: prefill_chunks splits a chunk into "host" (the model call) and "eval", and gpu_speed records
 a decode step's host time; neither says which code the host time is spent in. On the H200
@@ -16,7 +17,11 @@ prefill_chunks.timed_fill's chunks and its host span.
 decode: per spec a prefill (drive.prefill), then gpu_speed's decode bursts (drive.decode, as
 mlx-lm's generate steps): 16 untimed steps, 64 timed, `--steps` profiled; the profile covers
 each step's model call, argmax and async_eval (the span drive.decode's host_s times). Step and
-host times are medians per step.
+host times are medians per step. `--first-steps`: the `--steps` steps right after the prefill are
+the profiled ones (no warm-up or timed burst before them), and each one's host ms is kept
+(`profiled_host_ms`): what only a process's or a cache's first steps pay shows there (session
+24: GEAR's first 255 steps each waited ~1.1 ms in fused_decode.window_rows' mx.eval, a cost the
+warmed-up bursts above never saw).
 
 What it cannot tell: MLX's functions are nanobind functions, which cProfile does not see: their
 time counts as their caller's own time (e.g. the async_eval inside _attend_prefill).
@@ -49,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--steps", type=int, default=64, help="decode steps profiled (decode mode; default 64)")
+    p.add_argument("--first-steps", action="store_true",
+                   help="decode mode: profile the steps right after the prefill and keep each one's host ms")
     p.add_argument("--top", type=int, default=30, help="functions kept per spec (default 30)")
     p.add_argument("--layers", type=int, default=8)
     for name, value in LLAMA_8B.items():
@@ -56,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.first_steps and args.mode != "decode":
+        p.error(f"--first-steps is a decode-mode option; mode {args.mode!r} does not take it")
     for name in ("context", "prefill_step_size", "steps", "top"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: allowed is an integer >= 1")
@@ -84,11 +93,13 @@ def _fill(model, cache, prompt, step: int, profile=None) -> dict:
 
 
 def _burst(model, cache, logits, tokens: int, profile=None) -> tuple[dict, object]:
-    """gpu_speed's decode burst -> (median interval and host ms per step, the logits to go on from)."""
+    """gpu_speed's decode burst -> (median interval and host ms per step, and each step's host
+    ms; the logits to go on from)."""
     from veloxquant_mlx.bench.gpu_speed_interleave import decode_burst
 
     intervals, logits, host = decode_burst(model, cache, logits, tokens, profile)
-    return {"step_ms": statistics.median(intervals), "host_median_ms": statistics.median(host)}, logits
+    return {"step_ms": statistics.median(intervals), "host_median_ms": statistics.median(host),
+            "host_ms": host}, logits
 
 
 def profile_spec(spec, model, prompt, args) -> dict:
@@ -104,9 +115,14 @@ def profile_spec(spec, model, prompt, args) -> dict:
         else:
             cache = make_cache()
             logits = prefill(model, cache, prompt, args.prefill_step_size)
-            _, logits = _burst(model, cache, logits, WARM_STEPS)
-            entry, logits = _burst(model, cache, logits, TIMED_STEPS)
+            entry = {}
+            if not args.first_steps:
+                _, logits = _burst(model, cache, logits, WARM_STEPS)
+                entry, logits = _burst(model, cache, logits, TIMED_STEPS)
+                del entry["host_ms"]
             profiled, _ = _burst(model, cache, logits, args.steps, profile)
+            if not args.first_steps:
+                del profiled["host_ms"]
             entry.update({f"profiled_{k}": v for k, v in profiled.items()})
     entry["top_by_own_time"] = top_functions(profile, args.top)
     return entry
@@ -126,7 +142,7 @@ def run(args) -> dict:
     prompt = random_prompt(args.vocab, args.context, args.seed)
     result = {**report.header(), "command": " ".join(["python -m", MODULE, *sys.argv[1:]]),
               "settings": {"mode": args.mode, "context": args.context, "prefill_step_size": args.prefill_step_size,
-                           "steps": args.steps, "dtype": args.dtype},
+                           "steps": args.steps, "first_steps": args.first_steps, "dtype": args.dtype},
               "model": {"kind": "random-weight llama (mlx-lm llama.Model)", **shape}, "specs": {}}
     for spec in parse_specs([m for m in args.methods.split(",") if m]):
         entry = profile_spec(spec, model, prompt, args)
@@ -146,6 +162,9 @@ def main(argv=None) -> int:
     report.write_json(result, args.out)
     for name, entry in result["specs"].items():
         print(f"##### {name}")
+        steps = entry.get("profiled_host_ms")
+        if steps:
+            print("  host ms per step, in order: " + " ".join(f"{ms:.1f}" for ms in steps))
         for row in entry["top_by_own_time"][:10]:
             print(f"  {row['own_s'] * 1e3:8.2f} ms own {row['calls']:6d} calls  {row['function']}")
     return 0

@@ -1344,20 +1344,24 @@ _ROWS_BASE = [mx.zeros((256,), dtype=mx.uint8)]
 
 @lru_cache(maxsize=None)
 def window_rows(n: int) -> mx.array:
-    """The decode kernels' `wn` input: an evaluated (n,) view of one zero array, whose length is
-    the window's filled rows (the kernels read wn_shape[0]; its bytes are never read). Why an
-    input and not the meta: the window grows by a token each step, the meta is kept per launch
-    plan, and a view costs no launch. With it the window inputs may be the cache's in-place
-    buffers, whose rows beyond n are slack (wk_shape[2] is then their row count per head)."""
+    """The decode kernels' `wn` input: an (n,) view of one zero array, whose length is the
+    window's filled rows (the kernels read wn_shape[0]; its bytes are never read). Why an input
+    and not the meta: the window grows by a token each step, the meta is kept per launch plan,
+    and a view costs no launch. With it the window inputs may be the cache's in-place buffers,
+    whose rows beyond n are slack (wk_shape[2] is then their row count per head).
+    Not evaluated here: its first step's graph evaluates it (a slice: a view, no launch), and
+    later steps reuse the evaluated array (lru_cache). Until session 24 it was evaluated here,
+    and mx.eval waits for every launch queued before it: on the H200 each window length's first
+    step in a process waited for the previous step's GPU work, ~1.1 ms per step for GEAR's first
+    255 decode tokens (its window cycles through 1..255; results/phase_probe_h200_s24.json), which
+    slowed its figures in every gpu_speed run until its window had seen every length once."""
     if n < 1:
         raise QuantizerConfigError(f"decode kernels: a window of {n} rows; allowed is at least 1 (the step's token)")
     base = _ROWS_BASE[0]
     if base.shape[0] < n:
         base = mx.zeros((1 << (n - 1).bit_length(),), dtype=mx.uint8)
         _ROWS_BASE[0] = base
-    view = base[:n]
-    mx.eval(view)
-    return view
+    return base[:n]
 
 
 def window_inputs(cache, dtype, held) -> tuple:
