@@ -107,3 +107,11 @@ def test_a_cold_prefill_never_replaces_a_warm_one_while_the_newer_decode_wins(tm
     ])
     (row,) = context_ratios.collect([old, new, warm_new])
     assert row["prefill_source"] == warm_new and row["prefill_time_vs_fp16"] == pytest.approx(1.1)
+
+
+def test_a_panels_axis_ends_above_its_warm_points_whatever_a_cold_one_reads():
+    # A cold 4K prefill at 31x fp16's (session 24: every kernel's JIT compile) must not set the
+    # axis: it ends AXIS_HEADROOM above the highest warm point, or at AXIS_FLOOR.
+    assert context_ratios.axis_top([0.9, 1.8]) == pytest.approx(1.8 * context_ratios.AXIS_HEADROOM)
+    assert context_ratios.axis_top([0.5]) == context_ratios.AXIS_FLOOR
+    assert context_ratios.axis_top([]) == context_ratios.AXIS_FLOOR

@@ -33,6 +33,11 @@ from pathlib import Path
 from veloxquant_mlx.bench.gpu_speed_figures import case_figure, paired_ratios
 
 TARGET_LINES = {"decode": ((32768, 0.9), (131072, 1.0)), "prefill": ((32768, 1.2),)}
+# A panel's y-axis ends at this many times its highest warm point (at least AXIS_FLOOR): a cold
+# prefill of the first context in a process (every kernel's JIT compile: 11-31x fp16's at 4K in
+# session 24's run) would otherwise flatten every warm point; points above are drawn at the edge
+# with their value written beside them.
+AXIS_HEADROOM, AXIS_FLOOR = 1.3, 2.0
 
 
 def ratios_of_file(result: dict, source: str) -> dict[tuple[str, int], dict]:
@@ -93,6 +98,11 @@ def _warm(row: dict, panel: str) -> bool:
     return row["repeats"] >= 2 and row["fp16_repeats"] >= 2 or row["decode_ratio_basis"] == "paired interleaved rounds"
 
 
+def axis_top(warm_values: list[float]) -> float:
+    """Where a panel's y-axis ends: AXIS_HEADROOM above its highest warm point, AXIS_FLOOR at least."""
+    return max([AXIS_FLOOR, *(AXIS_HEADROOM * v for v in warm_values)])
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib
 
@@ -103,6 +113,8 @@ def plot(rows: list[dict], path: Path) -> Path:
     panels = (("decode_vs_fp16", "decode tokens/s vs fp16 (same run)", "decode"),
               ("prefill_time_vs_fp16", "prefill time vs fp16 (same run, fastest repeat)", "prefill"))
     for ax, (key, title, target) in zip(axes, panels):
+        top = axis_top([row[key] for row in rows if _warm(row, target)])
+        clipped: dict[int, int] = {}
         for spec in sorted({row["spec"] for row in rows}):
             mine = [row for row in rows if row["spec"] == spec]
             # Filled and joined: a warm figure (prefill: two repeats or more of the spec and of
@@ -113,8 +125,15 @@ def plot(rows: list[dict], path: Path) -> Path:
             (line,) = ax.plot([r["context"] for r, w in zip(mine, warm) if w],
                               [r[key] for r, w in zip(mine, warm) if w], label=spec)
             for row, is_warm in zip(mine, warm):
-                ax.plot([row["context"]], [row[key]], marker="o", color=line.get_color(),
+                y = min(row[key], top)
+                ax.plot([row["context"]], [y], marker="^" if y < row[key] else "o", color=line.get_color(),
                         markerfacecolor=line.get_color() if is_warm else "none")
+                if y < row[key]:
+                    # One label under another where several points at a context are above.
+                    n = clipped[row["context"]] = clipped.get(row["context"], 0) + 1
+                    ax.annotate(f"{spec} {row[key]:.1f}x", (row["context"], y), textcoords="offset points",
+                                xytext=(6, -4 - 9 * (n - 1)), fontsize=7, color=line.get_color())
+        ax.set_ylim(top=top * 1.04)
         ax.axhline(1.0, color="black", linewidth=0.8)
         for context, level in TARGET_LINES[target]:
             ax.plot([context], [level], marker="_", markersize=30, color="red")
@@ -124,7 +143,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("H200, 8B-shaped llama (8 layers, bf16); red marks: issue 5's targets; hollow, not joined: one cold "
-                 "repeat (decode: not interleaved)", fontsize=10)
+                 "repeat (decode: not interleaved); triangle: above the axis, value beside it", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
