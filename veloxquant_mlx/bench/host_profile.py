@@ -20,7 +20,7 @@ each step's model call, argmax and async_eval (the span drive.decode's host_s ti
 host times are medians per step. `--first-steps`: the `--steps` steps right after the prefill are
 the profiled ones (no warm-up or timed burst before them), and each one's host ms is kept
 (`profiled_host_ms`): what only a process's or a cache's first steps pay shows there (session
-24: GEAR's first 255 steps each waited ~1.1 ms in fused_decode.window_rows' mx.eval, a cost the
+24: GEAR's first 255 steps each waited ~1.3 ms in fused_decode.window_rows' mx.eval, a cost the
 warmed-up bursts above never saw).
 
 What it cannot tell: MLX's functions are nanobind functions, which cProfile does not see: their

@@ -1352,9 +1352,9 @@ def window_rows(n: int) -> mx.array:
     Not evaluated here: its first step's graph evaluates it (a slice: a view, no launch), and
     later steps reuse the evaluated array (lru_cache). Until session 24 it was evaluated here,
     and mx.eval waits for every launch queued before it: on the H200 each window length's first
-    step in a process waited for the previous step's GPU work, ~1.1 ms per step for GEAR's first
-    255 decode tokens (its window cycles through 1..255; results/phase_probe_h200_s24.json), which
-    slowed its figures in every gpu_speed run until its window had seen every length once."""
+    step in a process waited for the previous step's GPU work, ~1.3 ms per step for GEAR's first
+    255 decode tokens (its window cycles through 1..255; results/host_first_steps_h200_s24*.json),
+    which slowed its figures in every gpu_speed run until its window had seen every length once."""
     if n < 1:
         raise QuantizerConfigError(f"decode kernels: a window of {n} rows; allowed is at least 1 (the step's token)")
     base = _ROWS_BASE[0]
