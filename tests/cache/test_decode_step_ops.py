@@ -13,6 +13,7 @@ from veloxquant_mlx.bench.step_census import (
     primitive_id,
     state_arrays,
 )
+from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.xquant import XQuantCache
 
 B, H, D, REP = 1, 2, 64, 2
@@ -146,12 +147,17 @@ def cuda_step_counts(caches, steps=2):
 def test_census_recorder_runs_the_cuda_path_of_xquant():
     """On the CUDA path the follower's step is the leader's: one kernel (the merge fused in) and
     two concatenations (the window's append); the key codes' reshape is the launch plan's, made
-    once per flush."""
+    once per flush. The leader's step is the process's first at its window length (the views
+    forgotten first): its graph also holds the kernel's window-rows view (fused_decode.
+    window_rows; a slice: a view, no launch), evaluated with the step rather than by an mx.eval
+    of its own (session 24: a host sync); the follower's step, at the same length, reuses it."""
     config = KVCacheConfig(method="xquant", xquant_residual_length=8)
     caches = XQuantCache.build_layers(config, 2)
     run_steps(caches, [64, 1])
-    for c in cuda_step_counts(caches):
-        assert c == {"Concatenate": 2, "CustomKernel:vq_affine_decode_partials_merged": 1}, c
+    fused_decode.window_rows.cache_clear()
+    leader, follower = cuda_step_counts(caches)
+    assert leader == {"Concatenate": 2, "Slice": 1, "CustomKernel:vq_affine_decode_partials_merged": 1}, leader
+    assert follower == {"Concatenate": 2, "CustomKernel:vq_affine_decode_partials_merged": 1}, follower
 
 
 @pytest.mark.parametrize("method", ["xquant", "kvquant", "minicache"])
