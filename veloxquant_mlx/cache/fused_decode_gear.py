@@ -62,8 +62,11 @@ key outliers, 85.7 without the value outliers, 64.8 without all three (fp16's mx
 this launch keeps 4096 warps where kivi's aims at 1024. A tile's scan reads its whole block's
 entries and adds its own through shared-memory atomicAdd, a compare-and-swap loop on sm_90
 (ATOMS.CAST.SPIN); plain adds where a round's target is unique in the warp were faster only at
-1024 warps and were reverted (fccc141). Per layer and step at 32K the kernel needs ~20 us less
-for the model's 0.9x target.
+1024 warps and were reverted (fccc141). With two terms dropped (session 24,
+results/gear_terms_h200_s24.json) the savings do not add up (low rank and key outliers together
+21 us at 32K, alone 8 and 4), and at 128K the two outlier scans are 77 of the terms' 103 us.
+Through the model GEAR decodes at 0.87x-0.94x fp16's at 32K and 0.81x at 128K (session 24,
+once a host sync of window_rows was gone: results/gpu_speed_h200_s24_*.json).
 """
 
 from __future__ import annotations
