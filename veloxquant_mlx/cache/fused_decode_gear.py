@@ -208,7 +208,8 @@ _SCORE_INIT = r"""
         // OB entries per lane at a time: their indices and values loaded together, then the
         // sums (OB = 1: one entry's loads waited on at a time, as before session 11;
         // OUTLIER_BATCH). Past-the-end entries of a batch repeat the last one, dropped below.
-        for (int e0 = PFO ? KCNT : lane; e0 < KCNT; e0 += 32 * OB) {
+        if (!PFO)  // the batches below (PFO: added above, from the prefetched entries)
+        for (int e0 = lane; e0 < KCNT; e0 += 32 * OB) {
           int oix[OB];
           float oval[OB];
           #pragma unroll
@@ -337,7 +338,8 @@ _PROBS = r"""
             }
           }
         }
-        for (int e0 = PFO ? VCNT : lane; e0 < VCNT; e0 += 32 * OB) {  // OB at a time, as for the keys
+        if (!PFO)
+        for (int e0 = lane; e0 < VCNT; e0 += 32 * OB) {  // OB at a time, as for the keys
           int oix[OB];
           float oval[OB];
           #pragma unroll
