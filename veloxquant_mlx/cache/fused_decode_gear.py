@@ -100,6 +100,21 @@ GEAR_INPUTS = ("kat", "kbc", "koi", "kov", "vat", "vbc", "voi", "vov")
 # KCNT, VCNT (outlier pairs per block of keys / values; 0: none), KIT, VIT (their index dtypes).
 # Inputs beyond fused_decode's: kat (B, H, cap, RANK) A_k, kbc (B, H, cap / BLK, D, RANK) B_k,
 # koi / kov (B, H, cap / BLK, KCNT) outlier indices / values; vat, vbc, voi, vov for values.
+# Device code beside fused_decode's header: PFO's load of a block's entries, one for either side.
+_HEADER = fused_decode._HEADER + r"""
+// Entries lane + 32 q (q < N) of a block's `count` outlier pairs, raw (past the end: the last
+// pair again, which the caller drops): every load issued before any is used.
+template <int N, typename IT, typename T>
+__device__ __forceinline__ void vq_gear_entries(const IT* oi, const T* ov, int count, int lane, IT* idx, T* val) {
+  #pragma unroll
+  for (int q = 0; q < N; ++q) {
+    const int e = min(lane + 32 * q, count - 1);
+    idx[q] = oi[e];
+    val[q] = ov[e];
+  }
+}
+"""
+
 _DECLARE = r"""
   // GEAR: the warp's sparse value sums [r][channel], kept at the running max like acc.
   constexpr int RK = RANK > 0 ? RANK : 1;
@@ -135,16 +150,7 @@ _SCORE_INIT = r"""
       constexpr int KPF = PFO && KCNT > 0 ? (KCNT + 32 * OB - 1) / (32 * OB) * OB : 1;
       KIT kpi[KPF];
       ST kpv[KPF];
-      if (PFO && KCNT > 0) {
-        const KIT* oi = koi_bh + (size_t)gb * KCNT;
-        const ST* ov = kov_bh + (size_t)gb * KCNT;
-        #pragma unroll
-        for (int q = 0; q < KPF; ++q) {
-          const int e = min(lane + 32 * q, KCNT - 1);
-          kpi[q] = oi[e];
-          kpv[q] = ov[e];
-        }
-      }
+      if (PFO && KCNT > 0) vq_gear_entries<KPF>(koi_bh + (size_t)gb * KCNT, kov_bh + (size_t)gb * KCNT, KCNT, lane, kpi, kpv);
       if (RANK > 0) {
         // q B_k of the block: lane takes channels lane, lane + 32, ...; summed over the warp.
         float qb[R][RK];
@@ -250,16 +256,7 @@ _PROBS = r"""
       constexpr int VPF = PFO && VCNT > 0 ? (VCNT + 32 * OB - 1) / (32 * OB) * OB : 1;
       VIT vpi[VPF];
       ST vpv[VPF];
-      if (PFO && VCNT > 0) {
-        const VIT* oi = voi_bh + (size_t)gb * VCNT;
-        const ST* ov = vov_bh + (size_t)gb * VCNT;
-        #pragma unroll
-        for (int q = 0; q < VPF; ++q) {
-          const int e = min(lane + 32 * q, VCNT - 1);
-          vpi[q] = oi[e];
-          vpv[q] = ov[e];
-        }
-      }
+      if (PFO && VCNT > 0) vq_gear_entries<VPF>(voi_bh + (size_t)gb * VCNT, vov_bh + (size_t)gb * VCNT, VCNT, lane, vpi, vpv);
       if (RANK > 0) {
         // u = sum over the tile of p_t A_v[t] (each lane over its scoring tokens, whose
         // probabilities it wrote, then over the warp); the value lanes add u B_v^T to their
@@ -382,7 +379,7 @@ PARTIALS_SOURCE = fused_decode.partials_source({
 @lru_cache(maxsize=None)
 def _partials_kernel():
     return fused_decode.PartialsKernel("vq_gear_decode_partials", [*fused_decode.PARTIALS_INPUTS, *GEAR_INPUTS],
-                                       PARTIALS_SOURCE, fused_decode._HEADER)
+                                       PARTIALS_SOURCE, _HEADER)
 
 
 def sparse_shared_bytes(value_dim: int, rows: int, value_outliers: bool) -> int:
