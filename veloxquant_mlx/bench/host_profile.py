@@ -92,14 +92,14 @@ def _fill(model, cache, prompt, step: int, profile=None) -> dict:
     return {"fill_s": fill["total_s"], "host_s": sum(c["host_ms"] for c in fill["chunks"]) / 1e3}
 
 
-def _burst(model, cache, logits, tokens: int, profile=None) -> tuple[dict, object]:
-    """gpu_speed's decode burst -> (median interval and host ms per step, and each step's host
-    ms; the logits to go on from)."""
+def _burst(model, cache, logits, tokens: int, profile=None, keep_steps: bool = False) -> tuple[dict, object]:
+    """gpu_speed's decode burst -> (median interval and host ms per step, and with `keep_steps`
+    each step's host ms; the logits to go on from)."""
     from veloxquant_mlx.bench.gpu_speed_interleave import decode_burst
 
     intervals, logits, host = decode_burst(model, cache, logits, tokens, profile)
-    return {"step_ms": statistics.median(intervals), "host_median_ms": statistics.median(host),
-            "host_ms": host}, logits
+    figures = {"step_ms": statistics.median(intervals), "host_median_ms": statistics.median(host)}
+    return ({**figures, "host_ms": host} if keep_steps else figures), logits
 
 
 def profile_spec(spec, model, prompt, args) -> dict:
@@ -119,10 +119,7 @@ def profile_spec(spec, model, prompt, args) -> dict:
             if not args.first_steps:
                 _, logits = _burst(model, cache, logits, WARM_STEPS)
                 entry, logits = _burst(model, cache, logits, TIMED_STEPS)
-                del entry["host_ms"]
-            profiled, _ = _burst(model, cache, logits, args.steps, profile)
-            if not args.first_steps:
-                del profiled["host_ms"]
+            profiled, _ = _burst(model, cache, logits, args.steps, profile, keep_steps=args.first_steps)
             entry.update({f"profiled_{k}": v for k, v in profiled.items()})
     entry["top_by_own_time"] = top_functions(profile, args.top)
     return entry
