@@ -163,49 +163,6 @@ def test_other_outlier_batches_are_the_portable_attention(monkeypatch, batch):
     assert diff <= 2e-5, diff
 
 
-@pytest.mark.parametrize("batch, warps", [(4, None), (4, 1), (8, 1)])
-def test_prefetched_outliers_are_the_portable_attention(monkeypatch, batch, warps):
-    # PREFETCH_OUTLIERS (the template's PFO): every entry of the block loaded up front, with
-    # one tile per warp and several (the sparse value sums rescaled between tiles), and with a
-    # ragged last batch (8 per lane: 2 x 256 slots for 328 entries).
-    monkeypatch.setattr(fused_decode_gear, "PREFETCH_OUTLIERS", 1)
-    monkeypatch.setattr(fused_decode_gear, "OUTLIER_BATCH", batch)
-    if warps:
-        monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
-    cache = CASES[0][1]()
-    q_heads = _filled(cache, 1600, B=1, H=2, rep=4, D=128, dtype=mx.float32)
-    expected = _portable(cache, q_heads, 128)
-    got, made = _emulated_step(cache, q_heads, 128**-0.5)
-    assert sorted((k.name, k.calls) for k in made if k.calls) == [("vq_gear_decode_partials_merged", 1)]
-    template = dict(cache._fused_plan[1][1]["template"])
-    assert template["PFO"] == 1 and template["OB"] == batch
-    diff = np.abs(np.array(got) - expected).max()
-    assert diff <= 2e-5, diff
-
-
-# The prefetched path's own adds, corrupted as MUTATIONS corrupts the shipped ones.
-PREFETCH_MUTATIONS = [
-    ("prefetched key outliers dropped", "atomicAdd(&p_tile[tile_slot(t) * R + r], val * qs[c * R + r]);", ";"),
-    ("prefetched value outliers dropped", "atomicAdd(&vsp_w[r * DV + c], val * p_tile[tile_slot(t) * R + r]);", ";"),
-    ("prefetched entries cut to the first 32", "if (lane + 32 * q < KCNT && t >= 0 && t < TILE) {",
-     "if (q == 0 && lane + 32 * q < KCNT && t >= 0 && t < TILE) {"),
-]
-
-
-@pytest.mark.parametrize("name, old, new", PREFETCH_MUTATIONS, ids=[m[0] for m in PREFETCH_MUTATIONS])
-def test_a_corrupted_prefetch_fails_the_comparison(monkeypatch, name, old, new):
-    monkeypatch.setattr(fused_decode_gear, "PREFETCH_OUTLIERS", 1)
-    monkeypatch.setattr(fused_decode, "TARGET_WARPS", 1)
-    cache = CASES[0][1]()
-    q_heads = _filled(cache, 1100, B=1, H=2, rep=4, D=128, dtype=mx.float32)
-    expected = _portable(cache, q_heads, 128)
-    _mutated(monkeypatch, old, new)
-    got, _ = _emulated_step(cache, q_heads, 128**-0.5)
-    diff = np.abs(np.array(got) - expected).max()
-    print(f"{name}: max |corrupted kernel - portable| = {diff:.2e}")
-    assert diff > 1e-4
-
-
 @pytest.mark.parametrize("name, old, new, warps", MUTATIONS, ids=[m[0] for m in MUTATIONS])
 def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, new, warps):
     if warps:

@@ -17,10 +17,9 @@ the clock, median of 5 batches), for each target of `--warps` (the cache's decod
 and each variant: the kernel as shipped, and the same launch with template constants changed
 (VARIANTS): a term dropped (RANK / KCNT / VCNT = 0: the kernel then skips that term's code;
 the arrays, split and shared-memory stages stay as shipped, so only the term's own work goes),
-all three dropped (kivi's work over GEAR's store), OB, the outlier entries a lane loads at
-once, or PFO, all of them loaded at the start of the tile's terms. A dropped term changes the
-output (its max |diff| to shipped, recorded, shows that the term was really off); OB and PFO
-must not (the same adds in the same order per lane: 0 expected).
+all three dropped (kivi's work over GEAR's store), or OB, the outlier entries a lane loads at
+once. A dropped term changes the output (its max |diff| to shipped, recorded, shows that the
+term was really off); OB must not (0 expected).
 
 Registers (nvcc 13, sm_90, the 8B shape in bf16; `pytest -q -s -m slow
 tests/cache/test_kernels_nvcc.py -k gear_terms`): shipped 96; one term dropped 96 / 96 / 106
@@ -33,7 +32,11 @@ Measured (results/gear_terms_h200_s23.json, gear_terms_h200_s24.json; results/RE
 terms' costs do not add. At 32K and 4096 warps, us per layer: shipped 92.7, without the low rank
 84.7, the key outliers 88.7, the value outliers 87.3, both outliers 82.2, low rank and key
 outliers 71.8, low rank and value outliers 88.7, all three 66.2; at 128K the outliers are most of
-it (264.6 shipped, 187.6 without both, 161.6 without all three).
+it (264.6 shipped, 187.6 without both, 161.6 without all three). Loading a tile's outlier
+entries into registers up front, ahead of the low rank's loads (session 24's PREFETCH_OUTLIERS,
+128 registers against 96), was slower everywhere (session 25, results/gear_terms_h200_s25_pfo.json,
+us per layer at 4096 warps: 4K 61.1 shipped / 64.9 / 58.9 with OB 1; 32K 91.4 / 114.2 / 111.1;
+128K 265.0 / 291.6 / 289.8) and was removed.
 """
 
 from __future__ import annotations
@@ -58,10 +61,6 @@ VARIANTS = {
     "no_rank_no_value_outliers": {"RANK": 0, "VCNT": 0},
     "ob8": {"OB": 8},
     "ob12": {"OB": 12},
-    # fused_decode_gear.PREFETCH_OUTLIERS: a tile's outlier entries loaded up front (12 a lane
-    # per side at OB 4; 11 at OB 1, no past-the-end repeats); not yet run on a GPU
-    "pfo": {"PFO": 1},
-    "pfo_ob1": {"PFO": 1, "OB": 1},
 }
 
 

@@ -66,7 +66,9 @@ entries and adds its own through shared-memory atomicAdd, a compare-and-swap loo
 results/gear_terms_h200_s24.json) the savings do not add up (low rank and key outliers together
 21 us at 32K, alone 8 and 4), and at 128K the two outlier scans are 77 of the terms' 103 us.
 Through the model GEAR decodes at 0.87x-0.94x fp16's at 32K and 0.81x at 128K (session 24,
-once a host sync of window_rows was gone: results/gpu_speed_h200_s24_*.json).
+once a host sync of window_rows was gone: results/gpu_speed_h200_s24_*.json). A tile's outlier
+entries loaded up front into registers (session 24-25's PREFETCH_OUTLIERS: 128 registers) cost
+23 us more at 32K and 27 at 128K (results/gear_terms_h200_s25_pfo.json) and were taken out.
 """
 
 from __future__ import annotations
@@ -84,37 +86,12 @@ MAX_ROW_RANKS = 32  # rows x max(rank, 1): the per-lane (q B_k) and (p A_v) sums
 # loaded together before the sums. Before session 11 one at a time (1), each entry's loads waited
 # on; a 128-token tile walks its 256-token block's entries (the 8B shape at 1%: 328, ~11 per lane).
 OUTLIER_BATCH = 4
-# 1: a tile's outlier entries (all of its block's, OB at a time as above) loaded into registers
-# at the start of its key terms / value terms, before the low rank's loads and sums, and added
-# from there (the template's PFO); 0: each batch loaded where it is added, as shipped. Why: at
-# 4K-32K a warp walks about one tile (TARGET_WARPS), so a layer's kernel takes about one tile's
-# chain of waits, and the scans' batches were loads waited on one after another behind the low
-# rank's (session 24: GEAR's excess over fp16's step, ~45 us a layer, is about the same at 4K
-# and 32K). Built by nvcc (sm_90, the 8B shape in bf16; tests/cache/test_kernels_nvcc.py -k
-# gear_terms): 128 registers against 96, no spills, 9,200 instructions against 8,496. Not yet run
-# on a GPU: off until bench.gear_terms_probe's `pfo` variant is measured.
-PREFETCH_OUTLIERS = 0
 GEAR_INPUTS = ("kat", "kbc", "koi", "kov", "vat", "vbc", "voi", "vov")
 
 # Template constants beyond fused_decode's: RANK, BLK (tokens per low-rank / outlier block),
 # KCNT, VCNT (outlier pairs per block of keys / values; 0: none), KIT, VIT (their index dtypes).
 # Inputs beyond fused_decode's: kat (B, H, cap, RANK) A_k, kbc (B, H, cap / BLK, D, RANK) B_k,
 # koi / kov (B, H, cap / BLK, KCNT) outlier indices / values; vat, vbc, voi, vov for values.
-# Device code beside fused_decode's header: PFO's load of a block's entries, one for either side.
-_HEADER = fused_decode._HEADER + r"""
-// Entries lane + 32 q (q < N) of a block's `count` outlier pairs, raw (past the end: the last
-// pair again, which the caller drops): every load issued before any is used.
-template <int N, typename IT, typename T>
-__device__ __forceinline__ void vq_gear_entries(const IT* oi, const T* ov, int count, int lane, IT* idx, T* val) {
-  #pragma unroll
-  for (int q = 0; q < N; ++q) {
-    const int e = min(lane + 32 * q, count - 1);
-    idx[q] = oi[e];
-    val[q] = ov[e];
-  }
-}
-"""
-
 _DECLARE = r"""
   // GEAR: the warp's sparse value sums [r][channel], kept at the running max like acc.
   constexpr int RK = RANK > 0 ? RANK : 1;
@@ -145,12 +122,6 @@ _TILE = r"""
 # registers stay live through the loop over the key codes.
 _SCORE_INIT = r"""
     if (!window) {
-      // PFO: the block's key outlier entries this lane adds (entry lane + 32 q), raw, their
-      // loads issued here ahead of the low rank's (converted where they are added).
-      constexpr int KPF = PFO && KCNT > 0 ? (KCNT + 32 * OB - 1) / (32 * OB) * OB : 1;
-      KIT kpi[KPF];
-      ST kpv[KPF];
-      if (PFO && KCNT > 0) vq_gear_entries<KPF>(koi_bh + (size_t)gb * KCNT, kov_bh + (size_t)gb * KCNT, KCNT, lane, kpi, kpv);
       if (RANK > 0) {
         // q B_k of the block: lane takes channels lane, lane + 32, ...; summed over the warp.
         float qb[R][RK];
@@ -198,23 +169,9 @@ _SCORE_INIT = r"""
         __syncwarp();
         const KIT* oi = koi_bh + (size_t)gb * KCNT;
         const ST* ov = kov_bh + (size_t)gb * KCNT;
-        if (PFO) {
-          #pragma unroll
-          for (int q = 0; q < KPF; ++q) {
-            const int idx = (int)kpi[q];
-            const int t = idx / D - toff;
-            if (lane + 32 * q < KCNT && t >= 0 && t < TILE) {
-              const int c = idx - (idx / D) * D;
-              const float val = vq_f32(kpv[q]);
-              #pragma unroll
-              for (int r = 0; r < R; ++r) atomicAdd(&p_tile[tile_slot(t) * R + r], val * qs[c * R + r]);
-            }
-          }
-        }
         // OB entries per lane at a time: their indices and values loaded together, then the
         // sums (OB = 1: one entry's loads waited on at a time, as before session 11;
         // OUTLIER_BATCH). Past-the-end entries of a batch repeat the last one, dropped below.
-        if (!PFO)  // the batches below (PFO: added above, from the prefetched entries)
         for (int e0 = lane; e0 < KCNT; e0 += 32 * OB) {
           int oix[OB];
           float oval[OB];
@@ -252,11 +209,6 @@ _RESCALED = r"""
 
 _PROBS = r"""
     if (!window) {
-      // PFO: the block's value outlier entries this lane adds, as the keys' above.
-      constexpr int VPF = PFO && VCNT > 0 ? (VCNT + 32 * OB - 1) / (32 * OB) * OB : 1;
-      VIT vpi[VPF];
-      ST vpv[VPF];
-      if (PFO && VCNT > 0) vq_gear_entries<VPF>(voi_bh + (size_t)gb * VCNT, vov_bh + (size_t)gb * VCNT, VCNT, lane, vpi, vpv);
       if (RANK > 0) {
         // u = sum over the tile of p_t A_v[t] (each lane over its scoring tokens, whose
         // probabilities it wrote, then over the warp); the value lanes add u B_v^T to their
@@ -322,20 +274,6 @@ _PROBS = r"""
         __syncwarp();
         const VIT* oi = voi_bh + (size_t)gb * VCNT;
         const ST* ov = vov_bh + (size_t)gb * VCNT;
-        if (PFO) {
-          #pragma unroll
-          for (int q = 0; q < VPF; ++q) {
-            const int idx = (int)vpi[q];
-            const int t = idx / DV - toff;
-            if (lane + 32 * q < VCNT && t >= 0 && t < TILE) {
-              const int c = idx - (idx / DV) * DV;
-              const float val = vq_f32(vpv[q]);
-              #pragma unroll
-              for (int r = 0; r < R; ++r) atomicAdd(&vsp_w[r * DV + c], val * p_tile[tile_slot(t) * R + r]);
-            }
-          }
-        }
-        if (!PFO)
         for (int e0 = lane; e0 < VCNT; e0 += 32 * OB) {  // OB at a time, as for the keys
           int oix[OB];
           float oval[OB];
@@ -379,7 +317,7 @@ PARTIALS_SOURCE = fused_decode.partials_source({
 @lru_cache(maxsize=None)
 def _partials_kernel():
     return fused_decode.PartialsKernel("vq_gear_decode_partials", [*fused_decode.PARTIALS_INPUTS, *GEAR_INPUTS],
-                                       PARTIALS_SOURCE, _HEADER)
+                                       PARTIALS_SOURCE, fused_decode._HEADER)
 
 
 def sparse_shared_bytes(value_dim: int, rows: int, value_outliers: bool) -> int:
@@ -435,7 +373,7 @@ def store_arrays(cache) -> tuple[list[mx.array], list[mx.array], list[tuple]]:
             index_dtypes.append(mx.uint16)
     template = [("RANK", cache.rank), ("BLK", cache.block_tokens), ("KCNT", counts[0]),
                 ("VCNT", counts[1]), ("KIT", index_dtypes[0]), ("VIT", index_dtypes[1]),
-                ("OB", OUTLIER_BATCH), ("PFO", PREFETCH_OUTLIERS)]
+                ("OB", OUTLIER_BATCH)]
     return base, extra, template
 
 
@@ -465,6 +403,5 @@ def decode_step(cache, queries, scale: float):
         return inputs, shape, fused_decode.WINDOW_INPUTS
 
     # Planned on the store's writes and the history (fused_decode.planned_attend), and the
-    # outlier batch and prefetch (a probe sets them between steps).
-    return fused_decode.planned_attend(cache, queries, scale, (OUTLIER_BATCH, PREFETCH_OUTLIERS), launch,
-                                       _partials_kernel)
+    # outlier batch (a probe sets it between steps).
+    return fused_decode.planned_attend(cache, queries, scale, (OUTLIER_BATCH,), launch, _partials_kernel)
