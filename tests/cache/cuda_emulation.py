@@ -22,7 +22,7 @@ crash or a hang is a test failure with the program's message, not a dead test se
   * __half / __nv_bfloat16 are 16-bit structs converted exactly (g++'s _Float16; bfloat16 by
     its bits, float -> bfloat16 rounding to nearest even), so fp16/bf16 inputs and outputs run
     the kernels' own load and store paths;
-  * __ldg, __funnelshift_l/r, __int_as_float and friends, rsqrtf, __popc, atomicAdd (a lock)
+  * __ldg, __funnelshift_l/r, __int_as_float and friends, rsqrtf, __popc, atomicAdd and atomicOr (a lock)
     as their definitions;
   * CUDA's launch limits (1024 threads per block, grid sizes) and its 48 KB of static shared
     memory per block (the kernel's statics, read from the program's symbol table) are checked;
@@ -180,6 +180,12 @@ template <typename T> inline T atomicAdd(T* p, T v) {
   std::lock_guard<std::mutex> hold(vq_atomic_lock);
   const T old = *p;
   *p = old + v;
+  return old;
+}
+template <typename T> inline T atomicOr(T* p, T v) {
+  std::lock_guard<std::mutex> hold(vq_atomic_lock);
+  const T old = *p;
+  *p = old | v;
   return old;
 }
 // 16-bit floats, converted exactly (CUDA's __half2float etc. are exact too; float -> half and

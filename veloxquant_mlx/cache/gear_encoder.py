@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import gear_encode_kernel, outlier_select_kernel
+from veloxquant_mlx.cache import gear_encode_kernel, gear_group_kernel, outlier_select_kernel
 from veloxquant_mlx.cache.gear_lowrank import low_rank_factors, takes_power_kernel
 from veloxquant_mlx.cache.gear_outliers import index_dtype, outlier_mask, outlier_scores, select_outliers
 
@@ -51,11 +51,20 @@ def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | N
     # On CUDA the outliers are picked by outlier_select_kernel.py (no sort) between the scores'
     # and the quantizing stage; elsewhere stage 1 picks them with argpartition.
     picks = []
+    grouped = gear_group_kernel.applies(blocks.shape, setting.group, setting.per_channel)
     if setting.outliers and outlier_select_kernel.applies(blocks.shape[-2] * blocks.shape[-1], setting.outliers):
-        scores = _compiled_scores(setting, with_centres)(blocks, *centre_args)
+        if grouped and not with_centres:
+            scores = gear_group_kernel.scores(blocks, setting.group, setting.per_channel)
+        else:
+            scores = _compiled_scores(setting, with_centres)(blocks, *centre_args)
         picks = [outlier_select_kernel.smallest(scores, setting.outliers)]
         centre_args = []
-    dense_parts = _compiled_quantize(setting, with_centres and not picks, bool(picks))(blocks, *centre_args, *picks)
+    if picks and grouped:
+        # On CUDA the holes' fill, the cast and the keys' transpose are one kernel per side.
+        dense = gear_group_kernel.dense(blocks, picks[0], setting.group, setting.per_channel, setting.side_dtype)
+        dense_parts = _compiled_quantize_dense(setting, blocks.shape)(dense, picks[0])
+    else:
+        dense_parts = _compiled_quantize(setting, with_centres and not picks, bool(picks))(blocks, *centre_args, *picks)
     codes, scales, zeros, approx, *rest = dense_parts
     out = {"codes": codes, "scales": scales, "zeros": zeros}
     # On CUDA the sparse part is one kernel that also adds the low rank at the outliers only
@@ -126,19 +135,36 @@ def _compiled_quantize(setting: EncoderSetting, with_centres: bool, with_picks: 
             fill = group_means(blocks, g, setting.per_channel, weights=(~mask).astype(mx.float32))
             dense = mx.where(mask, fill, blocks)
         dense = dense.reshape(B, H, n, d).astype(side)
-        if setting.per_channel:
-            codes, scales, zeros = mx.quantize(dense.swapaxes(-1, -2), group_size=g, bits=bits)
-            approx = dequantize(codes, scales, zeros, g, bits).swapaxes(-1, -2)
-            codes = codes.reshape(B, H, d, n // 32, bits)
-        else:
-            codes, scales, zeros = mx.quantize(dense, group_size=g, bits=bits)
-            approx = dequantize(codes, scales, zeros, g, bits)
-        approx = approx.reshape(blocks.shape)
-        # The residual D - Q(D) the low rank fits (not computed without one).
-        residual = [dense.astype(mx.float32).reshape(blocks.shape) - approx] if setting.rank else []
-        return (codes, scales, zeros, approx, *residual, *index)
+        return (*quantized(setting, dense.swapaxes(-1, -2) if setting.per_channel else dense, blocks.shape), *index)
 
     return mx.compile(quantize)
+
+
+@lru_cache(maxsize=None)
+def _compiled_quantize_dense(setting: EncoderSetting, blocks_shape: tuple):
+    """Stage 1 after gear_group_kernel.dense (CUDA): the same outputs as _compiled_quantize
+    from its dense part (keys already as (B, H, d, n)) and the picks."""
+
+    def quantize(dense: mx.array, picks: mx.array):
+        return (*quantized(setting, dense, blocks_shape), picks.astype(mx.int32))
+
+    return mx.compile(quantize)
+
+
+def quantized(setting: EncoderSetting, rows: mx.array, blocks_shape: tuple) -> tuple:
+    """The dense part in the side dtype, as mx.quantize takes it (keys (B, H, d, n): groups along
+    tokens; values (B, H, n, d)) -> codes, scales, zeros, Q(D) as blocks_shape float32, and the
+    residual D - Q(D) the low rank fits (not computed without one)."""
+    bits, g = setting.bits, setting.group
+    B, H, n_blocks, nb, d = blocks_shape
+    codes, scales, zeros = mx.quantize(rows, group_size=g, bits=bits)
+    approx = dequantize(codes, scales, zeros, g, bits)
+    if setting.per_channel:
+        approx, rows = approx.swapaxes(-1, -2), rows.swapaxes(-1, -2)
+        codes = codes.reshape(B, H, d, n_blocks * nb // 32, bits)
+    approx = approx.reshape(blocks_shape)
+    residual = [rows.astype(mx.float32).reshape(blocks_shape) - approx] if setting.rank else []
+    return (codes, scales, zeros, approx, *residual)
 
 
 @lru_cache(maxsize=None)
