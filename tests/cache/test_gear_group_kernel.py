@@ -1,8 +1,9 @@
-"""GEAR's per-group kernels (gear_group_kernel.py: the outlier scores, the dense part) against the
-MLX ops: on the CPU through the thread-level CUDA emulation (tests/cache/cuda_emulation.py), where
-MLX's sums of a group run in the kernels' order and the result is bit for bit the ops'; on MLX's
-CUDA backend for real (`pytest -m cuda`), where MLX's reductions sum in their own order and a
-mean may differ in its last bits (bounded there); compiled by nvcc for sm_90 without spills
+"""GEAR's per-group kernels (gear_group_kernel.py: the outlier scores, the dense part, Q(D) and the
+residual) against the MLX ops: on the CPU through the thread-level CUDA emulation
+(tests/cache/cuda_emulation.py), where MLX's sums of a group run in the kernels' order and every
+result is bit for bit the ops'; on MLX's CUDA backend for real (`pytest -m cuda`), where MLX's
+reductions sum in their own order, so a score or a fill may differ in its last bits (bounded
+there) while Q(D) and the residual stay bit for bit; compiled by nvcc for sm_90 without spills
 (slow)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tests.cache.test_encoder_identity import _bits, _kv
 from tests.cache.test_kernels_nvcc import NVCC, compiled_without_spills
 from veloxquant_mlx.cache import gear_group_kernel
 from veloxquant_mlx.cache.gear import GEARCache
-from veloxquant_mlx.cache.gear_encoder import group_means
+from veloxquant_mlx.cache.gear_encoder import EncoderSetting, group_means, quantized
 from veloxquant_mlx.cache.gear_outliers import outlier_mask, outlier_scores
 from veloxquant_mlx.config import KVCacheConfig
 
@@ -78,6 +79,28 @@ def test_scores_and_dense_are_the_ops_bit_for_bit_on_the_cpu(shape, group, count
     assert np.array_equal(_bits(dense), _bits(expected))
 
 
+@needs_compiler
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("per_channel", [True, False], ids=["keys", "values"])
+@pytest.mark.parametrize("side", [mx.float16, mx.bfloat16])
+def test_approx_and_residual_are_the_ops_bit_for_bit(bits, per_channel, side):
+    """Q(D) and D - Q(D) from mx.quantize's codes (3 bits: codes straddling words) against
+    gear_encoder.quantized's ops, on two blocks of 64 x 64 per head."""
+    shape, group, count = CASES[0]
+    blocks = _blocks(shape, seed=bits)
+    dense = _ops_dense(blocks, _picks(blocks, group, per_channel, count), group, per_channel, side)
+    setting = EncoderSetting(bits, group, 4, count, shape[-2], side, per_channel)
+    _, _, _, expected_approx, expected_residual = quantized(setting, dense, shape)
+    codes, scales, zeros = mx.quantize(dense, group_size=group, bits=bits)
+    with cuda_emulation.emulated_kernels():
+        approx, residual = gear_group_kernel.approx_and_residual(dense, codes, scales, zeros, bits, group,
+                                                                 per_channel, shape)
+        mx.eval(approx, residual)
+    assert approx.shape == residual.shape == shape
+    assert np.array_equal(_bits(approx), _bits(expected_approx))
+    assert np.array_equal(_bits(residual), _bits(expected_residual))
+
+
 def _stores(on: bool, monkeypatch, keys, values, pieces, emulated: bool):
     monkeypatch.setattr(gear_group_kernel, "ENABLED", on)
     cache = GEARCache(KVCacheConfig(method="gear"))
@@ -107,7 +130,7 @@ def test_the_cache_s_stores_are_the_same_with_the_kernels_on_or_off(monkeypatch,
     keys, values = _kv(1024 + 256, 2, 64, dtype, seed=5, real_shaped=real_shaped)
     on, made = _stores(True, monkeypatch, keys, values, [1024, 256], emulated=True)
     off, made_off = _stores(False, monkeypatch, keys, values, [1024, 256], emulated=True)
-    assert made - made_off == {"vq_gear_group_scores", "vq_gear_group_dense"}
+    assert made - made_off == {"vq_gear_group_scores", "vq_gear_group_dense", "vq_gear_group_residual"}
     assert sorted(on) == sorted(off)
     for name in off:
         assert np.array_equal(_bits(on[name]), _bits(off[name])), f"{name} differs"
@@ -176,6 +199,22 @@ def test_scores_and_dense_on_cuda_agree_with_the_ops(shape, group, count, per_ch
 
 
 @cuda_test
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("per_channel", [True, False], ids=["keys", "values"])
+def test_approx_and_residual_on_cuda_are_the_ops_bit_for_bit(bits, per_channel):
+    """On CUDA too: scale * code is exact in float32, so MLX's dequantize rounds once, as here."""
+    shape, group, count = CASES[2]
+    blocks = _blocks(shape, seed=bits)
+    dense = _ops_dense(blocks, _picks(blocks, group, per_channel, count), group, per_channel, mx.bfloat16)
+    setting = EncoderSetting(bits, group, 4, count, shape[-2], mx.bfloat16, per_channel)
+    _, _, _, expected_approx, expected_residual = quantized(setting, dense, shape)
+    codes, scales, zeros = mx.quantize(dense, group_size=group, bits=bits)
+    approx, residual = gear_group_kernel.approx_and_residual(dense, codes, scales, zeros, bits, group, per_channel, shape)
+    assert np.array_equal(_bits(approx), _bits(expected_approx))
+    assert np.array_equal(_bits(residual), _bits(expected_residual))
+
+
+@cuda_test
 def test_the_cache_s_stores_on_cuda_barely_move_with_the_kernels(monkeypatch):
     """The 8B shape's chunk in bf16 through GEARCache on CUDA, the group kernels on and off: the
     same outliers but for near-ties of scores, codes equal but where a last-bit fill crosses a
@@ -189,13 +228,18 @@ def test_the_cache_s_stores_on_cuda_barely_move_with_the_kernels(monkeypatch):
 
 
 def kernel_sources() -> set[str]:
-    """The two kernels' CUDA sources for the default's 256 x 128 blocks, keys and values, bf16."""
+    """The three kernels' CUDA sources for the default's 256 x 128 blocks, keys and values, bf16."""
     blocks = mx.zeros((1, 2, 2, 256, 128))
     picks = mx.zeros((1, 2, 2, 328), dtype=mx.uint32)
     with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
         for per_channel in (True, False):
             gear_group_kernel.scores(blocks, 32, per_channel)
-            gear_group_kernel.dense(blocks, picks, 32, per_channel, mx.bfloat16)
+            dense = gear_group_kernel.dense(blocks, picks, 32, per_channel, mx.bfloat16)
+            rows = (1, 2, 128, 512) if per_channel else (1, 2, 512, 128)
+            codes = mx.zeros((*rows[:-1], rows[-1] // 16), dtype=mx.uint32)
+            scales = mx.zeros((*rows[:-1], rows[-1] // 32), dtype=mx.bfloat16)
+            gear_group_kernel.approx_and_residual(mx.zeros(rows, dtype=mx.bfloat16), codes, scales, scales, 2, 32,
+                                                  per_channel, blocks.shape)
     return {kernel.cuda_source(sig) for kernel, sig in captured}
 
 
@@ -203,6 +247,30 @@ def kernel_sources() -> set[str]:
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
 def test_kernels_compile_for_sm90_without_spills(tmp_path):
     sources = sorted(kernel_sources())
-    assert len(sources) == 4
+    assert len(sources) == 6
     for i, source in enumerate(sources):
         compiled_without_spills(source, tmp_path, i)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "text, replacement",
+    [
+        ("if (sh + KB > 32) q |= row[w + 1] << (32 - sh);", ""),  # a straddling 3-bit code cut
+        ("const int j = PC ? t : c;", "const int j = PC ? c : t;"),  # keys' codes read along channels
+        ("qrow * (size_t)(COLS / G) + j / G", "qrow * (size_t)(COLS / G)"),  # every code the row's first group's scale
+    ],
+)
+def test_a_corrupted_residual_source_is_caught(monkeypatch, text, replacement):
+    shape, group, count = CASES[0]
+    blocks = _blocks(shape, seed=3)
+    assert text in gear_group_kernel._RESIDUAL_SOURCE
+    monkeypatch.setattr(gear_group_kernel, "_RESIDUAL_SOURCE", gear_group_kernel._RESIDUAL_SOURCE.replace(text, replacement))
+    dense = _ops_dense(blocks, _picks(blocks, group, True, count), group, True, mx.bfloat16)
+    setting = EncoderSetting(3, group, 4, count, shape[-2], mx.bfloat16, True)
+    expected = quantized(setting, dense, shape)[4]
+    codes, scales, zeros = mx.quantize(dense, group_size=group, bits=3)
+    with cuda_emulation.emulated_kernels():
+        _, residual = gear_group_kernel.approx_and_residual(dense, codes, scales, zeros, 3, group, True, shape)
+        mx.eval(residual)
+    assert not np.array_equal(_bits(residual), _bits(expected))

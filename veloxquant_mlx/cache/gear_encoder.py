@@ -60,9 +60,10 @@ def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | N
         picks = [outlier_select_kernel.smallest(scores, setting.outliers)]
         centre_args = []
     if picks and grouped:
-        # On CUDA the holes' fill, the cast and the keys' transpose are one kernel per side.
-        dense = gear_group_kernel.dense(blocks, picks[0], setting.group, setting.per_channel, setting.side_dtype)
-        dense_parts = _compiled_quantize_dense(setting, blocks.shape)(dense, picks[0])
+        # On CUDA the holes' fill, the cast and the keys' transpose are one kernel per side, and
+        # Q(D) with the residual another after mx.quantize; the picks are the stored index
+        # as they are (uint32: the sparse part casts them).
+        dense_parts = _grouped_quantize(setting, blocks, picks[0])
     else:
         dense_parts = _compiled_quantize(setting, with_centres and not picks, bool(picks))(blocks, *centre_args, *picks)
     codes, scales, zeros, approx, *rest = dense_parts
@@ -140,15 +141,18 @@ def _compiled_quantize(setting: EncoderSetting, with_centres: bool, with_picks: 
     return mx.compile(quantize)
 
 
-@lru_cache(maxsize=None)
-def _compiled_quantize_dense(setting: EncoderSetting, blocks_shape: tuple):
-    """Stage 1 after gear_group_kernel.dense (CUDA): the same outputs as _compiled_quantize
-    from its dense part (keys already as (B, H, d, n)) and the picks."""
-
-    def quantize(dense: mx.array, picks: mx.array):
-        return (*quantized(setting, dense, blocks_shape), picks.astype(mx.int32))
-
-    return mx.compile(quantize)
+def _grouped_quantize(setting: EncoderSetting, blocks: mx.array, picks: mx.array) -> tuple:
+    """Stage 1 through gear_group_kernel.py (CUDA): _compiled_quantize's outputs, bit for bit on
+    the CPU emulation, from the blocks and the picks."""
+    B, H, n_blocks, nb, d = blocks.shape
+    g, bits = setting.group, setting.bits
+    dense = gear_group_kernel.dense(blocks, picks, g, setting.per_channel, setting.side_dtype)
+    codes, scales, zeros = mx.quantize(dense, group_size=g, bits=bits)
+    approx, residual = gear_group_kernel.approx_and_residual(dense, codes, scales, zeros, bits, g,
+                                                             setting.per_channel, blocks.shape)
+    if setting.per_channel:
+        codes = codes.reshape(B, H, d, n_blocks * nb // 32, bits)
+    return (codes, scales, zeros, approx, *([residual] if setting.rank else []), picks)
 
 
 def quantized(setting: EncoderSetting, rows: mx.array, blocks_shape: tuple) -> tuple:

@@ -1,10 +1,11 @@
-"""GEAR's per-group passes of a chunk's encode on MLX's CUDA backend: one launch each per side.
+"""GEAR's per-group passes of a chunk's encode on MLX's CUDA backend: three launches per side.
 
 Around the outlier selection (outlier_select_kernel.py) GEAR's encode works per quantization
 group (keys: `group` tokens of one channel; values: `group` channels of one token):
   - before it, each entry's score -|x - mean of its group| (gear_outliers.outlier_scores);
   - after it, the dense part: the picked outliers replaced by the mean of the rest of their
-    group, cast to the side dtype, keys transposed to (channel, token) for mx.quantize.
+    group, cast to the side dtype, keys transposed to (channel, token) for mx.quantize;
+  - after mx.quantize, Q(D) and the residual D - Q(D) the low rank fits (see _RESIDUAL_SOURCE).
 As MLX ops those were, per side of one 8 x 128 layer's 2048-token chunk on the H200 (Nsight
 Compute, results/ncu_prefill_chunk_h200_s17_gear.csv, us): the scores a reduction (keys 10,
 values 22: a 32-entry row per 32-thread block), its scaling (2), a copy of the broadcast mean
@@ -13,15 +14,18 @@ negation as weights (4), a product (8), two reductions (keys 10 + 10, values 10 
 division (3), another broadcast copy (7), the select (9), the cast (5) and, for keys, the
 transposing copy mx.quantize needs (12): about 200 us of the chunk's ~600 us of encode for both
 sides, in 30 launches. Here: 2 launches per side, one thread per group, reading the group's
-entries from the float32 blocks (L1 keeps a thread's 32 values' line between its two passes).
+entries from the float32 blocks (L1 keeps a thread's 32 values' line between its two passes),
+and a third after mx.quantize in place of 5-6 (bit for bit, on CUDA as well).
 
-Not bit for bit the ops: a group's sums run here in token / channel order (MLX's reduce kernels
-have their own order), so a mean may differ in its last bits; a score then differs by as much,
-which can swap two outliers whose scores lie within that of each other, and a hole's fill by as
-much, below the side dtype's rounding almost always. Every other entry of the dense part is the
-block's own value cast once, as the ops cast it. The encoder's bit-identity tests
-(tests/cache/test_encoder_identity.py, test_gear_encode_kernel.py) run with this off; its own
-tests (tests/cache/test_gear_group_kernel.py) bound the difference on the CPU emulation and on CUDA.
+The scores and the dense part are not bit for bit the ops on CUDA: a group's sums run here in
+token / channel order (MLX's CUDA reduce kernels have their own; its CPU ones sum these groups
+in this order, so on the CPU emulation they are bit for bit), so a mean may differ in its last
+bits; a score then differs by as much, which can swap two outliers whose scores lie within that
+of each other, and a hole's fill by as much, below the side dtype's rounding almost always.
+Every other entry of the dense part is the block's own value cast once, as the ops cast it. The
+CUDA test of the encoder against the frozen one (tests/cache/test_gear_encode_kernel.py) runs
+with these off; their own tests (tests/cache/test_gear_group_kernel.py) bound the difference on
+CUDA and pin the bits on the CPU emulation.
 """
 
 from __future__ import annotations
@@ -101,6 +105,42 @@ _DENSE_SOURCE = _GROUP + r"""
 """
 
 
+# Q(D) and the residual D - Q(D) from mx.quantize's output, one thread per entry of the
+# blocks (B*H, NBLK * NB, D) layout both are written in (coalesced), the entry's code read from
+# the packed row (keys: channel c's row of tokens; values: token t's row of channels) as a
+# little-endian bit stream of KB bits per code (a 3-bit code may straddle two words). As ops:
+# two casts of the scales and zeros to float32, mx.dequantize, the keys' transposed copy of it,
+# the dense part's cast and the subtraction: 5-6 launches per side. Bit for bit: scale * code
+# is exact in float32 (a side-dtype scale of <= 11 significant bits times a code of <= 8 bits),
+# so the one rounding of `+ zero` is MLX's whether or not it fuses them; the subtraction is
+# the ops' float32 one.
+_RESIDUAL_SOURCE = r"""
+  constexpr int NTOK = NBLK * NB;
+  constexpr unsigned MASK = (1u << KB) - 1u;
+  const size_t total = (size_t)BH * NTOK * D;
+  const size_t at = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (at >= total) return;
+  const int c = (int)(at % D);
+  const size_t bt = at / D;
+  const int t = (int)(bt % NTOK);
+  const size_t bh = bt / NTOK;
+  // The code's row and its place along it in mx.quantize's layout.
+  const size_t qrow = PC ? bh * D + c : bt;
+  const int j = PC ? t : c;
+  constexpr int COLS = PC ? NTOK : D;
+  const unsigned* row = codes + qrow * (size_t)(COLS * KB / 32);
+  const int bit = j * KB;
+  const int w = bit >> 5, sh = bit & 31;
+  unsigned q = row[w] >> sh;
+  if (sh + KB > 32) q |= row[w + 1] << (32 - sh);
+  q &= MASK;
+  const size_t g = qrow * (size_t)(COLS / G) + j / G;
+  const float approx_ = __fadd_rn(__fmul_rn(vq_f32(scales[g]), (float)q), vq_f32(zeros[g]));
+  approx[at] = approx_;
+  residual[at] = __fsub_rn(vq_f32(dense[qrow * (size_t)COLS + j]), approx_);
+"""
+
+
 @lru_cache(maxsize=None)
 def _scores_kernel():
     return build_kernel(
@@ -121,6 +161,18 @@ def _dense_kernel():
         input_names=["blocks", "picks"],
         output_names=["dense"],
         source=_DENSE_SOURCE,
+        header=fused_decode._HEADER + _ROUNDING,
+    )
+
+
+@lru_cache(maxsize=None)
+def _residual_kernel():
+    return build_kernel(
+        mx.fast.cuda_kernel,
+        name="vq_gear_group_residual",
+        input_names=["dense", "codes", "scales", "zeros"],
+        output_names=["approx", "residual"],
+        source=_RESIDUAL_SOURCE,
         header=fused_decode._HEADER + _ROUNDING,
     )
 
@@ -171,3 +223,21 @@ def dense(blocks: mx.array, picks: mx.array, group: int, per_channel: bool, side
     shape = (B, H, d, n) if per_channel else (B, H, n, d)
     return _launch(_dense_kernel(), [blocks, picks.astype(mx.uint32)], blocks, group, per_channel,
                    [("NO", picks.shape[-1]), ("T", side_dtype)], shape, side_dtype)
+
+
+def approx_and_residual(dense: mx.array, codes: mx.array, scales: mx.array, zeros: mx.array, bits: int,
+                        group: int, per_channel: bool, blocks_shape: tuple) -> tuple[mx.array, mx.array]:
+    """dense in the side dtype as mx.quantize took it (keys (B, H, d, n), values (B, H, n, d)) and
+    mx.quantize's codes, scales and zeros for it (bits 2, 3, 4 or 8) -> (Q(D), D - Q(D)), both
+    blocks_shape (B, H, n_blocks, nb, d) float32: bit for bit gear_encoder.quantized's ops."""
+    B, H, n_blocks, nb, d = blocks_shape
+    total = B * H * n_blocks * nb * d
+    return tuple(_residual_kernel()(
+        inputs=[dense, codes, scales, zeros],
+        template=[("BH", B * H), ("NBLK", n_blocks), ("NB", nb), ("D", d), ("G", group), ("KB", bits),
+                  ("PC", int(per_channel))],
+        grid=(-(-total // THREADS) * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[blocks_shape, blocks_shape],
+        output_dtypes=[mx.float32, mx.float32],
+    ))
