@@ -141,38 +141,24 @@ _RESIDUAL_SOURCE = r"""
 """
 
 
-@lru_cache(maxsize=None)
-def _scores_kernel():
-    return build_kernel(
-        mx.fast.cuda_kernel,
-        name="vq_gear_group_scores",
-        input_names=["blocks"],
-        output_names=["scores"],
-        source=_SCORES_SOURCE,
-        header=_ROUNDING,
-    )
+# Each kernel's inputs and outputs, by the part it computes (its source: _<PART>_SOURCE, looked up
+# when built, so a test may change it).
+_SIGNATURES = {
+    "scores": (["blocks"], ["scores"]),
+    "dense": (["blocks", "picks"], ["dense"]),
+    "residual": (["dense", "codes", "scales", "zeros"], ["approx", "residual"]),
+}
 
 
 @lru_cache(maxsize=None)
-def _dense_kernel():
+def _kernel(part: str):
+    inputs, outputs = _SIGNATURES[part]
     return build_kernel(
         mx.fast.cuda_kernel,
-        name="vq_gear_group_dense",
-        input_names=["blocks", "picks"],
-        output_names=["dense"],
-        source=_DENSE_SOURCE,
-        header=fused_decode._HEADER + _ROUNDING,
-    )
-
-
-@lru_cache(maxsize=None)
-def _residual_kernel():
-    return build_kernel(
-        mx.fast.cuda_kernel,
-        name="vq_gear_group_residual",
-        input_names=["dense", "codes", "scales", "zeros"],
-        output_names=["approx", "residual"],
-        source=_RESIDUAL_SOURCE,
+        name=f"vq_gear_group_{part}",
+        input_names=inputs,
+        output_names=outputs,
+        source=globals()[f"_{part.upper()}_SOURCE"],
         header=fused_decode._HEADER + _ROUNDING,
     )
 
@@ -210,7 +196,7 @@ def scores(blocks: mx.array, group: int, per_channel: bool) -> mx.array:
     """blocks (B, H, n_blocks, nb, d) float32 -> (B, H, n_blocks, nb * d): each entry's
     -|x - its group's mean| (gear_outliers.outlier_scores with gear_encoder.group_means)."""
     B, H, n_blocks, nb, d = blocks.shape
-    return _launch(_scores_kernel(), [blocks], blocks, group, per_channel, [], (B, H, n_blocks, nb * d), mx.float32)
+    return _launch(_kernel("scores"), [blocks], blocks, group, per_channel, [], (B, H, n_blocks, nb * d), mx.float32)
 
 
 def dense(blocks: mx.array, picks: mx.array, group: int, per_channel: bool, side_dtype: mx.Dtype) -> mx.array:
@@ -221,7 +207,7 @@ def dense(blocks: mx.array, picks: mx.array, group: int, per_channel: bool, side
     B, H, n_blocks, nb, d = blocks.shape
     n = n_blocks * nb
     shape = (B, H, d, n) if per_channel else (B, H, n, d)
-    return _launch(_dense_kernel(), [blocks, picks.astype(mx.uint32)], blocks, group, per_channel,
+    return _launch(_kernel("dense"), [blocks, picks.astype(mx.uint32)], blocks, group, per_channel,
                    [("NO", picks.shape[-1]), ("T", side_dtype)], shape, side_dtype)
 
 
@@ -232,7 +218,7 @@ def approx_and_residual(dense: mx.array, codes: mx.array, scales: mx.array, zero
     blocks_shape (B, H, n_blocks, nb, d) float32: bit for bit gear_encoder.quantized's ops."""
     B, H, n_blocks, nb, d = blocks_shape
     total = B * H * n_blocks * nb * d
-    return tuple(_residual_kernel()(
+    return tuple(_kernel("residual")(
         inputs=[dense, codes, scales, zeros],
         template=[("BH", B * H), ("NBLK", n_blocks), ("NB", nb), ("D", d), ("G", group), ("KB", bits),
                   ("PC", int(per_channel))],
