@@ -34,6 +34,30 @@ def test_graph_counts_count_every_call_of_a_compiled_function():
     assert graph_counts([a], {}) == {}  # evaluated: nothing left to run
 
 
+def test_primitive_id_is_the_array_s_own_producer_beside_unread_siblings():
+    # A split's unread half is a sink of the graph too, before the array asked about.
+    x = evaluated(4) * 2
+    y = mx.split(x, 2)[0] + 1
+    counts = graph_counts([y], {primitive_id(y): "the add"})
+    assert counts == {"the add": 1, "Split": 1, "Multiply": 1, "Broadcast": 2}  # the scalars 2 and 1
+
+
+def test_launches_whose_inputs_have_unread_siblings_keep_their_labels():
+    # Each launch's first output is labelled by its own node, also when its inputs come from a
+    # launch with two outputs of which one is not read yet (gear's Q(D) and residual).
+    recorder = KernelRecorder()
+    with cuda_path(recorder):
+        two = mx.fast.cuda_kernel(name="two", input_names=["x"], output_names=["a", "b"], source="")
+        one = mx.fast.cuda_kernel(name="one", input_names=["x"], output_names=["y"], source="")
+        a, b = two(inputs=[evaluated(8) * 2], template=[], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                   output_shapes=[(8,), (8,)], output_dtypes=[mx.float32, mx.float32])
+        (y,) = one(inputs=[b], template=[], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                   output_shapes=[(4,)], output_dtypes=[mx.float32])
+        launched = {primitive_id(out): label for label, out in recorder.launches}
+        assert graph_counts([y, a], launched) == {"CustomKernel:two": 1, "CustomKernel:one": 1, "Multiply": 1,
+                                                   "Broadcast": 1}
+
+
 def test_recorder_stands_in_for_launches_and_fused_ops():
     recorder = KernelRecorder()
     saved = mx.fast.cuda_kernel, mx.fast.scaled_dot_product_attention, mx.dequantize, mx.default_device

@@ -96,10 +96,12 @@ def primitive_id(array: mx.array) -> int | None:
     text = io.StringIO()
     mx.export_to_dot(text, array)
     dot = text.getvalue()
-    sink = re.search(r'\{ rank=sink; "([^"]+)"; \}', dot)
-    if sink is None:
+    # Every array nothing in the graph reads is a sink, the unread outputs of a multi-output
+    # primitive (a split, a launch's other outputs) too, before it: `array` is the last one.
+    sinks = re.findall(r'\{ rank=sink; "([^"]+)"; \}', dot)
+    if not sinks:
         return None
-    return int(re.search(rf'(\d+) -> "{re.escape(sink.group(1))}"', dot).group(1))
+    return int(re.search(rf'(\d+) -> "{re.escape(sinks[-1])}"', dot).group(1))
 
 
 def graph_nodes(outputs) -> list[tuple[int, str]]:
