@@ -8,6 +8,8 @@ there) while Q(D) and the residual stay bit for bit; compiled by nvcc for sm_90 
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -101,25 +103,33 @@ def test_approx_and_residual_are_the_ops_bit_for_bit(bits, per_channel, side):
     assert np.array_equal(_bits(residual), _bits(expected_residual))
 
 
+@needs_compiler
+def test_without_a_low_rank_the_residual_is_not_made():
+    shape, group, count = CASES[0]
+    blocks = _blocks(shape, seed=7)
+    dense = _ops_dense(blocks, _picks(blocks, group, True, count), group, True, mx.bfloat16)
+    setting = EncoderSetting(2, group, 0, count, shape[-2], mx.bfloat16, True)
+    _, _, _, expected_approx = quantized(setting, dense, shape)
+    codes, scales, zeros = mx.quantize(dense, group_size=group, bits=2)
+    with cuda_emulation.emulated_kernels():
+        approx, residual = gear_group_kernel.approx_and_residual(dense, codes, scales, zeros, 2, group, True, shape,
+                                                                 with_residual=False)
+        mx.eval(approx)
+    assert residual is None
+    assert np.array_equal(_bits(approx), _bits(expected_approx))
+
+
 def _stores(on: bool, monkeypatch, keys, values, pieces, emulated: bool):
     monkeypatch.setattr(gear_group_kernel, "ENABLED", on)
     cache = GEARCache(KVCacheConfig(method="gear"))
     start = 0
-    with cuda_emulation.emulated_kernels() if emulated else _nothing() as made:
+    with cuda_emulation.emulated_kernels() if emulated else contextlib.nullcontext() as made:
         for size in pieces:
             cache.update_and_fetch(keys[:, :, start : start + size], values[:, :, start : start + size])
             cache._flush()
             mx.eval(cache.store)
             start += size
     return cache.store, {k.name.split("__")[0] for k in (made or [])}
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @needs_compiler

@@ -118,7 +118,7 @@ def _compiled_quantize(setting: EncoderSetting, with_centres: bool, with_picks: 
     with mx.quantize, its dequantized value and the residual D - Q(D) the low rank fits.
     `with_picks`: the outliers' positions are given (outlier_select_kernel.smallest), not
     selected here."""
-    bits, g, count, side = setting.bits, setting.group, setting.outliers, setting.side_dtype
+    g, count, side = setting.group, setting.outliers, setting.side_dtype
 
     def quantize(blocks: mx.array, *given: mx.array):
         B, H, n_blocks, nb, d = blocks.shape
@@ -144,15 +144,13 @@ def _compiled_quantize(setting: EncoderSetting, with_centres: bool, with_picks: 
 def _grouped_quantize(setting: EncoderSetting, blocks: mx.array, picks: mx.array) -> tuple:
     """Stage 1 through gear_group_kernel.py (CUDA): _compiled_quantize's outputs, bit for bit on
     the CPU emulation, from the blocks and the picks."""
-    B, H, n_blocks, nb, d = blocks.shape
     g, bits = setting.group, setting.bits
     dense = gear_group_kernel.dense(blocks, picks, g, setting.per_channel, setting.side_dtype)
     codes, scales, zeros = mx.quantize(dense, group_size=g, bits=bits)
-    approx, residual = gear_group_kernel.approx_and_residual(dense, codes, scales, zeros, bits, g,
-                                                             setting.per_channel, blocks.shape)
-    if setting.per_channel:
-        codes = codes.reshape(B, H, d, n_blocks * nb // 32, bits)
-    return (codes, scales, zeros, approx, *([residual] if setting.rank else []), picks)
+    approx, residual = gear_group_kernel.approx_and_residual(dense, codes, scales, zeros, bits, g, setting.per_channel,
+                                                             blocks.shape, with_residual=bool(setting.rank))
+    return (_stored_codes(setting, codes, blocks.shape), scales, zeros, approx, *([residual] if setting.rank else []),
+            picks)
 
 
 def quantized(setting: EncoderSetting, rows: mx.array, blocks_shape: tuple) -> tuple:
@@ -160,15 +158,22 @@ def quantized(setting: EncoderSetting, rows: mx.array, blocks_shape: tuple) -> t
     tokens; values (B, H, n, d)) -> codes, scales, zeros, Q(D) as blocks_shape float32, and the
     residual D - Q(D) the low rank fits (not computed without one)."""
     bits, g = setting.bits, setting.group
-    B, H, n_blocks, nb, d = blocks_shape
     codes, scales, zeros = mx.quantize(rows, group_size=g, bits=bits)
     approx = dequantize(codes, scales, zeros, g, bits)
     if setting.per_channel:
         approx, rows = approx.swapaxes(-1, -2), rows.swapaxes(-1, -2)
-        codes = codes.reshape(B, H, d, n_blocks * nb // 32, bits)
     approx = approx.reshape(blocks_shape)
     residual = [rows.astype(mx.float32).reshape(blocks_shape) - approx] if setting.rank else []
-    return (codes, scales, zeros, approx, *residual)
+    return (_stored_codes(setting, codes, blocks_shape), scales, zeros, approx, *residual)
+
+
+def _stored_codes(setting: EncoderSetting, codes: mx.array, blocks_shape: tuple) -> mx.array:
+    """mx.quantize's codes as the store keeps them: keys' (B, H, d, words) split into 32-token
+    runs of `bits` words (B, H, d, n / 32, bits); values' as they are."""
+    if not setting.per_channel:
+        return codes
+    B, H, n_blocks, nb, d = blocks_shape
+    return codes.reshape(B, H, d, n_blocks * nb // 32, setting.bits)
 
 
 @lru_cache(maxsize=None)

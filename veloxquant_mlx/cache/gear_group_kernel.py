@@ -49,7 +49,7 @@ MAX_BLOCK_ENTRIES = 1 << 17
 MAX_ROWS = 65535
 
 # One thread per group: `gi` its index in the block (the row `blockIdx.y` of NB x D entries),
-# `first` / `step` where its G entries lie in the block. Consecutive threads take consecutive
+# `first` / `STEP` where its G entries lie in the block. Consecutive threads take consecutive
 # channels (keys) or channel groups (values), so the keys' loads are coalesced.
 _GROUP = r"""
   constexpr int E = NB * D;
@@ -137,7 +137,7 @@ _RESIDUAL_SOURCE = r"""
   const size_t g = qrow * (size_t)(COLS / G) + j / G;
   const float approx_ = __fadd_rn(__fmul_rn(vq_f32(scales[g]), (float)q), vq_f32(zeros[g]));
   approx[at] = approx_;
-  residual[at] = __fsub_rn(vq_f32(dense[qrow * (size_t)COLS + j]), approx_);
+  if (RES) residual[at] = __fsub_rn(vq_f32(dense[qrow * (size_t)COLS + j]), approx_);
 """
 
 
@@ -212,18 +212,21 @@ def dense(blocks: mx.array, picks: mx.array, group: int, per_channel: bool, side
 
 
 def approx_and_residual(dense: mx.array, codes: mx.array, scales: mx.array, zeros: mx.array, bits: int,
-                        group: int, per_channel: bool, blocks_shape: tuple) -> tuple[mx.array, mx.array]:
+                        group: int, per_channel: bool, blocks_shape: tuple,
+                        with_residual: bool = True) -> tuple[mx.array, mx.array | None]:
     """dense in the side dtype as mx.quantize took it (keys (B, H, d, n), values (B, H, n, d)) and
     mx.quantize's codes, scales and zeros for it (bits 2, 3, 4 or 8) -> (Q(D), D - Q(D)), both
-    blocks_shape (B, H, n_blocks, nb, d) float32: bit for bit gear_encoder.quantized's ops."""
+    blocks_shape (B, H, n_blocks, nb, d) float32: bit for bit gear_encoder.quantized's ops.
+    Not `with_residual` (no low rank to fit it): Q(D) and None, the residual not written."""
     B, H, n_blocks, nb, d = blocks_shape
     total = B * H * n_blocks * nb * d
-    return tuple(_kernel("residual")(
+    approx, residual = _kernel("residual")(
         inputs=[dense, codes, scales, zeros],
         template=[("BH", B * H), ("NBLK", n_blocks), ("NB", nb), ("D", d), ("G", group), ("KB", bits),
-                  ("PC", int(per_channel))],
+                  ("PC", int(per_channel)), ("RES", int(with_residual))],
         grid=(-(-total // THREADS) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[blocks_shape, blocks_shape],
+        output_shapes=[blocks_shape, blocks_shape if with_residual else (1,)],
         output_dtypes=[mx.float32, mx.float32],
-    ))
+    )
+    return approx, residual if with_residual else None
