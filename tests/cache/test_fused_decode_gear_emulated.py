@@ -163,24 +163,6 @@ def test_other_outlier_batches_are_the_portable_attention(monkeypatch, batch):
     assert diff <= 2e-5, diff
 
 
-@pytest.mark.parametrize("module_pf, own_pf, expected_pf", [(0, None, 0), (1, None, 1), (0, 2, 2), (2, 0, 0)])
-def test_every_l2_prefetch_setting_is_the_portable_attention(monkeypatch, module_pf, own_pf, expected_pf):
-    # The prefetch is a no-op off the GPU, so this holds its control flow (the first tile, the
-    # next one past the block's end) to the portable step, several tiles per warp; and a cache's
-    # own setting (the gear-pf<N> ablations) over the module's, in the launch's template.
-    monkeypatch.setattr(fused_decode_gear, "L2_PREFETCH", module_pf)
-    monkeypatch.setattr(fused_decode, "TARGET_WARPS", 1)
-    cache = CASES[0][1]()
-    cache.decode_l2_prefetch = own_pf
-    q_heads = _filled(cache, 1600, B=1, H=2, rep=4, D=128, dtype=mx.float32)
-    expected = _portable(cache, q_heads, 128)
-    got, made = _emulated_step(cache, q_heads, 128**-0.5)
-    assert sorted((k.name, k.calls) for k in made if k.calls) == [("vq_gear_decode_partials_merged", 1)]
-    assert dict(cache._fused_plan[1][1]["template"])["PF"] == expected_pf
-    diff = np.abs(np.array(got) - expected).max()
-    assert diff <= 2e-5, diff
-
-
 @pytest.mark.parametrize("name, old, new, warps", MUTATIONS, ids=[m[0] for m in MUTATIONS])
 def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, new, warps):
     if warps:

@@ -77,8 +77,4 @@ ABLATIONS: dict[str, tuple] = {
     **{f"{m}-inplace": (in_place_window, m, f"{m}, decode window written in place") for m in WINDOW_METHODS},
     **{f"{m}-tw{n}": (Marked("decode_target_warps", n), m, f"{m}, decode launches for {n} target warps")
        for m in WINDOW_METHODS for n in TARGET_WARPS_TRIED},
-    # GEAR's decode kernel with and without its L2 prefetch of the side arrays
-    # (fused_decode_gear.L2_PREFETCH), whatever the module's setting.
-    **{f"gear-pf{v}": (Marked("decode_l2_prefetch", v), "gear", f"gear, decode L2 prefetch PF={v}")
-       for v in (0, 1, 2)},
 }

@@ -61,10 +61,6 @@ VARIANTS = {
     "no_rank_no_value_outliers": {"RANK": 0, "VCNT": 0},
     "ob8": {"OB": 8},
     "ob12": {"OB": 12},
-    # the side arrays' L2 prefetch (fused_decode_gear.L2_PREFETCH): off, each tile's own, a tile ahead
-    "pf0": {"PF": 0},
-    "pf1": {"PF": 1},
-    "pf2": {"PF": 2},
 }
 
 

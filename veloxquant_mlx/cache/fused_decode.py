@@ -177,20 +177,6 @@ __device__ __forceinline__ float vq_warp_sum(float x) {
   return x;
 }
 
-// A warp's hint to bring bytes [p, p + bytes) into L2: lane i prefetches the 128-byte lines
-// i, i + 32, ... of the range (`prefetch.L2`: no register written, nothing waited on, no fault
-// by definition of a prefetch). Why: a decode tile's small side arrays (GEAR's low-rank factors
-// and outlier entries) are read in several dependent rounds, each a trip to HBM; prefetched
-// together at once, the later rounds find them in L2. Off the GPU (the CPU emulation) a no-op.
-__device__ __forceinline__ void vq_prefetch_l2(const void* p, int bytes, int lane) {
-#if defined(__CUDA_ARCH__)
-  const size_t start = reinterpret_cast<size_t>(p) & ~static_cast<size_t>(127);
-  const size_t end = reinterpret_cast<size_t>(p) + bytes;
-  for (size_t a = start + static_cast<size_t>(lane) * 128; a < end; a += 32 * 128)
-    asm volatile("prefetch.L2 [%0];" :: "l"(a));
-#endif
-}
-
 // Tensor-core scores (template MMA, fused_decode.MMA_SCORES): one warp's
 // mma.sync.m16n8k16 (A 16 x 16 row-major and B 16 x 8 column-major in fp16, C float32 16 x 8,
 // C += A B). Fragments as PTX defines them, lane = 4 g + t: a[0] = A[g][2t, 2t + 1], a[1] =

@@ -86,10 +86,6 @@ MAX_ROW_RANKS = 32  # rows x max(rank, 1): the per-lane (q B_k) and (p A_v) sums
 # loaded together before the sums. Before session 11 one at a time (1), each entry's loads waited
 # on; a 128-token tile walks its 256-token block's entries (the 8B shape at 1%: 328, ~11 per lane).
 OUTLIER_BATCH = 4
-# The template's PF: the history tiles' side arrays prefetched into L2 (vq_prefetch_l2): 1 each
-# tile's as it starts, 2 the warp's first tile's and then each next tile's a tile ahead, 0 none.
-# A cache's own `decode_l2_prefetch` (the `gear-pf<N>` bench ablations) takes precedence.
-L2_PREFETCH = 0
 GEAR_INPUTS = ("kat", "kbc", "koi", "kov", "vat", "vbc", "voi", "vov")
 
 # Template constants beyond fused_decode's: RANK, BLK (tokens per low-rank / outlier block),
@@ -113,25 +109,6 @@ _DECLARE = r"""
   const ST* vbc_bh = vbc + (size_t)bh * n_gblk * DV * RANK;
   const VIT* voi_bh = voi + (size_t)bh * n_gblk * VCNT;
   const ST* vov_bh = vov + (size_t)bh * n_gblk * VCNT;
-  // PF (L2_PREFETCH): the side arrays of the history tile at token b (its low-rank rows and its
-  // block's factors and outlier entries) prefetched into L2 in one sweep of the warp.
-  const auto gear_prefetch = [&](int b) {
-    const int g = b / BLK;
-    if (RANK > 0) {
-      vq_prefetch_l2(kbc_bh + (size_t)g * D * RANK, D * RANK * (int)sizeof(ST), lane);
-      vq_prefetch_l2(kat_bh + (size_t)b * RANK, TILE * RANK * (int)sizeof(ST), lane);
-      vq_prefetch_l2(vat_bh + (size_t)b * RANK, TILE * RANK * (int)sizeof(ST), lane);
-      vq_prefetch_l2(vbc_bh + (size_t)g * DV * RANK, DV * RANK * (int)sizeof(ST), lane);
-    }
-    if (KCNT > 0) {
-      vq_prefetch_l2(koi_bh + (size_t)g * KCNT, KCNT * (int)sizeof(KIT), lane);
-      vq_prefetch_l2(kov_bh + (size_t)g * KCNT, KCNT * (int)sizeof(ST), lane);
-    }
-    if (VCNT > 0) {
-      vq_prefetch_l2(voi_bh + (size_t)g * VCNT, VCNT * (int)sizeof(VIT), lane);
-      vq_prefetch_l2(vov_bh + (size_t)g * VCNT, VCNT * (int)sizeof(ST), lane);
-    }
-  };
 """
 
 _TILE = r"""
@@ -139,13 +116,6 @@ _TILE = r"""
     const int gb = base / BLK;
     const int toff = base - gb * BLK;
     float al[R];  // the rows' rescale factors of this tile (the online softmax's alpha)
-    if (PF && !window) {
-      // PF 1: each tile prefetches its own side arrays as it starts (all their rounds in
-      // flight at once). PF 2: the warp's first tile its own, every tile the next one's (a
-      // tile's compute ahead of their use; 105 registers against 96 under nvcc for the 8B shape).
-      if (PF == 1 || base == first + warp * TILE) gear_prefetch(base);
-      if (PF == 2 && base + TILE * NW < last) gear_prefetch(base + TILE * NW);
-    }
 """
 
 # Right after the tile's scores are zeroed: GEAR's key terms go in first, so that none of their
@@ -403,14 +373,8 @@ def store_arrays(cache) -> tuple[list[mx.array], list[mx.array], list[tuple]]:
             index_dtypes.append(mx.uint16)
     template = [("RANK", cache.rank), ("BLK", cache.block_tokens), ("KCNT", counts[0]),
                 ("VCNT", counts[1]), ("KIT", index_dtypes[0]), ("VIT", index_dtypes[1]),
-                ("OB", OUTLIER_BATCH), ("PF", l2_prefetch(cache))]
+                ("OB", OUTLIER_BATCH)]
     return base, extra, template
-
-
-def l2_prefetch(cache) -> int:
-    """The cache's PF: its own `decode_l2_prefetch` where set (an ablation), else L2_PREFETCH."""
-    own = getattr(cache, "decode_l2_prefetch", None)
-    return int(L2_PREFETCH if own is None else own)
 
 
 def decode_step(cache, queries, scale: float):
@@ -440,5 +404,4 @@ def decode_step(cache, queries, scale: float):
 
     # Planned on the store's writes and the history (fused_decode.planned_attend), and the
     # outlier batch (a probe sets it between steps).
-    return fused_decode.planned_attend(cache, queries, scale, (OUTLIER_BATCH, l2_prefetch(cache)), launch,
-                                       _partials_kernel)
+    return fused_decode.planned_attend(cache, queries, scale, (OUTLIER_BATCH,), launch, _partials_kernel)

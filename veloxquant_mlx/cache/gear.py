@@ -135,9 +135,6 @@ class GEARCache(CompressedKVCache):
     step = BLOCK_TOKENS
     # Tokens per block (a subclass may shrink it for experiments; it must divide `step`).
     block_tokens: ClassVar[int] = BLOCK_TOKENS
-    # Per instance, the CUDA decode kernel's L2 prefetch of its side arrays (fused_decode_gear.
-    # l2_prefetch; None: the module's L2_PREFETCH), set by the `gear-pf<0|1>` bench ablations.
-    decode_l2_prefetch = None
 
     def _setup(self) -> None:
         # Not named `bits` / `group_size`: mlx-lm's scaled_dot_product_attention sends any cache
