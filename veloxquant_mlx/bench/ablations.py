@@ -63,7 +63,7 @@ in_place_window = Marked("decode_window_in_place", True)
 # (fused_decode.tokens_per_block): one layer's chained attention on the H200 was ~15% faster at
 # 32K for kivi and xquant with 1024 than with 4096 (session 22, when AFFINE_TARGET_WARPS became
 # 1024) and slower for gear; these measure such a split through a model's decode, per method.
-TARGET_WARPS_TRIED = (1024, 2048, 4096)
+TARGET_WARPS_TRIED = (1024, 2048, 4096, 8192)
 
 
 # The methods whose decode steps append to the base's exact window (pyramidkv's update is its own).
