@@ -68,10 +68,10 @@ def test_a_target_warps_spec_marks_its_caches_and_their_launches_take_it(method,
     # block per head: the most tiles per warp), so a short history tells the two splits apart.
     from tests.cache import cuda_emulation
     from tests.cache.test_fused_decode_emulated import _filled
-    from veloxquant_mlx.cache import fused_decode, fused_decode_rotated
+    from veloxquant_mlx.cache import fused_decode, fused_decode_merged, fused_decode_rotated
 
     for module, name in ((fused_decode, "TARGET_WARPS"), (fused_decode, "AFFINE_TARGET_WARPS"),
-                         (fused_decode_rotated, "TARGET_WARPS")):
+                         (fused_decode_rotated, "TARGET_WARPS"), (fused_decode_merged, "TARGET_WARPS")):
         monkeypatch.setattr(module, name, 1)
     blocks = {}
     launch = fused_decode.PartialsKernel.attend

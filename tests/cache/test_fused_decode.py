@@ -69,11 +69,15 @@ def test_cpu_takes_the_portable_path_and_the_switch_is_checked(monkeypatch):
 
 
 def test_blocks_fill_the_gpu_within_bounds():
-    # 128-token tiles, 4 warps per block, ~4096 warps over all heads, at most 64 tiles per warp
+    # 128-token tiles, 4 warps per block, ~8192 warps over all heads, at most 64 tiles per warp
     assert fused_decode.tokens_per_block(4096, 8) == 512
     assert fused_decode.tokens_per_block(32768, 8) == 512
-    assert fused_decode.tokens_per_block(131072, 8) == 1024
+    assert fused_decode.tokens_per_block(131072, 8) == 512
+    # past 128K two tiles a warp (~1030 blocks), not three (~690: one wave and a few blocks alone)
+    assert fused_decode.tokens_per_block(131584, 8) == 1024
     assert fused_decode.tokens_per_block(10**8, 64) == 128 * 4 * 64
+    # a kernel's own target (minicache's merged kernel keeps 4096)
+    assert fused_decode.tokens_per_block(131584, 8, target_warps=4096) == 1536
     # kivi's and xquant's launches (AFFINE_TARGET_WARPS, ~1024 warps): twice the tiles per warp
     # at 32K, eight at 128K (8 heads); GEAR's launch keeps the split above
     assert fused_decode.affine_tokens_per_block(4096, 8) == 512

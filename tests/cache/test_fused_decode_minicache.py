@@ -215,7 +215,7 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, dtype, D, B, r
 def test_kernel_with_many_tiles_per_warp_matches_the_portable_step(monkeypatch):
     # Few target warps: one block per head, every warp walks 39 32-token tiles (the online
     # softmax across tiles); same template as the 8B case.
-    monkeypatch.setattr(fused_decode, "TARGET_WARPS", 1)
+    monkeypatch.setattr(fused_decode_merged, "TARGET_WARPS", 1)
     lower, upper, queries = _pair(5000, B=1, H=2, rep=4, D=128, dtype=mx.bfloat16)
     assert upper.n_compressed == 4992 < fused_decode_merged.tokens_per_block(4992, 2) == 32 * 4 * 256
     _kernel_against_portable(monkeypatch, lower, upper, queries, 128, mx.bfloat16)

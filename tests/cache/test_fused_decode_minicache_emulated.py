@@ -102,7 +102,7 @@ def _programs_built_in_parallel():
 def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, dtype, D, B, rep, n, fields, warps):
     _prefetch_setting(monkeypatch, name)
     if warps:
-        monkeypatch.setattr(fused_decode, "TARGET_WARPS", warps)
+        monkeypatch.setattr(fused_decode_merged, "TARGET_WARPS", warps)
     lower, upper, queries = _pair(n, B=B, H=2, rep=rep, D=D, dtype=dtype, **fields)
     n_valid = upper.n_compressed
     residual = fields.get("minicache_residual_length", 0)

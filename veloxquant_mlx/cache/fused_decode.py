@@ -339,7 +339,17 @@ __device__ __forceinline__ void vq_block_partial(const float* ps, int ps_stride,
 TILE = 128
 TILE_SLOTS = TILE // 32 * 33  # p_tile's slots per warp (tile_slot: 4 runs of 32, one spare each)
 WARPS_PER_BLOCK = 4
-TARGET_WARPS = 4096  # ~31 warps per SM on an H200 (132 SMs)
+# The target of GEAR's and KVQuant's launches (and the emulation tests' knob for every kernel
+# that takes it). Why 8192 and not 4096 (until session 27): tokens_per_block's ceil makes a
+# warp's tiles jump from 2 to 3 just past 128K tokens (8 KV heads), and the grid then falls from
+# 1024 blocks to ~690, one wave of the H200's resident blocks (132 SMs x 5 at these kernels' 96
+# registers) plus a few that run alone after it. One layer's chained attention on the H200
+# (bench.launch_bounds_probe --warps, results/lb_h200_s27_split_*.json), us at 4096 / 8192
+# target warps: at 131584 tokens gear 316 / 267, kvquant 337 / 299; at 131072 gear 268 / 278,
+# kvquant 295 / 279. Through the model at 128K (results/gpu_speed_h200_s27_128k_split.json)
+# kvquant's GPU-bound steps took 3.75 ms with 8192 against 4.26 with 4096. Below 64K tokens
+# (4096 tiles at 8 heads) both targets give one tile per warp: the same launches.
+TARGET_WARPS = 8192
 # The affine kernel's own launches (kivi, xquant: affine_launch's default split; GEAR's launch of
 # the same source keeps TARGET_WARPS) aim at fewer warps, so each walks more tiles: on the H200
 # one layer's whole chained attention (bench.launch_bounds_probe --set fused_decode.TARGET_WARPS=,

@@ -86,6 +86,10 @@ from veloxquant_mlx.errors import QuantizerConfigError
 TILE = 32  # tokens per warp tile = MiniCache's block of 32 (its retained slots are per block)
 WARPS_PER_BLOCK = 4
 MAX_TILES_PER_WARP = 256
+# Target warps of this kernel's launches: fused_decode's 4096 until session 27, kept here when
+# fused_decode.TARGET_WARPS (GEAR's and KVQuant's) became 8192; not measured with 8192 (its
+# 32-token tiles split otherwise: 8 tiles per warp at 128K).
+TARGET_WARPS = 4096
 MAX_ROWS = 8
 MAX_SLOTS = 16
 HEAD_DIMS = (64, 128, 256)  # 8 lanes x 8-channel chunks per key token, 8 channels per value lane
@@ -609,8 +613,8 @@ def _partials_kernel():
 
 def tokens_per_block(n_tokens: int, n_heads: int) -> int:
     """History tokens per block of 4 warps: 32-token tiles, enough warps to fill the GPU
-    (fused_decode.TARGET_WARPS over all heads), at most MAX_TILES_PER_WARP tiles per warp."""
-    return fused_decode.tokens_per_block(n_tokens, n_heads, TILE, MAX_TILES_PER_WARP)
+    (TARGET_WARPS over all heads), at most MAX_TILES_PER_WARP tiles per warp."""
+    return fused_decode.tokens_per_block(n_tokens, n_heads, TILE, MAX_TILES_PER_WARP, TARGET_WARPS)
 
 
 def shared_bytes(head_dim: int, value_dim: int, slots: int, rows: int) -> int:
