@@ -82,7 +82,9 @@ R x 8 value sums live across it (ablations: 106 registers with that path cut). W
 per block an SM's 65536 registers hold 3 blocks (12 warps) at 168, 4 (16) at <= 128, 5 (20) at
 <= 102; shared memory allows 5 at 35 KB. The 8B shape's grid at 32K tokens is 520 blocks (one
 128-token tile per warp; ~3.9 per SM on 132 SMs: one wave from 4 resident blocks on, 1.3 at 3);
-at 128K 1032 (two tiles per warp; 7.8 per SM: 2.6 waves at 3, 1.6 at 5).
+at 128K 2056 (one tile per warp, fused_decode.TARGET_WARPS 8192 since session 27; with 4096,
+1032 blocks of two tiles, and past 128K ~690 of three: one wave at 5 blocks per SM plus a tail,
+337 us a layer at 131584 tokens against 299 with 8192, results/lb_h200_s27_split_131584.json).
 Timed on the H200 since (each run's command in results/README.md): the variants of session
 11 (`kernel_probe_h200_s11_kvquant.json`, now `python -m veloxquant_mlx.bench.batch_probe`:
 parking, value batches, outliers in batches), Nsight Compute at 128K in session 12

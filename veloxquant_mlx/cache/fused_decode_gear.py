@@ -59,7 +59,10 @@ template, one layer of the 8B shape chained; results/gear_terms_h200_s23.json), 
 key outliers, 85.7 without the value outliers, 64.8 without all three (fp16's mx.fast attention
 ~46). The outlier scans grow with the tiles a warp walks: at 1024 warps 106.8 shipped against
 87.9 without the key outliers, and at 128K 355 against 257 (164 without all three), which is why
-this launch keeps 4096 warps where kivi's aims at 1024. A tile's scan reads its whole block's
+this launch keeps TARGET_WARPS (4096, 8192 since session 27: past 128K tokens 4096 split the
+history into ~690 blocks of 3 tiles a warp, one wave plus a tail, 316 us a layer at 131584
+tokens against 267 with 8192; results/lb_h200_s27_split_*.json) where kivi's aims at 1024.
+A tile's scan reads its whole block's
 entries and adds its own through shared-memory atomicAdd, a compare-and-swap loop on sm_90
 (ATOMS.CAST.SPIN); plain adds where a round's target is unique in the warp were faster only at
 1024 warps and were reverted (fccc141). With two terms dropped (session 24,
@@ -69,6 +72,11 @@ Through the model GEAR decodes at 0.87x-0.94x fp16's at 32K and 0.81x at 128K (s
 once a host sync of window_rows was gone: results/gpu_speed_h200_s24_*.json). A tile's outlier
 entries loaded up front into registers (session 24-25's PREFETCH_OUTLIERS: 128 registers) cost
 23 us more at 32K and 27 at 128K (results/gear_terms_h200_s25_pfo.json) and were taken out.
+Nor did an L2 prefetch of a tile's side arrays (low-rank rows and factors, outlier entries; one
+`prefetch.L2` per 128-byte line by the warp's lanes, as the tile starts or a tile ahead) help:
+us per layer at 32K 92.1 without, 95.7 / 91.5 with; at 128K 267.3 / 283.6 / 278.9; through the
+model at 128K 0.83x / 0.82x / 0.82x fp16's (session 27, results/gear_terms_h200_s27_pf.json,
+gpu_speed_h200_s27_128k_pf.json): the terms' loads are not waiting on HBM. Taken out.
 """
 
 from __future__ import annotations
