@@ -76,7 +76,7 @@ Nor did an L2 prefetch of a tile's side arrays (low-rank rows and factors, outli
 `prefetch.L2` per 128-byte line by the warp's lanes, as the tile starts or a tile ahead) help:
 us per layer at 32K 92.1 without, 95.7 / 91.5 with; at 128K 267.3 / 283.6 / 278.9; through the
 model at 128K 0.83x / 0.82x / 0.82x fp16's (session 27, results/gear_terms_h200_s27_pf.json,
-gpu_speed_h200_s27_128k_pf.json): the terms' loads are not waiting on HBM. Taken out.
+gear_prefetch_gpu_speed_h200_s27_128k.json): the terms' loads are not waiting on HBM. Taken out.
 """
 
 from __future__ import annotations
