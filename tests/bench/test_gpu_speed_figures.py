@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from veloxquant_mlx.bench import gpu_speed
-from veloxquant_mlx.bench.gpu_speed_figures import case_figure, table_lines
+from veloxquant_mlx.bench.gpu_speed_figures import (HOST_BOUND_SHARE, case_figure, paired_ratios_by_regime,
+                                                    round_regime, table_lines)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,6 +38,24 @@ def test_prefill_is_the_fastest_repeat_and_decode_the_median_of_repeat_medians()
     assert case_figure({"context": 8, "runs": [{"prefill_s": 1.0, "decode_tps": None}]})["decode_tps"] is None
     empty = case_figure({"context": 8, "runs": []})
     assert empty["prefill_s"] is None and empty["decode_tps"] is None
+
+
+def test_paired_ratios_are_split_by_the_references_regime_per_round():
+    def rounds(pairs):  # (interval ms, host ms) per round, three tokens each
+        return {"interleaved": {"rounds": [{"round": i, "intervals_ms": [iv] * 3, "host_ms": [h] * 3}
+                                           for i, (iv, h) in enumerate(pairs)]}}
+
+    # fp16: round 0 host-bound (host = interval), round 1 waiting on the GPU, round 2 right at
+    # the share (host-bound), round 3 without host times (files before session 21: no regime)
+    fp16 = rounds([(2.4, 2.4), (3.8, 1.6), (3.0, 3.0 * HOST_BOUND_SHARE), (2.0, None)])
+    fp16["interleaved"]["rounds"][3]["host_ms"] = []
+    assert [round_regime(r) for r in fp16["interleaved"]["rounds"]] == ["host_bound", "gpu_bound", "host_bound", None]
+    cache = rounds([(3.6, 2.0), (3.8, 2.0), (3.0, 2.0), (1.0, 1.0)])
+    split = paired_ratios_by_regime(cache, fp16)
+    assert split == {"host_bound": [pytest.approx(2.4 / 3.6), pytest.approx(1.0)], "gpu_bound": [pytest.approx(1.0)]}
+    # a round only one side ran is left out, as paired_ratios leaves it
+    del cache["interleaved"]["rounds"][1]
+    assert paired_ratios_by_regime(cache, fp16)["gpu_bound"] == []
 
 
 COMMITTED = sorted(glob.glob(str(REPO / "results" / "gpu_speed_h200*.json")))

@@ -93,6 +93,36 @@ def paired_ratios(case: dict, reference: dict, per_round=statistics.median) -> l
     return ratios
 
 
+# A reference round is host-bound where its median host time per step (graph built + async_eval)
+# is at least this share of its median interval: its GPU work then hides behind the host's.
+HOST_BOUND_SHARE = 0.9
+
+
+def round_regime(round_: dict) -> str | None:
+    """'host_bound' or 'gpu_bound' for an interleaved round (by HOST_BOUND_SHARE), None where the
+    round kept no host times (files before session 21)."""
+    host = round_.get("host_ms")
+    if not host or not round_.get("intervals_ms"):
+        return None
+    share = statistics.median(host) / statistics.median(round_["intervals_ms"])
+    return "host_bound" if share >= HOST_BOUND_SHARE else "gpu_bound"
+
+
+def paired_ratios_by_regime(case: dict, reference: dict) -> dict[str, list[float]]:
+    """paired_ratios split by the reference's regime in each round. Why: on the H200 at 128K the
+    fp16 cache's step is host-bound (~2.3 ms) in some rounds and waits on the GPU (~3.4-4.0 ms,
+    mlx-lm's KVCache copying its buffers) in others, in runs of rounds within one process
+    (session 27): a median over all rounds depends on the mix a run met."""
+    regimes = {r["round"]: round_regime(r) for r in (reference.get("interleaved") or {}).get("rounds", [])}
+    split: dict[str, list[float]] = {"host_bound": [], "gpu_bound": []}
+    theirs = {r["round"]: r for r in (reference.get("interleaved") or {}).get("rounds", []) if r.get("intervals_ms")}
+    for r in (case.get("interleaved") or {}).get("rounds", []):
+        regime = regimes.get(r["round"])
+        if regime is not None and r.get("intervals_ms") and r["round"] in theirs:
+            split[regime].append(statistics.median(theirs[r["round"]]["intervals_ms"]) / statistics.median(r["intervals_ms"]))
+    return split
+
+
 def summarize_cases(cases: list[dict], specs, context_warmup: bool = False) -> None:
     """Per case: the summaries of its runs so far (median/min/max/n of each metric, kept for the
     plots and older readers), its `figure`, the bytes ratio, and ratios against the references
@@ -124,6 +154,7 @@ def add_ratios(cases: list[dict], specs) -> None:
         if case.get("interleaved"):
             case["interleaved"].pop("ratio_vs_fp16", None)  # re-derived below where fp16 has rounds
             case["interleaved"].pop("throughput_ratio_vs_fp16", None)
+            case["interleaved"].pop("ratio_vs_fp16_by_regime", None)
         mine = case["figure"]
         for ref in references:
             other = by_key.get((ref, case["context"]))
@@ -138,6 +169,11 @@ def add_ratios(cases: list[dict], specs) -> None:
                 ratios["decode_tps_paired"] = statistics.median(paired)
                 if ref == "fp16":
                     case["interleaved"]["ratio_vs_fp16"] = summarize(paired)
+                    by_regime = paired_ratios_by_regime(case, other)
+                    case["interleaved"]["ratio_vs_fp16_by_regime"] = {
+                        regime: summarize(values) if values else None for regime, values in by_regime.items()}
+                    for regime, values in by_regime.items():
+                        ratios[f"decode_tps_paired_fp16_{regime}"] = statistics.median(values) if values else None
             paired_sums = paired_ratios(case, other, per_round=sum)
             if paired_sums:
                 ratios["decode_tps_throughput"] = _ratio(mine.get("decode_tps_throughput"),
@@ -163,6 +199,9 @@ def check_targets(cases: list[dict]) -> list[dict]:
                      else "decode figures (median over repeats)")
             row = {"spec": case["spec"], "context": case["context"], "target": f"decode >= {minimum}x fp16",
                    "value": value, "basis": basis, "met": None if value is None else value >= minimum}
+            # Beside it, against fp16's host-bound and its GPU-bound rounds apart (None: no such round).
+            row.update({f"value_fp16_{regime}": vs.get(f"decode_tps_paired_fp16_{regime}")
+                        for regime in ("host_bound", "gpu_bound")})
             throughput = vs.get("decode_tps_paired_throughput")
             if throughput is not None:
                 # Beside the typical token: every token's time (what a generation's length takes).
@@ -186,7 +225,7 @@ def table_lines(cases: list[dict]) -> list[str]:
     """One line per case: fastest prefill (slowest/fastest, repeats), its time ratio to fp16,
     the decode figure (min-max), its ratio to fp16 and the paired one (quartiles)."""
     lines = [f"{'spec':28} {'context':>7} {'prefill_s':>9} {'spread':>6} {'x_fp16':>6} "
-             f"{'decode':>7} {'(min-max)':>13} {'x_fp16':>6} {'paired':>6} {'(p25-p75)':>11} {'thru':>5} {'host_ms':>7}"]
+             f"{'decode':>7} {'(min-max)':>13} {'x_fp16':>6} {'paired':>6} {'(p25-p75)':>11} {'thru':>5} {'host_ms':>7} {'hb':>4} {'gb':>4}"]
     for c in cases:
         fig, vs = c["figure"], c.get("ratio_vs", {}).get("fp16") or {}
         paired = (c.get("interleaved") or {}).get("ratio_vs_fp16") or {}
@@ -199,9 +238,13 @@ def table_lines(cases: list[dict]) -> list[str]:
             f"{_num(vs.get('decode_tps'), '6.2f')} {_num(paired.get('median'), '6.2f')} "
             f"({_num(paired.get('p25'), '4.2f')}-{_num(paired.get('p75'), '4.2f')}) "
             f"{_num(vs.get('decode_tps_paired_throughput'), '5.2f')} "
-            f"{_num(fig.get('decode_host_ms'), '7.2f')} {status}")
+            f"{_num(fig.get('decode_host_ms'), '7.2f')} "
+            f"{_num(vs.get('decode_tps_paired_fp16_host_bound'), '4.2f')} "
+            f"{_num(vs.get('decode_tps_paired_fp16_gpu_bound'), '4.2f')} {status}")
     lines.append("prefill_s: fastest repeat (* = one repeat, no context warm-up: may include JIT compiles); "
                  "spread: slowest/fastest; decode: tok/s; paired: per-round ratio to fp16 (--interleave); "
                  "thru: per-round ratio of summed intervals to fp16's (every token's time; --interleave); "
-                 "host_ms: median host time per step (graph built + async_eval; --interleave)")
+                 "host_ms: median host time per step (graph built + async_eval; --interleave); "
+                 "hb / gb: the paired ratio over fp16's host-bound rounds / the rest (its host time "
+                 f">= / < {HOST_BOUND_SHARE} of its interval; --interleave)")
     return lines
