@@ -113,13 +113,13 @@ def paired_ratios_by_regime(case: dict, reference: dict) -> dict[str, list[float
     fp16 cache's step is host-bound (~2.3 ms) in some rounds and waits on the GPU (~3.4-4.0 ms,
     mlx-lm's KVCache copying its buffers) in others, in runs of rounds within one process
     (session 27): a median over all rounds depends on the mix a run met."""
-    regimes = {r["round"]: round_regime(r) for r in (reference.get("interleaved") or {}).get("rounds", [])}
+    theirs = {r["round"]: r for r in (reference.get("interleaved") or {}).get("rounds", [])}
     split: dict[str, list[float]] = {"host_bound": [], "gpu_bound": []}
-    theirs = {r["round"]: r for r in (reference.get("interleaved") or {}).get("rounds", []) if r.get("intervals_ms")}
     for r in (case.get("interleaved") or {}).get("rounds", []):
-        regime = regimes.get(r["round"])
-        if regime is not None and r.get("intervals_ms") and r["round"] in theirs:
-            split[regime].append(statistics.median(theirs[r["round"]]["intervals_ms"]) / statistics.median(r["intervals_ms"]))
+        other = theirs.get(r["round"])
+        regime = round_regime(other) if other is not None else None
+        if regime is not None and r.get("intervals_ms"):
+            split[regime].append(statistics.median(other["intervals_ms"]) / statistics.median(r["intervals_ms"]))
     return split
 
 
