@@ -80,12 +80,14 @@ def case_figure(case: dict, context_warmup: bool = False) -> dict:
     return figure
 
 
-def paired_ratios(case: dict, reference: dict, per_round=statistics.median) -> list[float]:
+def paired_ratios(case: dict, reference: dict, per_round=statistics.median, keep=None) -> list[float]:
     """Per interleaved round both ran: the reference's `per_round` of its intervals / this
     case's (a decode speed ratio: above 1 is faster than the reference). `per_round`: the median
-    interval (a typical token) or `sum` (the round's throughput: every token's time counts)."""
+    interval (a typical token) or `sum` (the round's throughput: every token's time counts).
+    `keep` (a test of the reference's round; None: every round): the rounds taken."""
     theirs = {r["round"]: per_round(r["intervals_ms"])
-              for r in (reference.get("interleaved") or {}).get("rounds", []) if r.get("intervals_ms")}
+              for r in (reference.get("interleaved") or {}).get("rounds", [])
+              if r.get("intervals_ms") and (keep is None or keep(r))}
     ratios = []
     for r in (case.get("interleaved") or {}).get("rounds", []):
         if r.get("intervals_ms") and r["round"] in theirs:
@@ -113,14 +115,8 @@ def paired_ratios_by_regime(case: dict, reference: dict) -> dict[str, list[float
     fp16 cache's step is host-bound (~2.3 ms) in some rounds and waits on the GPU (~3.4-4.0 ms,
     mlx-lm's KVCache copying its buffers) in others, in runs of rounds within one process
     (session 27): a median over all rounds depends on the mix a run met."""
-    theirs = {r["round"]: r for r in (reference.get("interleaved") or {}).get("rounds", [])}
-    split: dict[str, list[float]] = {"host_bound": [], "gpu_bound": []}
-    for r in (case.get("interleaved") or {}).get("rounds", []):
-        other = theirs.get(r["round"])
-        regime = round_regime(other) if other is not None else None
-        if regime is not None and r.get("intervals_ms"):
-            split[regime].append(statistics.median(other["intervals_ms"]) / statistics.median(r["intervals_ms"]))
-    return split
+    return {regime: paired_ratios(case, reference, keep=lambda r, regime=regime: round_regime(r) == regime)
+            for regime in ("host_bound", "gpu_bound")}
 
 
 def summarize_cases(cases: list[dict], specs, context_warmup: bool = False) -> None:
