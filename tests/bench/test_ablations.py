@@ -66,6 +66,8 @@ def test_a_target_warps_spec_marks_its_caches_and_their_launches_take_it(method,
     # `<method>-tw4096`: the method's caches whose decode launches split the history for 4096
     # target warps whatever the kernel's own target; here every kernel's own is set to 1 (one
     # block per head: the most tiles per warp), so a short history tells the two splits apart.
+    from tests.cache import cuda_emulation
+    from tests.cache.test_fused_decode_emulated import _filled
     from veloxquant_mlx.cache import fused_decode, fused_decode_merged, fused_decode_rotated
 
     for module, name in ((fused_decode, "TARGET_WARPS"), (fused_decode, "AFFINE_TARGET_WARPS"),
@@ -76,28 +78,18 @@ def test_a_target_warps_spec_marks_its_caches_and_their_launches_take_it(method,
     monkeypatch.setattr(fused_decode.PartialsKernel, "attend",
                         lambda self, *a, **k: blocks.setdefault(spec_name, k["n_blocks"]) and launch(self, *a, **k))
     for spec_name in (method, f"{method}-tw4096"):
-        caches = _one_decode_step(method, spec_name)
-        assert all(c.decode_target_warps == (4096 if "tw" in spec_name else None) for c in caches)
+        # minicache: layer 1 of 2 is the pair's upper layer from its first token on
+        fields = "minicache_start_fraction=0" if method == "minicache" else ""
+        spec = parse_layer_spec(f"{spec_name}:{fields}" if fields else spec_name)
+        with spec.open(_pair_model()) as make_cache:
+            caches = make_cache()
+            assert all(c.decode_target_warps == (4096 if "tw" in spec_name else None) for c in caches)
+            # filled on the portable path; the decode step's launch recorded, not run
+            queries = [_filled(cache, 1500, B=1, H=2, rep=4, D=128, dtype=mx.bfloat16) for cache in caches]
+            with cuda_emulation.signatures_only(), cuda_emulation.emulated_kernels():
+                for cache, q in zip(caches, queries):
+                    cache.attention(q, scale=128**-0.5)
     assert blocks[method] < blocks[f"{method}-tw4096"], blocks
-
-
-def _one_decode_step(method, spec_name):
-    """The spec's caches of a 2-layer model, each filled with 1500 tokens on the portable path
-    and its decode step's kernel launch made under the CUDA emulation (signatures only: recorded,
-    not run)."""
-    from tests.cache import cuda_emulation
-    from tests.cache.test_fused_decode_emulated import _filled
-
-    # minicache: layer 1 of 2 is the pair's upper layer from its first token on
-    fields = "minicache_start_fraction=0" if method == "minicache" else ""
-    spec = parse_layer_spec(f"{spec_name}:{fields}" if fields else spec_name)
-    with spec.open(_pair_model()) as make_cache:
-        caches = make_cache()
-        queries = [_filled(cache, 1500, B=1, H=2, rep=4, D=128, dtype=mx.bfloat16) for cache in caches]
-        with cuda_emulation.signatures_only(), cuda_emulation.emulated_kernels():
-            for cache, q in zip(caches, queries):
-                cache.attention(q, scale=128**-0.5)
-    return caches
 
 
 def _pair_model():
@@ -111,6 +103,8 @@ def test_a_noslack_spec_marks_its_caches_and_their_splits_take_it(method, monkey
     # fused_decode.SPLIT_SLACK; every kernel's split goes through fused_decode.tokens_per_block,
     # which sees the cache's own slack (0) while its plan is built, and the module's (None) for
     # the plain spec.
+    from tests.cache import cuda_emulation
+    from tests.cache.test_fused_decode_emulated import _filled
     from veloxquant_mlx.cache import fused_decode
 
     seen = {}
@@ -122,6 +116,13 @@ def test_a_noslack_spec_marks_its_caches_and_their_splits_take_it(method, monkey
 
     monkeypatch.setattr(fused_decode, "tokens_per_block", recording)
     for spec_name in (method, f"{method}-noslack"):
-        caches = _one_decode_step(method, spec_name)
-        assert all(c.decode_split_slack == (0 if "noslack" in spec_name else None) for c in caches)
+        fields = "minicache_start_fraction=0" if method == "minicache" else ""
+        spec = parse_layer_spec(f"{spec_name}:{fields}" if fields else spec_name)
+        with spec.open(_pair_model()) as make_cache:
+            caches = make_cache()
+            assert all(c.decode_split_slack == (0 if "noslack" in spec_name else None) for c in caches)
+            queries = [_filled(cache, 1500, B=1, H=2, rep=4, D=128, dtype=mx.bfloat16) for cache in caches]
+            with cuda_emulation.signatures_only(), cuda_emulation.emulated_kernels():
+                for cache, q in zip(caches, queries):
+                    cache.attention(q, scale=128**-0.5)
     assert seen == {method: {None}, f"{method}-noslack": {0}}, seen
