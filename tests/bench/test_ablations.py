@@ -95,34 +95,3 @@ def test_a_target_warps_spec_marks_its_caches_and_their_launches_take_it(method,
 def _pair_model():
     """A 2-layer llama of the 8B attention shape (GQA 4, head_dim 128) for the specs' lists."""
     return random_llama(hidden=256, layers=2, heads=8, kv_heads=2, head_dim=128, intermediate=256, vocab=64)
-
-
-@pytest.mark.parametrize("method", WINDOW_METHODS)
-def test_a_noslack_spec_marks_its_caches_and_their_splits_take_it(method, monkeypatch):
-    # `<method>-noslack`: the method's caches whose decode launches split the history without
-    # fused_decode.SPLIT_SLACK; every kernel's split goes through fused_decode.tokens_per_block,
-    # which sees the cache's own slack (0) while its plan is built, and the module's (None) for
-    # the plain spec.
-    from tests.cache import cuda_emulation
-    from tests.cache.test_fused_decode_emulated import _filled
-    from veloxquant_mlx.cache import fused_decode
-
-    seen = {}
-    split = fused_decode.tokens_per_block
-
-    def recording(*args, **kwargs):
-        seen.setdefault(spec_name, set()).add(fused_decode._PLAN_SPLIT_SLACK.get())
-        return split(*args, **kwargs)
-
-    monkeypatch.setattr(fused_decode, "tokens_per_block", recording)
-    for spec_name in (method, f"{method}-noslack"):
-        fields = "minicache_start_fraction=0" if method == "minicache" else ""
-        spec = parse_layer_spec(f"{spec_name}:{fields}" if fields else spec_name)
-        with spec.open(_pair_model()) as make_cache:
-            caches = make_cache()
-            assert all(c.decode_split_slack == (0 if "noslack" in spec_name else None) for c in caches)
-            queries = [_filled(cache, 1500, B=1, H=2, rep=4, D=128, dtype=mx.bfloat16) for cache in caches]
-            with cuda_emulation.signatures_only(), cuda_emulation.emulated_kernels():
-                for cache, q in zip(caches, queries):
-                    cache.attention(q, scale=128**-0.5)
-    assert seen == {method: {None}, f"{method}-noslack": {0}}, seen

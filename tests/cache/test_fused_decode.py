@@ -76,44 +76,13 @@ def test_blocks_fill_the_gpu_within_bounds():
     # past 128K two tiles a warp (~1030 blocks), not three (~690: one wave and a few blocks alone)
     assert fused_decode.tokens_per_block(131584, 8) == 1024
     assert fused_decode.tokens_per_block(10**8, 64) == 128 * 4 * 64
-    # a kernel's own target: past 128K at 4096 the round-up gives 3 tiles a warp, the slack 2
-    # (4112 warps, within 4096 + 1/8)
-    assert fused_decode.tokens_per_block(131584, 8, target_warps=4096) == 1024
+    # a kernel's own target (minicache's merged kernel keeps 4096)
+    assert fused_decode.tokens_per_block(131584, 8, target_warps=4096) == 1536
     # kivi's and xquant's launches (AFFINE_TARGET_WARPS, ~1024 warps): twice the tiles per warp
-    # at 32K, eight at 128K (8 heads) and just past it too (the slack); GEAR's launch keeps the
-    # split above
+    # at 32K, eight at 128K (8 heads); GEAR's launch keeps the split above
     assert fused_decode.affine_tokens_per_block(4096, 8) == 512
     assert fused_decode.affine_tokens_per_block(32768, 8) == 1024
     assert fused_decode.affine_tokens_per_block(131072, 8) == 4096
-    assert fused_decode.affine_tokens_per_block(131584, 8) == 4096
-
-
-def test_the_split_slack_saves_a_tile_only_where_the_round_up_took_effect(monkeypatch):
-    tpb = fused_decode.tokens_per_block
-    # 8224 tiles at 1024 target warps: 9 a warp rounded up (914 warps); 8 (1028 warps) is within
-    # the slack of 1024 / 8
-    assert tpb(131584, 8, target_warps=1024) == 128 * 4 * 8
-    # saving the tile would take more than 1/8 more warps: rounded up (2320 tiles: 1160 warps at 2)
-    assert tpb(37120, 8, target_warps=1024) == 128 * 4 * 3
-    assert tpb(36864, 8, target_warps=1024) == 128 * 4 * 2  # 2304 tiles: 1152 warps at 2
-    # an exact multiple keeps its target's split (no round-up to undo)
-    assert tpb(131072, 8, target_warps=2048, tile=32) == 32 * 4 * 16
-    # never below 2 tiles a warp: 1.5 tiles a warp rounds up to 2, as without the slack
-    assert tpb(24576, 8, target_warps=1024) == 128 * 4 * 2
-    # the bound on tiles per warp still holds
-    assert tpb(10**8, 64, target_warps=1024) == 128 * 4 * 64
-    # SPLIT_SLACK 0: every warp's tiles rounded up, as before the slack
-    monkeypatch.setattr(fused_decode, "SPLIT_SLACK", 0)
-    assert tpb(131584, 8, target_warps=1024) == 128 * 4 * 9
-    assert tpb(36864, 8, target_warps=1024) == 128 * 4 * 3
-    # a cache's own slack (the `-noslack` ablations) while its plan is built wins over the module's
-    monkeypatch.setattr(fused_decode, "SPLIT_SLACK", 8)
-    token = fused_decode._PLAN_SPLIT_SLACK.set(0)
-    try:
-        assert tpb(131584, 8, target_warps=1024) == 128 * 4 * 9
-    finally:
-        fused_decode._PLAN_SPLIT_SLACK.reset(token)
-    assert tpb(131584, 8, target_warps=1024) == 128 * 4 * 8
 
 
 def test_supported_shapes():

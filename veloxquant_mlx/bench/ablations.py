@@ -77,7 +77,4 @@ ABLATIONS: dict[str, tuple] = {
     **{f"{m}-inplace": (in_place_window, m, f"{m}, decode window written in place") for m in WINDOW_METHODS},
     **{f"{m}-tw{n}": (Marked("decode_target_warps", n), m, f"{m}, decode launches for {n} target warps")
        for m in WINDOW_METHODS for n in TARGET_WARPS_TRIED},
-    # The split without fused_decode.SPLIT_SLACK: every warp's tiles rounded up, as before session 28.
-    **{f"{m}-noslack": (Marked("decode_split_slack", 0), m, f"{m}, decode split without slack")
-       for m in WINDOW_METHODS},
 }

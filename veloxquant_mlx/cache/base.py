@@ -139,9 +139,6 @@ class CompressedKVCache(_BaseCache):
     # kernel's own target): set by the `<method>-tw<N>` bench ablations, the same A/B for the
     # launch split.
     decode_target_warps = None
-    # Per instance, the split's slack (fused_decode.SPLIT_SLACK; None: the module's): set by the
-    # `<method>-noslack` bench ablations.
-    decode_split_slack = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

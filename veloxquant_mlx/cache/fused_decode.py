@@ -348,9 +348,7 @@ WARPS_PER_BLOCK = 4
 # target warps: at 131584 tokens gear 316 / 267, kvquant 337 / 299; at 131072 gear 268 / 278,
 # kvquant 295 / 279. Through the model at 128K (results/gpu_speed_h200_s27_128k_split.json)
 # kvquant's GPU-bound steps took 3.75 ms with 8192 against 4.26 with 4096. Below 64K tokens
-# (4096 tiles at 8 heads) both targets give one tile per warp: the same launches. SPLIT_SLACK
-# (session 28) would now also keep 4096 at 2 tiles past 128K; 8192 stays, as kvquant took less
-# with it at 64K, 96K and 128K (gear more at 64K and 128K, less at 96K; the figures above).
+# (4096 tiles at 8 heads) both targets give one tile per warp: the same launches.
 TARGET_WARPS = 8192
 # The affine kernel's own launches (kivi, xquant: affine_launch's default split; GEAR's launch of
 # the same source keeps TARGET_WARPS) aim at fewer warps, so each walks more tiles: on the H200
@@ -1081,41 +1079,19 @@ def affine_tokens_per_block(n_valid: int, n_heads: int) -> int:
 # (CompressedKVCache.decode_target_warps, set by the `<method>-tw<N>` bench ablations): taken by
 # tokens_per_block over every kernel's own target while planned_attend builds that plan.
 _PLAN_TARGET_WARPS: contextvars.ContextVar = contextvars.ContextVar("plan_target_warps", default=None)
-# The same for SPLIT_SLACK (CompressedKVCache.decode_split_slack, the `<method>-noslack` ablations).
-_PLAN_SPLIT_SLACK: contextvars.ContextVar = contextvars.ContextVar("plan_split_slack", default=None)
-
-
-# A split may give the launch up to 1 / SPLIT_SLACK more warps than its target where that takes a
-# tile off every warp (0: never). Why: tokens_per_block rounds a warp's tiles up, so one block of
-# history past a multiple of target x tile (8 KV heads: 128K tokens for kivi's and xquant's 1024
-# warps of 128-token tiles, turboquant_rvq's 2048 and minicache's 4096 of 32-token tiles) adds a
-# tile to every warp while the work grows by a 1/1000th. kivi's and xquant's launches hold ~2
-# blocks per SM there and take time in proportion to a warp's tiles: one layer's attention on the
-# H200 at 131584 tokens, kivi 185-191 us with 9 tiles a warp against 169-174 at 131072 with 8
-# (results/lb_h200_s28_split_131584.json, lb_h200_s23_warps_131072.json); a 128K decode crosses
-# it as its history grows. Only past 2 tiles a warp: at 32K kivi's 2 tiles (256 blocks) take 62
-# us against 81 with 1 (512 blocks; session 23), so a split's last halving is left to its target,
-# and only where the round-up took effect (an exact multiple keeps its target's split).
-SPLIT_SLACK = 8
 
 
 def tokens_per_block(n_valid: int, n_heads: int, tile: int = TILE, max_tiles: int = 64,
                      target_warps: int | None = None) -> int:
     """History tokens per block of 4 warps: tiles of `tile` tokens, enough warps to fill the GPU
     (`target_warps`, default TARGET_WARPS, over all heads; a cache's own while its launch plan
-    is built; up to 1 / SPLIT_SLACK more where that saves each warp a tile) and at most
-    `max_tiles` tiles per warp. The other partials kernels call it with their own tile, bound
-    and target."""
+    is built) and at most `max_tiles` tiles per warp. The other partials kernels call it with
+    their own tile, bound and target."""
     own = _PLAN_TARGET_WARPS.get()
     warps = own if own is not None else TARGET_WARPS if target_warps is None else target_warps
     tiles = -(-n_valid // tile) * n_heads
-    own_slack = _PLAN_SPLIT_SLACK.get()
-    slack = SPLIT_SLACK if own_slack is None else own_slack
-    tiles_per_warp = max(1, -(-tiles // warps))
-    if (slack and tiles_per_warp > 2 and tiles % warps
-            and -(-tiles // (tiles_per_warp - 1)) <= warps + warps // slack):
-        tiles_per_warp -= 1
-    return tile * WARPS_PER_BLOCK * min(max_tiles, tiles_per_warp)
+    tiles_per_warp = min(max_tiles, max(1, -(-tiles // warps)))
+    return tile * WARPS_PER_BLOCK * tiles_per_warp
 
 
 # Value accumulators per lane (rows x channels) above which a token is split over more lanes
@@ -1425,17 +1401,16 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
     # The window as in-place buffers (window_buffer.py) or None: the template's WB, the inputs.
     held = cache.window_buffers()
     buffered = held is not None
-    own_warps, own_slack = cache.decode_target_warps, cache.decode_split_slack
+    own_warps = cache.decode_target_warps
     key = (cache.store_writes, cache.n_compressed, cache.capacity, queries.shape, queries.dtype, scale, buffered,
-           own_warps, own_slack, key)
+           own_warps, key)
     plan = cache.__dict__.get("_fused_plan")
     if plan is None or plan[0] != key:
-        tokens = _PLAN_TARGET_WARPS.set(own_warps), _PLAN_SPLIT_SLACK.set(own_slack)
+        token = _PLAN_TARGET_WARPS.set(own_warps)
         try:
             built = launch()
         finally:
-            _PLAN_SPLIT_SLACK.reset(tokens[1])
-            _PLAN_TARGET_WARPS.reset(tokens[0])
+            _PLAN_TARGET_WARPS.reset(token)
         if built is not None:
             # The plan keeps no step's own arrays (the queries, the window): they would stay
             # alive until the next plan.
