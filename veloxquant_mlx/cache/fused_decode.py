@@ -345,9 +345,9 @@ WARPS_PER_BLOCK = 4
 # 1024 blocks to ~690, 1.3 waves of the H200's resident blocks (132 SMs x 4: under nvrtc gear's
 # kernel takes 103 registers and 44 KB of shared memory, kvquant's 119 and 36 KB, Nsight in
 # session 28, results/ncu_raw_s28_*_128k.csv; nvcc's 96 would allow 5). One layer's chained
-# attention on the H200 (bench.launch_bounds_probe --warps, results/lb_h200_s27_split_*.json), us at 4096 / 8192
-# target warps: at 131584 tokens gear 316 / 267, kvquant 337 / 299; at 131072 gear 268 / 278,
-# kvquant 295 / 279. Through the model at 128K (results/gpu_speed_h200_s27_128k_split.json)
+# attention on the H200 (bench.launch_bounds_probe --warps, results/lb_h200_s27_split_*.json),
+# us at 4096 / 8192 target warps: at 131584 tokens gear 316 / 267, kvquant 337 / 299; at 131072
+# gear 268 / 278, kvquant 295 / 279. Through the model at 128K (results/gpu_speed_h200_s27_128k_split.json)
 # kvquant's GPU-bound steps took 3.75 ms with 8192 against 4.26 with 4096. Below 64K tokens
 # (4096 tiles at 8 heads) both targets give one tile per warp: the same launches.
 TARGET_WARPS = 8192
