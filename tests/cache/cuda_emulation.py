@@ -18,6 +18,7 @@ crash or a hang is a test failure with the program's message, not a dead test se
   * warp shuffles (xor, idx, up, down) write the lane's value to a per-warp buffer, wait for
     the warp, read the source lane's value and wait again (every lane of the warp must call
     them, as our kernels do with full masks; a diverged shuffle deadlocks: the timeout);
+    __any_sync the same way, over the 32 lanes' predicates;
   * __shared__ arrays are function statics (one copy shared by the block's threads);
   * __half / __nv_bfloat16 are 16-bit structs converted exactly (g++'s _Float16; bfloat16 by
     its bits, float -> bfloat16 rounding to nearest even), so fp16/bf16 inputs and outputs run
@@ -155,6 +156,16 @@ template <typename T> inline T __shfl_down_sync(unsigned, T x, unsigned d, int w
 template <typename T> inline T __shfl_up_sync(unsigned, T x, unsigned d, int width = 32) {
   const int l = vq_tid % 32;
   return vq_exchange(x, (l % width) >= (int)d ? l - (int)d : l);
+}
+// Whether the predicate holds in any lane of the warp (every lane of the warp calls it).
+inline bool __any_sync(unsigned, bool p) {
+  const int w = vq_tid / 32, l = vq_tid % 32;
+  vq_xbuf[w][l] = p ? 1u : 0u;
+  vq_warp_bar[w]->arrive_and_wait();
+  bool any = false;
+  for (int i = 0; i < 32; ++i) any |= vq_xbuf[w][i] != 0u;
+  vq_warp_bar[w]->arrive_and_wait();
+  return any;
 }
 // CUDA's vector types the kernels load whole (vector_types.h; 16 / 8-byte aligned there too).
 struct __align__(16) uint4 { unsigned int x, y, z, w; };

@@ -3,8 +3,11 @@
 Each case feeds the same K/V to the cache and to its frozen reference (encoder_reference.py) the
 way a prefill and decode do (a first chunk, a second chunk, then single tokens), and compares
 every stored array bit for bit: codes, scales, zeros, low-rank factors, codebooks, sink, outlier
-positions in their stored order and outlier values. Device-agnostic: run on the GPU it checks
-that mx.compile's fused kernels round as the separate ops did there too.
+positions in their stored order and outlier values. GEAR stores a block's outlier pairs in
+ascending position since session 29 (its decode kernel reads a tile's run of them); the
+reference's pairs, in argpartition's order, are put in that order before the comparison.
+Device-agnostic: run on the GPU it checks that mx.compile's fused kernels round as the separate
+ops did there too.
 """
 
 import mlx.core as mx
@@ -14,6 +17,7 @@ import pytest
 from tests.cache.encoder_reference import ReferenceGEARCache, ReferenceKVQuantCache
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.gear import GEARCache
+from veloxquant_mlx.cache.gear_outliers import pairs_in_position_order
 from veloxquant_mlx.cache.kvquant import KVQuantCache
 
 BIT_VIEW = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16}
@@ -54,8 +58,9 @@ def _feed_and_compare(make, make_reference, keys, values, pieces):
         start += size
     assert cache.n_compressed == reference.n_compressed > 0
     assert sorted(cache.store) == sorted(reference.store)
+    expected = pairs_in_position_order(reference.store)
     for name in reference.store:
-        a, b = cache.store[name], reference.store[name]
+        a, b = cache.store[name], expected[name]
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert np.array_equal(_bits(a), _bits(b)), f"{name} differs"
 

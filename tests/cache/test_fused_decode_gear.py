@@ -92,10 +92,12 @@ def test_decode_step_hands_the_kernels_the_caches_arrays(monkeypatch, name, make
         names = ["k_lr_tokens", "k_lr_channels", "k_out_index", "k_out_values",
                  "v_lr_tokens", "v_lr_channels", "v_out_index", "v_out_values"]
         assert all(got is s[n] for got, n in zip(extra, names))
-        assert template == {"RANK": 4, "BLK": 256, "KCNT": 328, "VCNT": 328, "KIT": mx.uint16, "VIT": mx.uint16, "OB": 4}
+        assert template == {"RANK": 4, "BLK": 256, "KCNT": 328, "VCNT": 328, "KIT": mx.uint16, "VIT": mx.uint16, "OB": 4,
+                            "OSORT": 1, "KSL": 1}
     else:
         assert all(a.shape == (1,) for a in extra)  # dummies the kernel never reads
-        assert template == {"RANK": 0, "BLK": 256, "KCNT": 0, "VCNT": 0, "KIT": mx.uint16, "VIT": mx.uint16, "OB": 4}
+        assert template == {"RANK": 0, "BLK": 256, "KCNT": 0, "VCNT": 0, "KIT": mx.uint16, "VIT": mx.uint16, "OB": 4,
+                            "OSORT": 1, "KSL": 1}
     # Off (or a shape it refuses): None, and GEARCache.attention takes the portable path.
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: False)
     assert cache._fused_decode(q_heads, 0.5) is None

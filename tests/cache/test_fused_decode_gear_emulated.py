@@ -73,21 +73,30 @@ CASES = [
 # TARGET_WARPS or None). The rescale of the sparse value sums matters only when a warp walks
 # several tiles: one block per head there.
 MUTATIONS = [
-    ("key outliers dropped", "atomicAdd(&p_tile[tile_slot(t) * R + r], qs[c * R + r] * val);", ";", None),
+    ("key outliers dropped", "atomicAdd(&p_tile[key_slot(t, r)], qs[c * R + r] * val);", ";", None),
     ("key low rank dropped", "s[i][r] = fmaf(qb[r][j], a, s[i][r]);", ";", None),
     ("value low rank dropped", "acc[r][c] = fmaf(uj[r], b, acc[r][c]);", ";", None),
     ("value outliers dropped", "atomicAdd(&vsp_w[r * DV + c], p_tile[tile_slot(t) * R + r] * val);", ";", None),
     ("value outliers not rescaled", "vsp_w[r * DV + c] *= al[r];", ";", 1),
-    # a batch's later entries dropped (OUTLIER_BATCH 4: a lane's batch spans 128 of 328 entries)
-    ("outlier batch cut to one entry", "if (e0 + 32 * b < KCNT && t >= 0 && t < TILE) {",
-     "if (b == 0 && e0 + 32 * b < KCNT && t >= 0 && t < TILE) {", None),
+    # a round's later entries dropped (OUTLIER_BATCH 4: 3 of a lane's 4 consecutive entries)
+    ("outlier batch cut to one entry", "if (idx >= first && idx < end) add(", "if (b == 0 && idx >= first && idx < end) add(",
+     None),
+    # the sorted scan stopped after its first round (128 entries) where a tile's run is ~164
+    ("sorted scan stopped early", "past |= forward ? idx >= end : idx < first;", "past = true;", None),
+    # the block's second tile walking forward from the block's start but stopping as a backward
+    # walk does (at the first entry before the tile); either direction alone is correct
+    ("sorted scan's backward walk read forward", "const int e = SORTED && !forward ? CNT - 1 - k : k;",
+     "const int e = k;", None),
 ]
 
 
 def _mutated(monkeypatch, old, new):
-    source = fused_decode_gear.PARTIALS_SOURCE
-    assert old in source, f"fused_decode_gear.PARTIALS_SOURCE no longer contains {old!r}: pick a new mutation"
-    monkeypatch.setattr(fused_decode_gear, "PARTIALS_SOURCE", source.replace(old, new, 1))
+    """`old` replaced by `new` in the one text of the kernel that holds it: its source or its
+    header (GEAR's helper for the sparse entries)."""
+    holders = [name for name in ("PARTIALS_SOURCE", "_HEADER") if old in getattr(fused_decode_gear, name)]
+    assert len(holders) == 1, f"fused_decode_gear's source and header hold {old!r} in {holders}: pick a new mutation"
+    text = getattr(fused_decode_gear, holders[0])
+    monkeypatch.setattr(fused_decode_gear, holders[0], text.replace(old, new, 1))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -147,18 +156,24 @@ def test_the_emulated_kernels_are_the_portable_attention(monkeypatch, name, make
     assert np.allclose(got, expected, atol=tol, rtol=tol), diff
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_other_outlier_batches_are_the_portable_attention(monkeypatch, batch):
-    # One entry at a time (the kernel before session 11) and 8 per lane (a ragged second batch
-    # of 328 entries) against the portable step, several tiles per warp.
+@pytest.mark.parametrize("batch, sorted_scan, key_slots_by_row", [(1, True, True), (8, True, True), (4, False, False),
+                                                                   (1, False, True), (8, False, False)])
+def test_other_outlier_batches_are_the_portable_attention(monkeypatch, batch, sorted_scan, key_slots_by_row):
+    # One entry at a time (the kernel before session 11) and 8 per lane (a ragged second round
+    # of 328 entries), each with the sorted scan (a tile's run) and the full one (every entry of
+    # the block, as before session 29), and both layouts of the key outliers' sums, against the
+    # portable step, several tiles per warp.
     monkeypatch.setattr(fused_decode_gear, "OUTLIER_BATCH", batch)
+    monkeypatch.setattr(fused_decode_gear, "SORTED_SCAN", sorted_scan)
+    monkeypatch.setattr(fused_decode_gear, "KEY_SLOTS_BY_ROW", key_slots_by_row)
     monkeypatch.setattr(fused_decode, "TARGET_WARPS", 1)
     cache = CASES[0][1]()
     q_heads = _filled(cache, 1600, B=1, H=2, rep=4, D=128, dtype=mx.float32)
     expected = _portable(cache, q_heads, 128)
     got, made = _emulated_step(cache, q_heads, 128**-0.5)
     assert sorted((k.name, k.calls) for k in made if k.calls) == [("vq_gear_decode_partials_merged", 1)]
-    assert dict(cache._fused_plan[1][1]["template"])["OB"] == batch  # the launch's template
+    template = dict(cache._fused_plan[1][1]["template"])  # the launch's
+    assert (template["OB"], template["OSORT"], template["KSL"]) == (batch, sorted_scan, key_slots_by_row)
     diff = np.abs(np.array(got) - expected).max()
     assert diff <= 2e-5, diff
 

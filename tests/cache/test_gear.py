@@ -1,6 +1,7 @@
 """GEARCache: what it stores, what it returns, and attention over its compressed form."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from veloxquant_mlx import KVCacheConfig, QuantizerConfigError
@@ -160,6 +161,26 @@ def test_state_round_trip():
     meta = cache.state[0].replace('"gear_rank": 4', '"gear_rank": -1')
     with pytest.raises(QuantizerConfigError, match="gear_rank"):
         GEARCache.from_state((meta, *cache.state[1:]))
+
+
+def test_the_encoder_stores_outlier_pairs_in_position_order_and_a_state_loads_them_so():
+    # The CUDA decode kernel reads a tile's run of a block's pairs (fused_decode_gear.SORTED_SCAN):
+    # the encoder sorts them, and a state saved in another order (before session 29: the
+    # selection's) is sorted on loading, values moving with their positions.
+    cache, keys, values = _filled()
+    for s in ("k", "v"):
+        index = np.array(cache.store[f"{s}_out_index"])
+        assert index.shape[-1] > 1 and (np.diff(index.astype(np.int64), axis=-1) > 0).all()
+    state = list(cache.state)
+    names = sorted(cache.store)
+    reversed_pairs = {n: cache.store[n][..., ::-1] for n in names if "_out_" in n}
+    for n, a in reversed_pairs.items():
+        state[3 + names.index(n)] = a
+    clone = GEARCache.from_state(tuple(state))
+    for n in reversed_pairs:
+        assert mx.array_equal(clone.store[n], cache.store[n]).item(), n
+    q = mx.random.normal((1, 6, 1, 64)).astype(mx.float16)
+    assert mx.array_equal(clone.attention(q, 0.125), cache.attention(q, 0.125)).item()
 
 
 def test_trim_into_the_compressed_history():

@@ -59,6 +59,10 @@ class Marked:
 # base.DECODE_WINDOW_IN_PLACE says.
 in_place_window = Marked("decode_window_in_place", True)
 
+# GEAR's CUDA decode kernel reading every sparse entry of a tile's block, as before session 29,
+# instead of the tile's run of them (fused_decode_gear.SORTED_SCAN).
+full_scan = Marked("sorted_scan", False)
+
 # The decode kernel's launches split for N target warps whatever the kernel's own target
 # (fused_decode.tokens_per_block): one layer's chained attention on the H200 was ~15% faster at
 # 32K for kivi and xquant with 1024 than with 4096 (session 22, when AFFINE_TARGET_WARPS became
@@ -74,6 +78,7 @@ WINDOW_METHODS = ("kivi", "xquant", "turboquant_rvq", "minicache", "gear", "kvqu
 ABLATIONS: dict[str, tuple] = {
     "gear-magnitude": (MagnitudeGEAR, "gear", "gear, outliers by |x| (paper literal)"),
     "gear-block64": (SmallBlockGEAR, "gear", "gear, 64-token blocks"),
+    "gear-fullscan": (full_scan, "gear", "gear, decode kernel scanning every outlier of a block"),
     **{f"{m}-inplace": (in_place_window, m, f"{m}, decode window written in place") for m in WINDOW_METHODS},
     **{f"{m}-tw{n}": (Marked("decode_target_warps", n), m, f"{m}, decode launches for {n} target warps")
        for m in WINDOW_METHODS for n in TARGET_WARPS_TRIED},

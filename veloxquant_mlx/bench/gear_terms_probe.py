@@ -59,6 +59,10 @@ VARIANTS = {
     "no_outliers": {"KCNT": 0, "VCNT": 0},
     "no_rank_no_key_outliers": {"RANK": 0, "KCNT": 0},
     "no_rank_no_value_outliers": {"RANK": 0, "VCNT": 0},
+    # session 29: every entry of the block read (as before), the key sums in p_tile's own layout
+    "full_scan": {"OSORT": 0},
+    "old_key_slots": {"KSL": 0},
+    "full_scan_old_key_slots": {"OSORT": 0, "KSL": 0},
     "ob8": {"OB": 8},
     "ob12": {"OB": 12},
 }

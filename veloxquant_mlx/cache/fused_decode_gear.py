@@ -94,6 +94,11 @@ MAX_ROW_RANKS = 32  # rows x max(rank, 1): the per-lane (q B_k) and (p A_v) sums
 # loaded together before the sums. Before session 11 one at a time (1), each entry's loads waited
 # on; a 128-token tile walks its 256-token block's entries (the 8B shape at 1%: 328, ~11 per lane).
 OUTLIER_BATCH = 4
+# A tile reads only its own run of its block's sparse entries (template OSORT; the encoder
+# stores them sorted by index, gear_encoder.encode_side) instead of all of them.
+SORTED_SCAN = True
+# The key outliers' sums in p_tile row-major (template KSL: bank-conflict-free atomics).
+KEY_SLOTS_BY_ROW = True
 GEAR_INPUTS = ("kat", "kbc", "koi", "kov", "vat", "vbc", "voi", "vov")
 
 # Template constants beyond fused_decode's: RANK, BLK (tokens per low-rank / outlier block),
@@ -117,6 +122,51 @@ _DECLARE = r"""
   const ST* vbc_bh = vbc + (size_t)bh * n_gblk * DV * RANK;
   const VIT* voi_bh = voi + (size_t)bh * n_gblk * VCNT;
   const ST* vov_bh = vov + (size_t)bh * n_gblk * VCNT;
+  // The key outliers' sums of token t and row r in p_tile (free until the softmax): with KSL
+  // row-major, r * SLOTS + tile_slot(t), so the atomics of lanes at random tokens spread over
+  // the 32 banks; else p_tile's own layout, tile_slot(t) * R + r, whose R-float stride leaves
+  // them 32 / R banks at R = 4 (session 28's Nsight: 5.0 M bank conflicts on 10.2 M shared
+  // loads). A lane's own tokens lane * TPL + i sit at i * 33 + lane either way: conflict-free.
+  const auto key_slot = [&](int t, int r) { return KSL ? r * SLOTS + tile_slot(t) : tile_slot(t) * R + r; };
+"""
+
+# GEAR's helper beside fused_decode's header: the sparse entries of a tile (both scans).
+_HEADER = fused_decode._HEADER + r"""
+// The sparse entries (index = token_in_block * DIM + channel, value) of one block of BLK
+// tokens that fall in the TILE tokens at offset toff: add(t, c, value) for each, t in the tile.
+// SORTED (the encoder stores a block's entries in ascending index): the tile's entries are one
+// run, so the warp walks from the block's end nearer to it, OB consecutive entries per lane and
+// 32 OB a round, and stops after the first round that reaches past the run (a tile reads about
+// its own share of the block's entries where it read all of them; lanes OB entries apart, not
+// neighbours, so one round's atomics seldom meet on a token). Otherwise every entry of the
+// block is read, lane i taking entries i, i + 32, ... (OB at a time), as before session 29.
+// Past-the-end entries of a round repeat the last one and are dropped.
+template <int CNT, int DIM, int TILE, int BLK, int OB, int SORTED, typename IT, typename VT, typename F>
+__device__ __forceinline__ void vq_gear_tile_entries(const IT* oi, const VT* ov, int toff, int lane, F&& add) {
+  const bool forward = 2 * toff + TILE <= BLK;
+  const int first = toff * DIM, end = (toff + TILE) * DIM;
+  for (int e0 = 0; e0 < CNT; e0 += 32 * OB) {
+    int oix[OB];
+    float oval[OB];
+    #pragma unroll
+    for (int b = 0; b < OB; ++b) {
+      const int k = min(SORTED ? e0 + lane * OB + b : e0 + lane + 32 * b, CNT - 1);
+      const int e = SORTED && !forward ? CNT - 1 - k : k;
+      oix[b] = (int)oi[e];
+      oval[b] = vq_f32(ov[e]);
+    }
+    bool past = false;
+    #pragma unroll
+    for (int b = 0; b < OB; ++b) {
+      const int idx = oix[b];
+      if ((SORTED ? e0 + lane * OB + b : e0 + lane + 32 * b) < CNT) {
+        if (idx >= first && idx < end) add(idx / DIM - toff, idx % DIM, oval[b]);
+        past |= forward ? idx >= end : idx < first;
+      }
+    }
+    if (SORTED && __any_sync(0xffffffffu, past)) break;
+  }
+}
 """
 
 _TILE = r"""
@@ -172,40 +222,19 @@ _SCORE_INIT = r"""
         #pragma unroll
         for (int i = 0; i < TPL; ++i) {
           #pragma unroll
-          for (int r = 0; r < R; ++r) p_tile[(i * 33 + lane) * R + r] = 0.f;  // tile_slot(lane * TPL + i)
+          for (int r = 0; r < R; ++r) p_tile[key_slot(lane * TPL + i, r)] = 0.f;
         }
         __syncwarp();
-        const KIT* oi = koi_bh + (size_t)gb * KCNT;
-        const ST* ov = kov_bh + (size_t)gb * KCNT;
-        // OB entries per lane at a time: their indices and values loaded together, then the
-        // sums (OB = 1: one entry's loads waited on at a time, as before session 11;
-        // OUTLIER_BATCH). Past-the-end entries of a batch repeat the last one, dropped below.
-        for (int e0 = lane; e0 < KCNT; e0 += 32 * OB) {
-          int oix[OB];
-          float oval[OB];
-          #pragma unroll
-          for (int b = 0; b < OB; ++b) {
-            const int e = min(e0 + 32 * b, KCNT - 1);
-            oix[b] = (int)oi[e];
-            oval[b] = vq_f32(ov[e]);
-          }
-          #pragma unroll
-          for (int b = 0; b < OB; ++b) {
-            const int idx = oix[b];
-            const int t = idx / D - toff;
-            if (e0 + 32 * b < KCNT && t >= 0 && t < TILE) {
-              const int c = idx - (idx / D) * D;
-              const float val = oval[b];
+        vq_gear_tile_entries<KCNT, D, TILE, BLK, OB, OSORT>(
+            koi_bh + (size_t)gb * KCNT, kov_bh + (size_t)gb * KCNT, toff, lane, [&](int t, int c, float val) {
               #pragma unroll
-              for (int r = 0; r < R; ++r) atomicAdd(&p_tile[tile_slot(t) * R + r], qs[c * R + r] * val);
-            }
-          }
-        }
+              for (int r = 0; r < R; ++r) atomicAdd(&p_tile[key_slot(t, r)], qs[c * R + r] * val);
+            });
         __syncwarp();
         #pragma unroll
         for (int i = 0; i < TPL; ++i) {
           #pragma unroll
-          for (int r = 0; r < R; ++r) s[i][r] += p_tile[(i * 33 + lane) * R + r];
+          for (int r = 0; r < R; ++r) s[i][r] += p_tile[key_slot(lane * TPL + i, r)];
         }
       }
     }
@@ -280,29 +309,11 @@ _PROBS = r"""
           }
         }
         __syncwarp();
-        const VIT* oi = voi_bh + (size_t)gb * VCNT;
-        const ST* ov = vov_bh + (size_t)gb * VCNT;
-        for (int e0 = lane; e0 < VCNT; e0 += 32 * OB) {  // OB at a time, as for the keys
-          int oix[OB];
-          float oval[OB];
-          #pragma unroll
-          for (int b = 0; b < OB; ++b) {
-            const int e = min(e0 + 32 * b, VCNT - 1);
-            oix[b] = (int)oi[e];
-            oval[b] = vq_f32(ov[e]);
-          }
-          #pragma unroll
-          for (int b = 0; b < OB; ++b) {
-            const int idx = oix[b];
-            const int t = idx / DV - toff;
-            if (e0 + 32 * b < VCNT && t >= 0 && t < TILE) {
-              const int c = idx - (idx / DV) * DV;
-              const float val = oval[b];
+        vq_gear_tile_entries<VCNT, DV, TILE, BLK, OB, OSORT>(
+            voi_bh + (size_t)gb * VCNT, vov_bh + (size_t)gb * VCNT, toff, lane, [&](int t, int c, float val) {
               #pragma unroll
               for (int r = 0; r < R; ++r) atomicAdd(&vsp_w[r * DV + c], p_tile[tile_slot(t) * R + r] * val);
-            }
-          }
-        }
+            });
       }
     }
 """
@@ -325,7 +336,7 @@ PARTIALS_SOURCE = fused_decode.partials_source({
 @lru_cache(maxsize=None)
 def _partials_kernel():
     return fused_decode.PartialsKernel("vq_gear_decode_partials", [*fused_decode.PARTIALS_INPUTS, *GEAR_INPUTS],
-                                       PARTIALS_SOURCE, fused_decode._HEADER)
+                                       PARTIALS_SOURCE, _HEADER)
 
 
 def sparse_shared_bytes(value_dim: int, rows: int, value_outliers: bool) -> int:
@@ -355,6 +366,13 @@ def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rank: in
                                        sparse_shared_bytes(value_dim, rows, value_outliers)) is not None
 
 
+def sorted_scan(cache) -> bool:
+    """Whether the cache's launches scan a tile's run of the sparse entries: SORTED_SCAN, or the
+    cache's own `sorted_scan` where it has one (bench ablation `gear-fullscan`, an A/B of the
+    scan through a model's decode in one run)."""
+    return bool(cache.__dict__.get("sorted_scan", SORTED_SCAN))
+
+
 def store_arrays(cache) -> tuple[list[mx.array], list[mx.array], list[tuple]]:
     """(fused_decode's six arrays, GEAR's eight in GEAR_INPUTS order, GEAR's template constants)
     from the cache's store: key codes as one bit stream per channel (B, H, D, words); absent
@@ -381,7 +399,8 @@ def store_arrays(cache) -> tuple[list[mx.array], list[mx.array], list[tuple]]:
             index_dtypes.append(mx.uint16)
     template = [("RANK", cache.rank), ("BLK", cache.block_tokens), ("KCNT", counts[0]),
                 ("VCNT", counts[1]), ("KIT", index_dtypes[0]), ("VIT", index_dtypes[1]),
-                ("OB", OUTLIER_BATCH)]
+                ("OB", OUTLIER_BATCH), ("OSORT", int(sorted_scan(cache))),
+                ("KSL", int(KEY_SLOTS_BY_ROW))]
     return base, extra, template
 
 
@@ -411,5 +430,6 @@ def decode_step(cache, queries, scale: float):
         return inputs, shape, fused_decode.WINDOW_INPUTS
 
     # Planned on the store's writes and the history (fused_decode.planned_attend), and the
-    # outlier batch (a probe sets it between steps).
-    return fused_decode.planned_attend(cache, queries, scale, (OUTLIER_BATCH,), launch, _partials_kernel)
+    # outlier batch and the scan's switches (a probe sets them between steps).
+    return fused_decode.planned_attend(cache, queries, scale, (OUTLIER_BATCH, SORTED_SCAN, KEY_SLOTS_BY_ROW), launch,
+                                       _partials_kernel)

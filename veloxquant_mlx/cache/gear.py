@@ -122,7 +122,7 @@ from veloxquant_mlx.cache import fused_decode_gear, gear_prefill_kernel, prefill
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.gear_attention import scores_function, values_function
 from veloxquant_mlx.cache.gear_encoder import EncoderSetting, dequantize, encode_side, group_means
-from veloxquant_mlx.cache.gear_outliers import add_block_entries, index_dtype
+from veloxquant_mlx.cache.gear_outliers import add_block_entries, index_dtype, pairs_in_position_order
 from veloxquant_mlx.errors import QuantizerConfigError
 
 # Tokens per low-rank / outlier block; also the base's encoding unit and growth step, so a
@@ -346,6 +346,14 @@ class GEARCache(CompressedKVCache):
             self.code_bits, self.code_group, self.rank, outliers, self.block_tokens, self.head_dim, _on_cpu()
         )
         return fn(q, *self._side("k"))
+
+    @CompressedKVCache.state.setter
+    def state(self, v):
+        """The base's loading, then each block's outlier pairs in ascending position: a state
+        saved before session 29 holds them in the selection's order, which the CUDA decode
+        kernel's scan of a tile's run (fused_decode_gear.SORTED_SCAN) would misread."""
+        CompressedKVCache.state.fset(self, v)
+        self.store = pairs_in_position_order(self.store)
 
     def _fused_decode(self, queries: mx.array, scale: float):
         # On CUDA (fused_decode.kernels_enabled) a decode step runs as two kernels over the

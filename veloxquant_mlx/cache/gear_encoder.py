@@ -90,7 +90,10 @@ def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | N
             else:
                 approx = fitted
     if setting.outliers:
-        index = rest[-1]
+        # A block's entries in ascending index (token-major): the decode kernel's tiles then
+        # read only their own run of them (fused_decode_gear.SORTED_SCAN). The sums over them
+        # do not depend on the order.
+        index = mx.sort(rest[-1], axis=-1)
         if sparse_kernel:
             out["out_values"], out["out_index"] = gear_encode_kernel.sparse_part(
                 blocks, approx, low, index, setting.side_dtype, index_dtype(n_tokens * d), factors=factors

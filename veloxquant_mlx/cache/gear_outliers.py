@@ -2,9 +2,10 @@
 
 Per block of `nb` tokens of one head (an (nb, d) matrix), `count` entries are taken out before
 quantizing and stored as (value, index) pairs; index = token_in_block * d + channel (uint16 while
-nb * d <= 65536). Their stored value is an additive correction, so the cache's reconstruction
-is Q(D) + A B^T + S like the paper's X ~ D_hat + L + S, and at those positions it returns the
-original entry up to the fp16 rounding of the correction.
+nb * d <= 65536), a block's pairs in ascending index since session 29 (the CUDA decode kernel's
+tiles read their own run of them: pairs_in_position_order). Their stored value is an additive
+correction, so the cache's reconstruction is Q(D) + A B^T + S like the paper's X ~ D_hat + L + S,
+and at those positions it returns the original entry up to the fp16 rounding of the correction.
 
 The helpers below apply S to attention without densifying it: a gather of the query (or
 probability) entries the outliers touch, then a scatter-add into the few columns they land on.
@@ -101,6 +102,20 @@ def add_block_entries(x: mx.array, index: mx.array, values: mx.array, block_toke
     where = (starts + index.astype(mx.int32)).reshape(-1)
     flat = (x + 0.0).reshape(-1).at[where].add(values.reshape(-1).astype(x.dtype))
     return flat.reshape(x.shape)
+
+
+def pairs_in_position_order(store: dict) -> dict:
+    """`store` with each block's outlier pairs (`{k,v}_out_index`, `{k,v}_out_values`, blocks on
+    the second-to-last axis) in ascending position, each value moved with its position: the
+    order the encoder stores and the CUDA decode kernel's scan relies on
+    (fused_decode_gear.SORTED_SCAN). A block's positions are distinct, so the order is unique."""
+    out = dict(store)
+    for s in ("k", "v"):
+        if f"{s}_out_index" in store:
+            order = mx.argsort(store[f"{s}_out_index"], axis=-1)
+            out[f"{s}_out_index"] = mx.take_along_axis(store[f"{s}_out_index"], order, axis=-1)
+            out[f"{s}_out_values"] = mx.take_along_axis(store[f"{s}_out_values"], order, axis=-1)
+    return out
 
 
 def densify(token, channel, values, n_tokens: int, dim: int, dtype) -> mx.array:
