@@ -14,6 +14,7 @@ from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import fused_decode, fused_decode_gear
 from veloxquant_mlx.cache.gear import GEARCache
 from tests.cache.cuda_marks import cuda_test as cuda_only
+from tests.cache.gear_clash_data import clashing_keys_values, largest_runs
 
 on_cuda = fused_decode._on_cuda()
 
@@ -93,11 +94,11 @@ def test_decode_step_hands_the_kernels_the_caches_arrays(monkeypatch, name, make
                  "v_lr_tokens", "v_lr_channels", "v_out_index", "v_out_values"]
         assert all(got is s[n] for got, n in zip(extra, names))
         assert template == {"RANK": 4, "BLK": 256, "KCNT": 328, "VCNT": 328, "KIT": mx.uint16, "VIT": mx.uint16, "OB": 4,
-                            "OSORT": 1, "KSL": 1}
+                            "OSORT": 1, "KSL": 1, "KPLAIN": 1}
     else:
         assert all(a.shape == (1,) for a in extra)  # dummies the kernel never reads
         assert template == {"RANK": 0, "BLK": 256, "KCNT": 0, "VCNT": 0, "KIT": mx.uint16, "VIT": mx.uint16, "OB": 4,
-                            "OSORT": 1, "KSL": 1}
+                            "OSORT": 1, "KSL": 1, "KPLAIN": 1}
     # Off (or a shape it refuses): None, and GEARCache.attention takes the portable path.
     monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: False)
     assert cache._fused_decode(q_heads, 0.5) is None
@@ -148,6 +149,38 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, make, dtype, D
     cache = make()
     q_heads = _filled(cache, n, B=B, H=H, rep=rep, D=D, dtype=dtype)
     _kernel_against_portable(monkeypatch, cache, q_heads, D, dtype)
+
+
+@cuda_only
+def test_kernel_with_entries_meeting_on_one_target_matches_the_portable_step():
+    # Steps of the sparse scans whose lanes meet on one token (keys: plain adds elsewhere) or
+    # channel (values) (gear_clash_data): a clash the kernel missed would lose a spike's add. In float32 against
+    # the portable step on the CPU (float32 queries there: in bf16 the spikes' logits, ~25,
+    # round by ~0.1 and the portable output alone moves by more than a lost add would show).
+    cache = _gear()()
+    keys, values = clashing_keys_values(1, 8, 4100, 128)
+    cache.update_and_fetch(keys, values)
+    mx.eval(cache.attention(mx.random.normal((1, 32, 1, 128)), scale=128**-0.5))
+    cache.update_and_fetch(mx.random.normal((1, 8, 1, 128)), mx.random.normal((1, 8, 1, 128)))
+    key_run, value_run = largest_runs(cache)
+    assert key_run >= 2 * fused_decode_gear.OUTLIER_BATCH and value_run >= 32, (key_run, value_run)
+    q_heads = mx.random.normal((1, 32, 1, 128))
+    with mx.stream(mx.cpu):
+        assert not fused_decode.kernels_enabled()
+        expected = cache.attention(q_heads, scale=128**-0.5)
+        mx.eval(expected)
+    calls = []
+    step = fused_decode_gear.decode_step
+    fused_decode_gear.decode_step = lambda *a: calls.append(1) or step(*a)
+    try:
+        got = cache.attention(q_heads, scale=128**-0.5)
+        mx.eval(got)
+    finally:
+        fused_decode_gear.decode_step = step
+    assert calls == [1] and got.dtype == mx.float32
+    diff = (mx.abs(got - expected).max() / mx.abs(expected).max()).item()
+    print(f"clashing entries: max |kernel - portable| / max |portable| = {diff:.2e}")
+    assert diff <= 1e-4, diff
 
 
 @cuda_only

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.cache import cuda_emulation
+from tests.cache.gear_clash_data import clashing_keys_values, largest_runs
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import fused_decode, fused_decode_gear
 from veloxquant_mlx.cache.gear import GEARCache
@@ -73,16 +74,16 @@ CASES = [
 # TARGET_WARPS or None). The rescale of the sparse value sums matters only when a warp walks
 # several tiles: one block per head there.
 MUTATIONS = [
-    ("key outliers dropped", "atomicAdd(&p_tile[key_slot(t, r)], qs[c * R + r] * val);", ";", None),
+    ("key outliers dropped", "float* sum = &p_tile[key_slot(t, r)];", "float lost = 0.f; float* sum = &lost;", None),
     ("key low rank dropped", "s[i][r] = fmaf(qb[r][j], a, s[i][r]);", ";", None),
     ("value low rank dropped", "acc[r][c] = fmaf(uj[r], b, acc[r][c]);", ";", None),
     ("value outliers dropped", "atomicAdd(&vsp_w[r * DV + c], p_tile[tile_slot(t) * R + r] * val);", ";", None),
     ("value outliers not rescaled", "vsp_w[r * DV + c] *= al[r];", ";", 1),
     # a round's later entries dropped (OUTLIER_BATCH 4: 3 of a lane's 4 consecutive entries)
-    ("outlier batch cut to one entry", "if (idx >= first && idx < end) add(", "if (b == 0 && idx >= first && idx < end) add(",
-     None),
+    ("outlier batch cut to one entry", "const bool mine = valid && idx >= first && idx < end;",
+     "const bool mine = b == 0 && valid && idx >= first && idx < end;", None),
     # the sorted scan stopped after its first round (128 entries) where a tile's run is ~164
-    ("sorted scan stopped early", "past |= forward ? idx >= end : idx < first;", "past = true;", None),
+    ("sorted scan stopped early", "past |= valid && (forward ? idx >= end : idx < first);", "past = true;", None),
     # the block's second tile walking forward from the block's start but stopping as a backward
     # walk does (at the first entry before the tile); either direction alone is correct
     ("sorted scan's backward walk read forward", "const int e = SORTED && !forward ? CNT - 1 - k : k;",
@@ -191,6 +192,35 @@ def test_a_corrupted_kernel_source_fails_the_comparison(monkeypatch, name, old, 
     diff = np.abs(np.array(got) - expected).max()
     print(f"{name}: max |corrupted kernel - portable| = {diff:.2e}")
     assert diff > 1e-4  # 5x the float32 tolerance above, at least
+
+
+# The key scan's atomic branch (a step whose lanes meet on one token) dropped: the clashing
+# data's comparison must fail with it.
+CLASH_MUTATIONS = [(None, None), ("else atomicAdd(sum, qs[c * R + r] * val);", "else;")]
+
+
+@pytest.mark.parametrize("old, new", CLASH_MUTATIONS, ids=["shipped", "key atomics dropped"])
+def test_entries_meeting_on_one_target_are_the_portable_attention(monkeypatch, old, new):
+    # Key spikes on a few tokens (one token's run spans neighbouring lanes' entries of a step:
+    # those steps take the atomics, the others plain adds) and a value channel spiking in a
+    # third of the tokens (lanes of a step on one channel: the value sums' atomics meet).
+    cache = CASES[0][1]()
+    keys, values = clashing_keys_values(1, 2, 1100, 128)
+    cache.update_and_fetch(keys, values)
+    mx.eval(cache.attention(mx.random.normal((1, 8, 1, 128)), scale=128**-0.5))
+    cache.update_and_fetch(mx.random.normal((1, 2, 1, 128)), mx.random.normal((1, 2, 1, 128)))
+    key_run, value_run = largest_runs(cache)
+    assert key_run >= 2 * fused_decode_gear.OUTLIER_BATCH and value_run >= 32, (key_run, value_run)
+    q_heads = 2 * mx.random.normal((1, 8, 1, 128))
+    expected = _portable(cache, q_heads, 128)
+    if old:
+        _mutated(monkeypatch, old, new)
+    got, made = _emulated_step(cache, q_heads, 128**-0.5)
+    assert sorted(k.name for k in made if k.calls == 1) == ["vq_gear_decode_partials_merged"]
+    # relative to the outputs' size: the spikes make them ~10x the random data's
+    diff = np.abs(np.array(got) - expected).max() / np.abs(expected).max()
+    print(f"clashing entries, {old or 'shipped'}: max |kernel - portable| / max |portable| = {diff:.2e}")
+    assert diff <= 1e-4 if old is None else diff > 1e-2, diff
 
 
 def test_supports_counts_the_kernels_shared_memory():

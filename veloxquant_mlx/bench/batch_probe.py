@@ -17,7 +17,8 @@ per_call_ms), once per variant of its kernel:
     unrolled 4 / 13 at a time instead of 2 (more loads in flight, more registers);
   - gear (fused_decode_gear): `shipped`, `ob1`, `ob8`; `nooutliers`: neither sparse loop runs;
     `norank`: both low-rank terms skipped; `keyplain` / `valueplain`: the key / value sparse
-    terms' shared-memory atomics as plain adds (racy: their cost, not a kernel);
+    terms' shared-memory atomics (for the keys: the scan's steps whose lanes meet on one token,
+    since session 29's PLAIN_KEY_ADDS) as plain adds (racy: their cost, not a kernel);
   - turboquant_rvq (fused_decode_rotated): `shipped`; `noscore`: the history's key chunks never
     scored; `novalue`: its history value loop never runs (both first timed in session 12);
     `sums64`: MAX_VALUE_SUMS 64 (16 value channels per lane at 4 rows instead of 8);
@@ -70,8 +71,7 @@ VARIANTS = {
         "norank": ((("if (RANK > 0) {", "if (false) {"),) * 2, {}),
         # session 29: the sparse terms' shared-memory atomics as plain adds (racy where two
         # entries of a round meet on one slot: what the atomics cost, not a correct kernel)
-        "keyplain": ((("atomicAdd(&p_tile[key_slot(t, r)], qs[c * R + r] * val);",
-                       "p_tile[key_slot(t, r)] += qs[c * R + r] * val;"),), {}),
+        "keyplain": ((("else atomicAdd(sum, qs[c * R + r] * val);", "else *sum += qs[c * R + r] * val;"),), {}),
         "valueplain": ((("atomicAdd(&vsp_w[r * DV + c], p_tile[tile_slot(t) * R + r] * val);",
                          "vsp_w[r * DV + c] += p_tile[tile_slot(t) * R + r] * val;"),), {}),
     }),

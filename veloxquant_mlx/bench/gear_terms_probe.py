@@ -63,6 +63,8 @@ VARIANTS = {
     "full_scan": {"OSORT": 0},
     "old_key_slots": {"KSL": 0},
     "full_scan_old_key_slots": {"OSORT": 0, "KSL": 0},
+    # every step of the key scan adding by atomics (before PLAIN_KEY_ADDS)
+    "key_atomics": {"KPLAIN": 0},
     "ob8": {"OB": 8},
     "ob12": {"OB": 12},
 }

@@ -99,6 +99,9 @@ OUTLIER_BATCH = 4
 SORTED_SCAN = True
 # The key outliers' sums in p_tile row-major (template KSL: bank-conflict-free atomics).
 KEY_SLOTS_BY_ROW = True
+# With SORTED_SCAN, a step of the key scan whose lanes name distinct tokens adds without atomics
+# (template KPLAIN; vq_gear_tile_entries).
+PLAIN_KEY_ADDS = True
 GEAR_INPUTS = ("kat", "kbc", "koi", "kov", "vat", "vbc", "voi", "vov")
 
 # Template constants beyond fused_decode's: RANK, BLK (tokens per low-rank / outlier block),
@@ -133,16 +136,23 @@ _DECLARE = r"""
 # GEAR's helper beside fused_decode's header: the sparse entries of a tile (both scans).
 _HEADER = fused_decode._HEADER + r"""
 // The sparse entries (index = token_in_block * DIM + channel, value) of one block of BLK
-// tokens that fall in the TILE tokens at offset toff: add(t, c, value) for each, t in the tile.
-// SORTED (the encoder stores a block's entries in ascending index): the tile's entries are one
-// run, so the warp walks from the block's end nearer to it, OB consecutive entries per lane and
-// 32 OB a round, and stops after the first round that reaches past the run (a tile reads about
-// its own share of the block's entries where it read all of them; lanes OB entries apart, not
-// neighbours, so one round's atomics seldom meet on a token). Otherwise every entry of the
-// block is read, lane i taking entries i, i + 32, ... (OB at a time), as before session 29.
-// Past-the-end entries of a round repeat the last one and are dropped.
-template <int CNT, int DIM, int TILE, int BLK, int OB, int SORTED, typename IT, typename VT, typename F>
+// tokens that fall in the TILE tokens at offset toff: add(t, c, value, plain) for each, t in the
+// tile. SORTED (the encoder stores a block's entries in ascending index): the tile's entries are
+// one run, so the warp walks from the block's end nearer to it, OB consecutive entries per lane
+// and 32 OB a round, and stops after the first round that reaches past the run (a tile reads
+// about its own share of the block's entries where it read all of them). Otherwise every entry
+// of the block is read, lane i taking entries i, i + 32, ... (OB at a time), as before session
+// 29. Past-the-end entries of a round repeat the last one and are dropped.
+// PLAIN (with SORTED; the key sums, whose target is the token): `plain` tells add that no two
+// lanes of this step (the lanes' b-th entries) name one token, so plain read-add-writes may
+// replace the shared-memory atomics (a compare-and-swap loop on sm_90); the steps are then
+// ordered by __syncwarp. The lanes' tokens are monotone in the lane (the entries are sorted), so
+// a clash is two neighbours. (The value sums' target is the channel: a check by
+// __match_any_sync made them slower, session 29, and they stay atomic.)
+template <int CNT, int DIM, int TILE, int BLK, int OB, int SORTED, int PLAIN, typename IT, typename VT,
+          typename F>
 __device__ __forceinline__ void vq_gear_tile_entries(const IT* oi, const VT* ov, int toff, int lane, F&& add) {
+  constexpr bool CHECKED = SORTED && PLAIN;
   const bool forward = 2 * toff + TILE <= BLK;
   const int first = toff * DIM, end = (toff + TILE) * DIM;
   for (int e0 = 0; e0 < CNT; e0 += 32 * OB) {
@@ -159,10 +169,18 @@ __device__ __forceinline__ void vq_gear_tile_entries(const IT* oi, const VT* ov,
     #pragma unroll
     for (int b = 0; b < OB; ++b) {
       const int idx = oix[b];
-      if ((SORTED ? e0 + lane * OB + b : e0 + lane + 32 * b) < CNT) {
-        if (idx >= first && idx < end) add(idx / DIM - toff, idx % DIM, oval[b]);
-        past |= forward ? idx >= end : idx < first;
+      const bool valid = (SORTED ? e0 + lane * OB + b : e0 + lane + 32 * b) < CNT;
+      const bool mine = valid && idx >= first && idx < end;
+      const int t = idx / DIM - toff, c = idx % DIM;
+      bool plain = false;
+      if (CHECKED) {
+        const int target = mine ? t : -1 - lane;  // lanes without an entry: no clash
+        const int before = __shfl_up_sync(0xffffffffu, target, 1);  // every lane: a full-warp shuffle
+        plain = !__any_sync(0xffffffffu, lane > 0 && before == target);
       }
+      if (mine) add(t, c, oval[b], plain);
+      if (CHECKED) __syncwarp();
+      past |= valid && (forward ? idx >= end : idx < first);
     }
     if (SORTED && __any_sync(0xffffffffu, past)) break;
   }
@@ -225,10 +243,14 @@ _SCORE_INIT = r"""
           for (int r = 0; r < R; ++r) p_tile[key_slot(lane * TPL + i, r)] = 0.f;
         }
         __syncwarp();
-        vq_gear_tile_entries<KCNT, D, TILE, BLK, OB, OSORT>(
-            koi_bh + (size_t)gb * KCNT, kov_bh + (size_t)gb * KCNT, toff, lane, [&](int t, int c, float val) {
+        vq_gear_tile_entries<KCNT, D, TILE, BLK, OB, OSORT, KPLAIN>(
+            koi_bh + (size_t)gb * KCNT, kov_bh + (size_t)gb * KCNT, toff, lane, [&](int t, int c, float val, bool plain) {
               #pragma unroll
-              for (int r = 0; r < R; ++r) atomicAdd(&p_tile[key_slot(t, r)], qs[c * R + r] * val);
+              for (int r = 0; r < R; ++r) {
+                float* sum = &p_tile[key_slot(t, r)];
+                if (plain) *sum += qs[c * R + r] * val;
+                else atomicAdd(sum, qs[c * R + r] * val);
+              }
             });
         __syncwarp();
         #pragma unroll
@@ -309,8 +331,8 @@ _PROBS = r"""
           }
         }
         __syncwarp();
-        vq_gear_tile_entries<VCNT, DV, TILE, BLK, OB, OSORT>(
-            voi_bh + (size_t)gb * VCNT, vov_bh + (size_t)gb * VCNT, toff, lane, [&](int t, int c, float val) {
+        vq_gear_tile_entries<VCNT, DV, TILE, BLK, OB, OSORT, 0>(
+            voi_bh + (size_t)gb * VCNT, vov_bh + (size_t)gb * VCNT, toff, lane, [&](int t, int c, float val, bool) {
               #pragma unroll
               for (int r = 0; r < R; ++r) atomicAdd(&vsp_w[r * DV + c], p_tile[tile_slot(t) * R + r] * val);
             });
@@ -400,7 +422,7 @@ def store_arrays(cache) -> tuple[list[mx.array], list[mx.array], list[tuple]]:
     template = [("RANK", cache.rank), ("BLK", cache.block_tokens), ("KCNT", counts[0]),
                 ("VCNT", counts[1]), ("KIT", index_dtypes[0]), ("VIT", index_dtypes[1]),
                 ("OB", OUTLIER_BATCH), ("OSORT", int(sorted_scan(cache))),
-                ("KSL", int(KEY_SLOTS_BY_ROW))]
+                ("KSL", int(KEY_SLOTS_BY_ROW)), ("KPLAIN", int(PLAIN_KEY_ADDS))]
     return base, extra, template
 
 
@@ -431,5 +453,5 @@ def decode_step(cache, queries, scale: float):
 
     # Planned on the store's writes and the history (fused_decode.planned_attend), and the
     # outlier batch and the scan's switches (a probe sets them between steps).
-    return fused_decode.planned_attend(cache, queries, scale, (OUTLIER_BATCH, SORTED_SCAN, KEY_SLOTS_BY_ROW), launch,
-                                       _partials_kernel)
+    switches = (OUTLIER_BATCH, SORTED_SCAN, KEY_SLOTS_BY_ROW, PLAIN_KEY_ADDS)
+    return fused_decode.planned_attend(cache, queries, scale, switches, launch, _partials_kernel)
