@@ -25,9 +25,10 @@ of it before or after the loops over the codes, so those stay as they are):
     Why not one MLX product outside: a third launch per layer and step, which is what this
     kernel removes.
   * sparse keys: the tile's score slots in shared memory (its probability buffer, not yet
-    used) are zeroed, the warp's lanes scan the block's `count` pairs (328 at d = 128, 1%) and
-    add q[c] * value into the slot of each pair inside the tile (shared-memory atomics: two
-    pairs may hit one token), and each lane adds its tokens' slots to their scores.
+    used) are zeroed, the warp's lanes scan the tile's run of the block's `count` pairs (328 at
+    d = 128, 1%; stored in ascending index) and add q[c] * value into the slot of each pair
+    inside the tile (shared-memory atomics where two lanes of a step name one token, plain
+    adds elsewhere), and each lane adds its tokens' slots to their scores.
   * A_v: once the tile's probabilities are in shared memory, each lane sums p_t A_v[t] (R x r)
     over its 4 scoring tokens, the warp sums that by a butterfly, and the value lanes add
     u B_v^T to their channel accumulators (lane group tl takes ranks tl, tl + TPR, ...: the
@@ -77,6 +78,19 @@ Nor did an L2 prefetch of a tile's side arrays (low-rank rows and factors, outli
 us per layer at 32K 92.1 without, 95.7 / 91.5 with; at 128K 267.3 / 283.6 / 278.9; through the
 model at 128K 0.83x / 0.82x / 0.82x fp16's (session 27, results/gear_terms_h200_s27_pf.json,
 gear_prefetch_gpu_speed_h200_s27_128k.json): the terms' loads are not waiting on HBM. Taken out.
+Session 29 changed the scans (vq_gear_tile_entries): a block's pairs are stored in ascending
+index (gear_encoder), so a tile's are one run, which the warp reads from the block's nearer end,
+OB consecutive entries a lane, stopping past the run (SORTED_SCAN; it had read all 328); the key
+sums sit row-major in p_tile, their atomics over 32 banks instead of 8 (KEY_SLOTS_BY_ROW); and a
+step of the key scan whose lanes name distinct tokens adds without atomics (PLAIN_KEY_ADDS). One
+layer at 8192 warps, the code before and after in one process on one H200: 32K 88.8 -> 82.9 us,
+128K 284.8 -> 260.1, the outliers' cost there 83 -> 60 us (results/gear_terms_h200_s29_before.json,
+..._after.json); the plain key adds took 252-253 us against 259-263 all atomic at 128K on two
+machines (gear_terms_h200_s29_plain*.json). Through the model at 128K gear's step took 3.43 ms
+against 3.58 with the full scan (the `gear-fullscan` ablation, results/gpu_speed_h200_s29_128k_scan.json).
+The value sums stay atomic: a __match_any_sync check per step made them slower (264-273 us).
+The full scan gains nothing from sorted pairs (287 us over them on one machine, the old code 285
+over the selection's order on another): sorted, neighbouring lanes' atomics meet on one token.
 """
 
 from __future__ import annotations
