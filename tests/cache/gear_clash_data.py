@@ -10,6 +10,8 @@ missed clash, and make the value sums' atomics meet.
 import mlx.core as mx
 import numpy as np
 
+from veloxquant_mlx.cache import fused_decode_gear
+
 SPIKE = 25.0
 
 
@@ -33,3 +35,16 @@ def largest_runs(cache) -> tuple[int, int]:
     values = np.array(cache.store["v_out_index"][:, :, :blocks]).astype(np.int64) % cache.value_dim
     most = lambda a: max(np.bincount(row).max() for row in a.reshape(-1, a.shape[-1]))  # noqa: E731
     return most(keys), most(values)
+
+
+def clashing_cache(cache, heads: int, tokens: int, dim: int = 128, rows: int = 4):
+    """`cache` (a GEARCache of the defaults) after a prefill of clashing_keys_values, its window
+    flushed by one attention step, and one decode token; checks that the clashes are there (a
+    token with at least two steps' worth of key entries, a channel with 32 value entries)."""
+    keys, values = clashing_keys_values(1, heads, tokens, dim)
+    cache.update_and_fetch(keys, values)
+    mx.eval(cache.attention(mx.random.normal((1, rows * heads, 1, dim)), scale=dim**-0.5))
+    cache.update_and_fetch(mx.random.normal((1, heads, 1, dim)), mx.random.normal((1, heads, 1, dim)))
+    key_run, value_run = largest_runs(cache)
+    assert key_run >= 2 * fused_decode_gear.OUTLIER_BATCH and value_run >= 32, (key_run, value_run)
+    return cache

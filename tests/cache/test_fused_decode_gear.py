@@ -14,7 +14,7 @@ from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache import fused_decode, fused_decode_gear
 from veloxquant_mlx.cache.gear import GEARCache
 from tests.cache.cuda_marks import cuda_test as cuda_only
-from tests.cache.gear_clash_data import clashing_keys_values, largest_runs
+from tests.cache.gear_clash_data import clashing_cache
 
 on_cuda = fused_decode._on_cuda()
 
@@ -154,16 +154,11 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, make, dtype, D
 @cuda_only
 def test_kernel_with_entries_meeting_on_one_target_matches_the_portable_step():
     # Steps of the sparse scans whose lanes meet on one token (keys: plain adds elsewhere) or
-    # channel (values) (gear_clash_data): a clash the kernel missed would lose a spike's add. In float32 against
-    # the portable step on the CPU (float32 queries there: in bf16 the spikes' logits, ~25,
-    # round by ~0.1 and the portable output alone moves by more than a lost add would show).
-    cache = _gear()()
-    keys, values = clashing_keys_values(1, 8, 4100, 128)
-    cache.update_and_fetch(keys, values)
-    mx.eval(cache.attention(mx.random.normal((1, 32, 1, 128)), scale=128**-0.5))
-    cache.update_and_fetch(mx.random.normal((1, 8, 1, 128)), mx.random.normal((1, 8, 1, 128)))
-    key_run, value_run = largest_runs(cache)
-    assert key_run >= 2 * fused_decode_gear.OUTLIER_BATCH and value_run >= 32, (key_run, value_run)
+    # channel (values) (gear_clash_data): a clash the kernel missed would lose a spike's add.
+    # In float32 against the portable step on the CPU (float32 queries there: in bf16 the
+    # spikes' logits, ~25, round by ~0.1, and on CUDA the bf16 portable output alone moved by
+    # 4.3 of ~9, results/cuda_tests_h200_s29_plain.txt).
+    cache = clashing_cache(_gear()(), heads=8, tokens=4100)
     q_heads = mx.random.normal((1, 32, 1, 128))
     with mx.stream(mx.cpu):
         assert not fused_decode.kernels_enabled()
