@@ -159,7 +159,7 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
     template = dict(launch["template"])
     n_out = 41 if outliers else 0  # round(0.01 * 32 * 128)
     assert template == {"D": 128, "DV": 128, "R": 4, "G": 32, "BITS": 3, "LPT": 16, "NOK": n_out,
-                        "NOV": n_out, "PARK": True, "UB": 8, "OB": 8, "QT": mx.float32, "ST": mx.float32,
+                        "NOV": n_out, "PARK": True, "UB": 8, "OB": 8, "KSL": 0, "QT": mx.float32, "ST": mx.float32,
                         "WB": 0}
     assert (launch["n_blocks"], launch["heads"], launch["value_dim"]) == (n_hist + 1, 2, 128)
     # Off, or a shape the kernel refuses: the portable path (supports() is asked when a launch
@@ -172,8 +172,9 @@ def test_decode_step_hands_the_kernel_the_caches_arrays(monkeypatch, outliers):
 
 
 def test_the_plan_key_the_kernel_and_the_template_take_one_reading_of_the_batches(monkeypatch):
-    # decode_step reads UNALIGNED_VALUE_BATCH / OUTLIER_BATCH once and hands them to the launch:
-    # the kernel object asked for and the template's UB / OB are that reading.
+    # decode_step reads UNALIGNED_VALUE_BATCH / OUTLIER_BATCH / KEY_SLOTS_BY_ROW once and hands
+    # them to the launch: the kernel object asked for and the template's UB / OB / KSL are that
+    # reading.
     cache = _kvquant(kvquant_bits=3)
     q_heads = _filled(cache, 700)
     asked, seen = [], {}
@@ -190,15 +191,17 @@ def test_the_plan_key_the_kernel_and_the_template_take_one_reading_of_the_batche
                         lambda *a, **k: handed.append(k["batches"]) or launch(*a, **k))
     monkeypatch.setattr(fused_decode_codebook, "UNALIGNED_VALUE_BATCH", 2)
     monkeypatch.setattr(fused_decode_codebook, "OUTLIER_BATCH", 8)
+    monkeypatch.setattr(fused_decode_codebook, "KEY_SLOTS_BY_ROW", True)
     assert cache._fused_decode(q_heads, 0.5) == "kernel output"
     template = dict(seen["template"])
-    assert handed == [(2, 8)] and (template["UB"], template["OB"]) == (2, 8) and set(asked) == {(2, 8)}
+    assert handed == [(2, 8, True)] and (template["UB"], template["OB"], template["KSL"]) == (2, 8, 1)
+    assert set(asked) == {(2, 8, True)}
     # The launch takes the batches handed to it over the module's constants.
     kernel, _, shape = launch(q_heads, 0.5, cache.store, cache.window_keys, cache.window_values, None,
                               n_valid=cache.n_compressed, group_size=32, bits=3, n_kv_heads=2,
-                              meta_cache=fused_decode.FusedDecodeMeta(), batches=(1, 1))
+                              meta_cache=fused_decode.FusedDecodeMeta(), batches=(1, 1, False))
     template = dict(shape["template"])
-    assert (template["UB"], template["OB"]) == (1, 1) and asked[-1] == (1, 1)
+    assert (template["UB"], template["OB"], template["KSL"]) == (1, 1, 0) and asked[-1] == (1, 1, False)
 
 
 def test_launch_refuses_a_sink_beyond_the_first_tile_and_partial_blocks():

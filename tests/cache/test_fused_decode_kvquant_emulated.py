@@ -95,6 +95,12 @@ CASES = [
      {"OUTLIER_BATCH": 1}),
     ("kvquant-3 many tiles per warp outliers 4", _kvquant(), mx.float32, 128, 1, 4, 1100, 1,
      {"OUTLIER_BATCH": 4}),
+    # the key outliers' sums on row-major slots (KEY_SLOTS_BY_ROW, off: prepared in session 29),
+    # at 4 rows and at 8 (R * SLOTS: the whole probability buffer)
+    ("kvquant-3 default hd128 gqa4 key slots by row", _kvquant(), mx.float32, 128, 1, 4, 1100, None,
+     {"KEY_SLOTS_BY_ROW": True}),
+    ("kvquant-3 bf16 hd128 gqa8 key slots by row", _kvquant(), mx.bfloat16, 128, 1, 8, 700, None,
+     {"KEY_SLOTS_BY_ROW": True}),
 ]
 
 # Each must fail the comparison (one change in the source, in memory).

@@ -30,10 +30,11 @@ SETTINGS = [
     ({"OUTLIER_BATCH": 4}, 96),
     ({"PARK_ACCUMULATORS": False, "OUTLIER_BATCH": 4}, 128),  # at 8 unparked: 150 (three blocks)
     ({"MAX_LANE_ACCUMULATORS": 64, "PARK_ACCUMULATORS": False}, 255),
+    ({"KEY_SLOTS_BY_ROW": True}, 128),  # the key outliers' row-major slots (session 29, off)
 ]
 
 
-@pytest.mark.parametrize("constants, most", SETTINGS, ids=["default", "ob4", "unparked", "old"])
+@pytest.mark.parametrize("constants, most", SETTINGS, ids=["default", "ob4", "unparked", "old", "ksl"])
 def test_the_8b_shape_compiles_within_its_register_bound(monkeypatch, tmp_path, constants, most):
     for constant, value in constants.items():
         monkeypatch.setattr(fused_decode_codebook, constant, value)

@@ -14,7 +14,8 @@ per_call_ms), once per variant of its kernel:
     the kernel before session 11); `novalue`: the unaligned (3-bit) value loop never runs;
     `nooutliers`: neither outlier loop runs; `bare`: neither (codebook keys and the aligned
     value path only); `keyunroll4` / `keyunroll13`: the unaligned (3-bit) key loop's runs
-    unrolled 4 / 13 at a time instead of 2 (more loads in flight, more registers);
+    unrolled 4 / 13 at a time instead of 2 (more loads in flight, more registers); `ksl`:
+    KEY_SLOTS_BY_ROW (the key outliers' atomics on row-major slots, session 29);
   - gear (fused_decode_gear): `shipped`, `ob1`, `ob8`; `nooutliers`: neither sparse loop runs;
     `norank`: both low-rank terms skipped; `keyplain` / `valueplain`: the key / value sparse
     terms' shared-memory atomics (for the keys: the scan's steps whose lanes meet on one token,
@@ -61,6 +62,7 @@ VARIANTS = {
                   *(("for (int j0 = lane; j0 < n_entries; j0 += 32 * OB) {", "for (int j0 = lane; j0 < 0; j0 += 32 * OB) {"),) * 2), {}),
         "keyunroll4": (((_KVQ_KEY_RUNS.format(2), _KVQ_KEY_RUNS.format(4)),), {}),
         "keyunroll13": (((_KVQ_KEY_RUNS.format(2), _KVQ_KEY_RUNS.format(13)),), {}),
+        "ksl": ((), {"KEY_SLOTS_BY_ROW": True}),
     }),
     "gear": ("veloxquant_mlx.cache.fused_decode_gear", "PARTIALS_SOURCE", {
         "shipped": ((), {}),

@@ -147,6 +147,11 @@ UNALIGNED_VALUE_BATCH = 8
 # H200's nvrtc build of 4 already took 102 (Nsight Compute, results/ncu_h200_s12.json), i.e. 4
 # blocks per SM, which 122 keeps.
 OUTLIER_BATCH = 8
+# KEY_SLOTS_BY_ROW: the key outliers' atomics on a row-major copy of the tile's scores (template
+# KSL; key_slot in the source) instead of p_tile's token-major slots. Off: prepared in session 29
+# after GEAR's kernel gained from the same layout, not yet timed on the H200 (batch_probe's
+# kvquant variant `ksl`); emulated and nvcc-compiled both ways.
+KEY_SLOTS_BY_ROW = False
 MAX_ROWS = 8  # GQA rows per KV head
 MAX_HEAD_DIM = 256
 SHARED_BYTES = 48 * 1024
@@ -232,6 +237,11 @@ _PARTIALS = r"""
   const QT* wk_bh = wk + (size_t)bh * n_window * D;
   const QT* wv_bh = wv + (size_t)bh * n_window * DV;
   float* p_tile = ps[warp];
+  // The key outliers' phase keeps token slot `slot`'s score of row r at key_slot(slot, r): with
+  // KSL row-major, r * SLOTS + slot, so the atomics of lanes at random tokens spread over the 32
+  // banks (p_tile's own layout, slot * R + r, leaves them 32 / R banks at R = 4; GEAR's kernel
+  // took ~15 us less per layer at 128K with it, session 29). KEY_SLOTS_BY_ROW.
+  const auto key_slot = [&](int slot, int r) { return KSL ? r * SLOTS + slot : slot * R + r; };
 
   float* acc_park = &accs[warp][PARK ? lane : 0];
   float m[R], l[R], zsum[R], acc[R][CPL];
@@ -374,7 +384,7 @@ _PARTIALS = r"""
         #pragma unroll
         for (int i = 0; i < TPL; ++i) {
           #pragma unroll
-          for (int r = 0; r < R; ++r) p_tile[(i * 33 + lane) * R + r] = s[i][r];
+          for (int r = 0; r < R; ++r) p_tile[key_slot(i * 33 + lane, r)] = s[i][r];
         }
         __syncwarp();
         // A lane takes OB entries at a time: their positions and exact values loaded together,
@@ -412,7 +422,7 @@ _PARTIALS = r"""
               const float delta = ex[b] - fmaf(cbk[code], osc[b], ozp[b]);
               const int slot = ((t - base) % TPL) * 33 + (t - base) / TPL;
               #pragma unroll
-              for (int r = 0; r < R; ++r) atomicAdd(&p_tile[slot * R + r], qs[c * R + r] * delta);
+              for (int r = 0; r < R; ++r) atomicAdd(&p_tile[key_slot(slot, r)], qs[c * R + r] * delta);
             }
           }
         }
@@ -420,7 +430,7 @@ _PARTIALS = r"""
         #pragma unroll
         for (int i = 0; i < TPL; ++i) {
           #pragma unroll
-          for (int r = 0; r < R; ++r) s[i][r] = p_tile[(i * 33 + lane) * R + r];
+          for (int r = 0; r < R; ++r) s[i][r] = p_tile[key_slot(i * 33 + lane, r)];
         }
         __syncwarp();
       }
@@ -686,8 +696,9 @@ _INPUTS = ["q", "kc", "ks", "kz", "kcb", "vc", "vs", "vz", "vcb", "kop", "kov", 
 @lru_cache(maxsize=None)
 def _partials_kernel(lane_accumulators: int, park: bool, batches: tuple):
     """The partials kernel for a MAX_LANE_ACCUMULATORS / PARK_ACCUMULATORS / (UNALIGNED_VALUE_BATCH,
-    OUTLIER_BATCH) setting. The source does not read them (the lane split, the parking and the
-    batches are the template's LPT, PARK, UB and OB, and MLX compiles one kernel per template),
+    OUTLIER_BATCH, KEY_SLOTS_BY_ROW) setting. The source does not read them (the lane split, the
+    parking, the batches and the slots are the template's LPT, PARK, UB, OB and KSL, and MLX
+    compiles one kernel per template),
     but a probe that changes a constant gets a kernel object of its own, never one built for the
     other setting."""
     return PartialsKernel("vq_codebook_decode_partials", _INPUTS, _PARTIALS, _HEADER + _WINDOW)
@@ -762,7 +773,7 @@ def decode_step(cache, queries, scale: float):
     if not fused_decode.kernels_enabled():
         return None
     # Read at each call (probes set them).
-    batches = (UNALIGNED_VALUE_BATCH, OUTLIER_BATCH)
+    batches = (UNALIGNED_VALUE_BATCH, OUTLIER_BATCH, KEY_SLOTS_BY_ROW)
     accumulators, park = MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS
     key = (accumulators, park, batches)  # beside planned_attend's own (the store's writes, the history...)
 
@@ -826,7 +837,8 @@ def codebook_launch(
 ):
     """The checks, block split, meta and template of the partials kernel's launch ->
     (kernel, inputs, {template, n_blocks, heads, value_dim}). `batches`: (UNALIGNED_VALUE_BATCH,
-    OUTLIER_BATCH) as the caller read them for its launch plan's key (None: read here), so the
+    OUTLIER_BATCH, KEY_SLOTS_BY_ROW) as the caller read them for its launch plan's key (None:
+    read here), so the
     plan, the kernel object and the template take one reading."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
@@ -854,8 +866,8 @@ def codebook_launch(
     meta = meta_cache.get(n_valid, per_block, n_hist_blocks, float(scale), skip)
     dtype = queries.dtype
     park = parks(D, DV, R, bits, counts[1] > 0)
-    ub, ob = (UNALIGNED_VALUE_BATCH, OUTLIER_BATCH) if batches is None else batches
-    kernel = _partials_kernel(MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS, (ub, ob))
+    ub, ob, ksl = (UNALIGNED_VALUE_BATCH, OUTLIER_BATCH, KEY_SLOTS_BY_ROW) if batches is None else batches
+    kernel = _partials_kernel(MAX_LANE_ACCUMULATORS, PARK_ACCUMULATORS, (ub, ob, ksl))
     inputs = [queries, store["key_codes"], store["key_scale"], store["key_zero"],
               _as(store["key_codebook"], mx.float32), store["value_codes"], store["value_scale"],
               store["value_zero"], _as(store["value_codebook"], mx.float32), *outliers,
@@ -863,6 +875,6 @@ def codebook_launch(
               fused_decode.window_rows(window_keys.shape[2])]
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("BITS", bits),
                 ("LPT", lanes_per_token(DV, R)), ("NOK", counts[0]), ("NOV", counts[1]), ("PARK", park),
-                ("UB", ub), ("OB", ob),
+                ("UB", ub), ("OB", ob), ("KSL", int(ksl)),
                 ("QT", dtype), ("ST", side), ("WB", 0)]
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
