@@ -33,8 +33,12 @@ def largest_runs(cache) -> tuple[int, int]:
     blocks = cache.n_compressed // cache.block_tokens
     keys = np.array(cache.store["k_out_index"][:, :, :blocks]).astype(np.int64) // cache.head_dim
     values = np.array(cache.store["v_out_index"][:, :, :blocks]).astype(np.int64) % cache.value_dim
-    most = lambda a: max(np.bincount(row).max() for row in a.reshape(-1, a.shape[-1]))  # noqa: E731
-    return most(keys), most(values)
+    return _most_in_a_row(keys), _most_in_a_row(values)
+
+
+def _most_in_a_row(a: np.ndarray) -> int:
+    """The largest count of one value in any row of `a` (rows along its last axis)."""
+    return max(np.bincount(row).max() for row in a.reshape(-1, a.shape[-1]))
 
 
 def clashing_cache(cache, heads: int, tokens: int, dim: int = 128, rows: int = 4):

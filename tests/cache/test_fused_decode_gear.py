@@ -126,15 +126,22 @@ KERNEL_CASES = [
 ]
 
 
-def _kernel_against_portable(monkeypatch, cache, q_heads, D, dtype):
-    monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
-    portable = cache.attention(q_heads, scale=D**-0.5).astype(mx.float32)
-    monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
+def _kernel_step(monkeypatch, cache, q_heads, D):
+    """The cache's attention for q_heads, checked to have gone through the kernels' decode step
+    once."""
     calls = []
     step = fused_decode_gear.decode_step
     monkeypatch.setattr(fused_decode_gear, "decode_step", lambda *a: calls.append(1) or step(*a))
     fused = cache.attention(q_heads, scale=D**-0.5)
     assert calls == [1] and fused is not None
+    return fused
+
+
+def _kernel_against_portable(monkeypatch, cache, q_heads, D, dtype):
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
+    portable = cache.attention(q_heads, scale=D**-0.5).astype(mx.float32)
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
+    fused = _kernel_step(monkeypatch, cache, q_heads, D)
     assert fused.dtype == dtype and fused.shape == q_heads.shape
     fused = fused.astype(mx.float32)
     diff = mx.abs(fused - portable).max().item()
@@ -152,7 +159,7 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, make, dtype, D
 
 
 @cuda_only
-def test_kernel_with_entries_meeting_on_one_target_matches_the_portable_step():
+def test_kernel_with_entries_meeting_on_one_target_matches_the_portable_step(monkeypatch):
     # Steps of the sparse scans whose lanes meet on one token (keys: plain adds elsewhere) or
     # channel (values) (gear_clash_data): a clash the kernel missed would lose a spike's add.
     # In float32 against the portable step on the CPU (float32 queries there: in bf16 the
@@ -164,15 +171,8 @@ def test_kernel_with_entries_meeting_on_one_target_matches_the_portable_step():
         assert not fused_decode.kernels_enabled()
         expected = cache.attention(q_heads, scale=128**-0.5)
         mx.eval(expected)
-    calls = []
-    step = fused_decode_gear.decode_step
-    fused_decode_gear.decode_step = lambda *a: calls.append(1) or step(*a)
-    try:
-        got = cache.attention(q_heads, scale=128**-0.5)
-        mx.eval(got)
-    finally:
-        fused_decode_gear.decode_step = step
-    assert calls == [1] and got.dtype == mx.float32
+    got = _kernel_step(monkeypatch, cache, q_heads, 128)
+    assert got.dtype == mx.float32
     diff = (mx.abs(got - expected).max() / mx.abs(expected).max()).item()
     print(f"clashing entries: max |kernel - portable| / max |portable| = {diff:.2e}")
     assert diff <= 1e-4, diff
