@@ -158,13 +158,20 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, make, dtype, D
     _kernel_against_portable(monkeypatch, cache, q_heads, D, dtype)
 
 
+# The scan's switches: as shipped, every key add atomic, the full scan (before session 29).
+SCAN_SETTINGS = [{}, {"PLAIN_KEY_ADDS": False}, {"SORTED_SCAN": False}]
+
+
 @cuda_only
-def test_kernel_with_entries_meeting_on_one_target_matches_the_portable_step(monkeypatch):
+@pytest.mark.parametrize("switches", SCAN_SETTINGS, ids=["shipped", "key atomics", "full scan"])
+def test_kernel_with_entries_meeting_on_one_target_matches_the_portable_step(monkeypatch, switches):
     # Steps of the sparse scans whose lanes meet on one token (keys: plain adds elsewhere) or
     # channel (values) (gear_clash_data): a clash the kernel missed would lose a spike's add.
     # In float32 against the portable step on the CPU (float32 queries there: in bf16 the
-    # spikes' logits, ~25, round by ~0.1, and on CUDA the bf16 portable output alone moved by
-    # 4.3 of ~9, results/cuda_tests_h200_s29_plain.txt).
+    # spikes' logits, ~25, round by ~0.1, and on CUDA the bf16 kernel and portable step
+    # differed by 4.3 of ~9, results/cuda_tests_h200_s29_plain.txt).
+    for name, value in switches.items():
+        monkeypatch.setattr(fused_decode_gear, name, value)
     cache = clashing_cache(_gear()(), heads=8, tokens=4100)
     q_heads = mx.random.normal((1, 32, 1, 128))
     with mx.stream(mx.cpu):
