@@ -37,3 +37,20 @@ def test_bad_options_are_usage_errors(argv, capsys):
         batch_probe.parse_args(argv)
     assert exc.value.code == 2
     assert "allowed" in capsys.readouterr().err
+
+
+def test_every_variant_module_has_the_kernel_cache_a_variant_clears():
+    for module_name, _, _ in batch_probe.VARIANTS.values():
+        assert callable(batch_probe.kernel_cache(importlib.import_module(module_name)).cache_clear), module_name
+
+
+def test_an_unknown_variant_name_is_a_usage_error_naming_it(capsys):
+    with pytest.raises(SystemExit):
+        batch_probe.parse_args(["--variants", "mma,nosuch"])
+    err = capsys.readouterr().err
+    assert "nosuch" in err and "novalue" in err
+
+
+def test_variants_keep_the_named_ones():
+    assert batch_probe.parse_args(["--variants", "mma,ksl"]).variants == ["mma", "ksl"]
+    assert batch_probe.parse_args([]).variants is None

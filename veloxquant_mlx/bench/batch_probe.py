@@ -27,6 +27,9 @@ per_call_ms), once per variant of its kernel:
     rolled (their loads in flight together); `valunroll`: the value batches' loop unrolled;
     `keyunroll_sums64`: both; `lb0`: without the launch bounds shipped since session 12
     (MIN_BLOCKS_PER_SM 0);
+  - kivi (fused_decode, the affine kernel xquant shares): `shipped`; `mma`: MMA_SCORES (the
+    history's scores on tensor cores, session 22); `noscore`: the history's key loop never runs;
+    `novalue`: its value loop never runs (session 30: where kivi's time goes at 128K);
   - any other method: `shipped` only (a reference beside them).
 A variant that cuts work computes a wrong attention: it says what the cut part costs, nothing
 else. The cuts are exact source spans (VARIANTS): a change to a kernel that moves one fails here
@@ -89,6 +92,14 @@ VARIANTS = {
         "lb0": ((), {"MIN_BLOCKS_PER_SM": 0}),
     }),
 }
+VARIANTS["kivi"] = ("veloxquant_mlx.cache.fused_decode", "_PARTIALS", {
+    "shipped": ((), {}),
+    "mma": ((), {"MMA_SCORES": 1}),
+    "noscore": ((("for (int c0 = 0; c0 < D; c0 += KSC) {", "for (int c0 = 0; c0 < 0; c0 += KSC) {"),), {}),
+    "novalue": ((("for (int v0 = 0; v0 < TILE; v0 += VST) {", "for (int v0 = 0; v0 < 0; v0 += VST) {"),), {}),
+})
+# The lru_cache holding a module's built kernels (cleared so that a variant's source is built).
+KERNEL_CACHES = {"veloxquant_mlx.cache.fused_decode": "_kernels"}
 SHIPPED_ONLY = {"shipped": ((), {})}
 METHODS = ("kvquant", "gear", "turboquant_rvq", "kivi", "xquant")
 
@@ -119,6 +130,11 @@ def check_variants() -> None:
                 raise QuantizerConfigError(f"{MODULE}: {method} variant {name}: {module_name} has no {missing}")
 
 
+def kernel_cache(module):
+    """The lru_cache of `module`'s built partials kernel (KERNEL_CACHES, else `_partials_kernel`)."""
+    return getattr(module, KERNEL_CACHES.get(module.__name__, "_partials_kernel"))
+
+
 def time_variant(module, attribute: str, cache, queries, cuts, constants) -> float:
     """ms per attention call with the variant's source and constants in place (restored after)."""
     from veloxquant_mlx.bench.kernel_probe import per_call_ms
@@ -129,14 +145,14 @@ def time_variant(module, attribute: str, cache, queries, cuts, constants) -> flo
         setattr(module, attribute, variant_source(shipped, cuts))
         for c, value in constants.items():
             setattr(module, c, value)
-        module._partials_kernel.cache_clear()
+        kernel_cache(module).cache_clear()
         cache.__dict__.pop("_fused_plan", None)  # the next step plans with the variant
         return per_call_ms(lambda: cache.attention(queries, scale=D**-0.5), build_untimed=True)
     finally:
         setattr(module, attribute, shipped)
         for c, value in saved.items():
             setattr(module, c, value)
-        module._partials_kernel.cache_clear()
+        kernel_cache(module).cache_clear()
         cache.__dict__.pop("_fused_plan", None)
 
 
@@ -170,8 +186,9 @@ def filled_cache(method: str, inputs):
     return cache
 
 
-def probe_context(n: int, methods, log) -> dict:
-    """fp16 `mx.fast` attention and every method's variants at context n."""
+def probe_context(n: int, methods, log, only=None) -> dict:
+    """fp16 `mx.fast` attention and every method's variants at context n (those named in `only`
+    where given; `shipped` always)."""
     import importlib
 
     import mlx.core as mx
@@ -189,6 +206,8 @@ def probe_context(n: int, methods, log) -> dict:
         module_name, attribute, variants = VARIANTS.get(method, (None, None, SHIPPED_ONLY))
         module = importlib.import_module(module_name) if module_name else None
         for name, (cuts, constants) in variants.items():
+            if only is not None and name != "shipped" and name not in only:
+                continue
             if module is None:
                 ms = per_call_ms(lambda: cache.attention(q, scale=D**-0.5), build_untimed=True)
             else:
@@ -205,8 +224,13 @@ def parse_args(argv=None):
     p = command.parser(MODULE, __doc__)
     p.add_argument("--contexts", default="131072,32768", help="comma list of history lengths")
     p.add_argument("--methods", default="kvquant,gear,turboquant_rvq",
-                   help="comma list of cache methods (kvquant, gear and turboquant_rvq have variants)")
+                   help="comma list of cache methods (kvquant, gear, turboquant_rvq and kivi have variants)")
+    p.add_argument("--variants", default=None,
+                   help="comma list of variant names to time besides `shipped` (default: all of each method's)")
     args = p.parse_args(argv)
+    if args.variants is not None:
+        known = sorted({name for _, _, variants in VARIANTS.values() for name in variants})
+        args.variants = command.name_list(p, "--variants", args.variants, known, "")
     try:
         args.contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
     except ValueError:
@@ -228,8 +252,9 @@ def run(args) -> dict:
 
     check_variants()
     require_cuda(MODULE)
-    rows = {str(n): probe_context(n, args.methods, _log) for n in args.contexts}
-    return {"settings": {"contexts": args.contexts, "methods": args.methods}, "results": rows}
+    rows = {str(n): probe_context(n, args.methods, _log, args.variants) for n in args.contexts}
+    return {"settings": {"contexts": args.contexts, "methods": args.methods, "variants": args.variants},
+            "results": rows}
 
 
 def main(argv=None) -> int:
