@@ -224,14 +224,16 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   for (int i = 0; i < 4; ++i) r |= (unsigned)((xy >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
   return r;
 }
-// The warp's mma.sync.m16n8k16 (fp16 A, B; float32 C) as PTX lays out its fragments (see
+// The warp's mma.sync.m16n8k16 (fp16 or bf16 A, B; float32 C) as PTX lays out its fragments (see
 // fused_decode's vq_mma_f16): every lane leaves its registers, the warp meets, each lane
 // computes its four C entries from the whole A and B (products of fp16 exact in float32,
 // summed in k order: the GPU's order and rounding of the sum may differ in the last bits).
 #define VQ_EMULATED_MMA 1
 std::vector<std::array<uint32_t, 32 * 6>> vq_mma_buf;
 inline float vq_half_bits_f32(uint32_t h) { __half x; x.x = (uint16_t)h; return (float)x; }
-inline void vq_mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+inline float vq_bf16_bits_f32(uint32_t h) { __nv_bfloat16 x; x.x = (uint16_t)h; return (float)x; }
+template <float (*F)(uint32_t)>
+inline void vq_mma_emulated(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   const int w = vq_tid / 32, l = vq_tid % 32;
   uint32_t* mine = vq_mma_buf[w].data() + 6 * l;
   for (int i = 0; i < 4; ++i) mine[i] = a[i];
@@ -241,11 +243,11 @@ inline void vq_mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint3
   const uint32_t* all = vq_mma_buf[w].data();
   // A[row][k]: lane 4 (row % 8) + (k % 8) / 2, register (row / 8) + 2 (k / 8), half k % 2.
   const auto A = [all](int row, int k) {
-    return vq_half_bits_f32(all[6 * (4 * (row % 8) + (k % 8) / 2) + row / 8 + 2 * (k / 8)] >> (16 * (k % 2)));
+    return F(all[6 * (4 * (row % 8) + (k % 8) / 2) + row / 8 + 2 * (k / 8)] >> (16 * (k % 2)));
   };
   // B[k][col]: lane 4 col + (k % 8) / 2, register 4 + k / 8, half k % 2.
   const auto B = [all](int k, int col) {
-    return vq_half_bits_f32(all[6 * (4 * col + (k % 8) / 2) + 4 + k / 8] >> (16 * (k % 2)));
+    return F(all[6 * (4 * col + (k % 8) / 2) + 4 + k / 8] >> (16 * (k % 2)));
   };
   const int g = l / 4, t = l % 4;
   float out[4];
@@ -257,6 +259,13 @@ inline void vq_mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint3
   }
   vq_warp_bar[w]->arrive_and_wait();
   for (int i = 0; i < 4; ++i) c[i] = out[i];
+}
+inline void vq_mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  vq_mma_emulated<vq_half_bits_f32>(c, a, b0, b1);
+}
+// The bf16 mma (fused_decode's vq_mma_bf16): the same fragments, bf16 halves.
+inline void vq_mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  vq_mma_emulated<vq_bf16_bits_f32>(c, a, b0, b1);
 }
 """
 

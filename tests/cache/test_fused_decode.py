@@ -173,12 +173,15 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, make, dtype, D
 
 
 @cuda_only
+@pytest.mark.parametrize("constant, template_name", [("MMA_SCORES", "MMA"), ("MMA_VALUES", "MMAV")],
+                         ids=["scores", "values"])
 @pytest.mark.parametrize("name, make, dtype, D, B, rep, warps", [
     (*KERNEL_CASES[0], None), (*KERNEL_CASES[4], None), (*KERNEL_CASES[5], None), (*KERNEL_CASES[0], 1)],
     ids=["kivi-2", "kivi-default-sink", "xquant-2", "kivi-2-many-tiles"])
-def test_tensor_core_scores_match_the_portable_step_and_the_fma_kernel(monkeypatch, name, make, dtype, D, B, rep, warps):
-    # fused_decode.MMA_SCORES (off as shipped) on the GPU's own mma.sync: the same attention as
-    # the portable path and as the FMA build, within the bf16 output's rounding.
+def test_tensor_core_scores_match_the_portable_step_and_the_fma_kernel(monkeypatch, name, make, dtype, D, B, rep, warps,
+                                                                       constant, template_name):
+    # fused_decode.MMA_SCORES and MMA_VALUES (off as shipped) on the GPU's own mma.sync: the same
+    # attention as the portable path and as the FMA build, within the bf16 output's rounding.
     if warps:
         monkeypatch.setattr(fused_decode, "AFFINE_TARGET_WARPS", warps)
     shape = dict(B=B, rep=rep, D=D, Dv=D, dtype=dtype)
@@ -191,11 +194,11 @@ def test_tensor_core_scores_match_the_portable_step_and_the_fma_kernel(monkeypat
     launch = fused_decode.PartialsKernel.attend
     monkeypatch.setattr(fused_decode.PartialsKernel, "attend",
                         lambda self, *a, **k: templates.append(dict(k["template"])) or launch(self, *a, **k))
-    for mma in (0, 1):
-        monkeypatch.setattr(fused_decode, "MMA_SCORES", mma)
+    for on in (0, 1):
+        monkeypatch.setattr(fused_decode, constant, on)
         cache.__dict__.pop("_fused_plan", None)  # the plan keeps the template it was built with
-        outputs[mma] = cache.attention(q_heads, scale=D**-0.5).astype(mx.float32)
-        assert templates[-1]["MMA"] == mma
+        outputs[on] = cache.attention(q_heads, scale=D**-0.5).astype(mx.float32)
+        assert templates[-1][template_name] == on
     for got in (outputs[1], portable):
         assert mx.allclose(outputs[1], got, atol=2e-2, rtol=2e-2).item(), mx.abs(outputs[1] - got).max().item()
     assert mx.allclose(outputs[0], outputs[1], atol=2e-2, rtol=2e-2).item()

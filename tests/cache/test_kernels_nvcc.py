@@ -100,10 +100,12 @@ def test_turboquant_rvqs_bounded_kernel_fits_five_blocks_per_sm(tmp_path):
 # The affine kernel's switches that are off as shipped, each (constant, template name, whether
 # a shape takes it): WINDOW_ROW_VECTORS (session 21, at the 8B shape kivi and xquant 125
 # registers, gear 125 against 96 off) and MMA_SCORES (session 22: 16-bit queries, 2-bit keys,
-# 1, 2 or 4 rows, whole-tile stages: the 8B shape; kivi 128 registers, gear 102).
+# 1, 2 or 4 rows, whole-tile stages: the 8B shape; kivi 128 registers, gear 102) and
+# MMA_VALUES (session 30: 16-bit side data, 2-bit values, up to 8 rows; the plain kernel only).
 SWITCHES = [
-    ("WINDOW_ROW_VECTORS", "WRV", lambda dtype, rep, D: True),
-    ("MMA_SCORES", "MMA", lambda dtype, rep, D: dtype != mx.float32 and rep in (1, 2, 4) and D % 16 == 0),
+    ("WINDOW_ROW_VECTORS", "WRV", lambda method, dtype, rep, D: True),
+    ("MMA_SCORES", "MMA", lambda method, dtype, rep, D: dtype != mx.float32 and rep in (1, 2, 4) and D % 16 == 0),
+    ("MMA_VALUES", "MMAV", lambda method, dtype, rep, D: method != "gear" and dtype != mx.float32 and D % 16 == 0),
 ]
 
 
@@ -120,7 +122,7 @@ def test_the_switched_off_paths_compile_without_spills(tmp_path, monkeypatch, me
     monkeypatch.setattr(fused_decode, constant, 1)
     captured = _captured(method, dtype, rep, D)
     sources = {k.cuda_source(sig) for k, sig in captured if "partials" in k.name}
-    assert sources and all(f"constexpr int {name} = {int(takes(dtype, rep, D))};" in s for s in sources)
+    assert sources and all(f"constexpr int {name} = {int(takes(method, dtype, rep, D))};" in s for s in sources)
     for i, source in enumerate(sorted(sources)):
         compiled_without_spills(source, tmp_path, i)
 

@@ -63,6 +63,11 @@ in_place_window = Marked("decode_window_in_place", True)
 # instead of the tile's run of them (fused_decode_gear.SORTED_SCAN).
 full_scan = Marked("sorted_scan", False)
 
+# The affine decode kernel weighing the history's values on tensor cores
+# (fused_decode.MMA_VALUES, off as shipped until measured): kivi and xquant only (the plain kernel).
+tensor_core_values = Marked("mma_values", True)
+MMA_VALUES_METHODS = ("kivi", "xquant")
+
 # The decode kernel's launches split for N target warps whatever the kernel's own target
 # (fused_decode.tokens_per_block): one layer's chained attention on the H200 was ~15% faster at
 # 32K for kivi and xquant with 1024 than with 4096 (session 22, when AFFINE_TARGET_WARPS became
@@ -79,6 +84,8 @@ ABLATIONS: dict[str, tuple] = {
     "gear-magnitude": (MagnitudeGEAR, "gear", "gear, outliers by |x| (paper literal)"),
     "gear-block64": (SmallBlockGEAR, "gear", "gear, 64-token blocks"),
     "gear-fullscan": (full_scan, "gear", "gear, decode kernel scanning every outlier of a block"),
+    **{f"{m}-mmav": (tensor_core_values, m, f"{m}, decode values weighed on tensor cores")
+       for m in MMA_VALUES_METHODS},
     **{f"{m}-inplace": (in_place_window, m, f"{m}, decode window written in place") for m in WINDOW_METHODS},
     **{f"{m}-tw{n}": (Marked("decode_target_warps", n), m, f"{m}, decode launches for {n} target warps")
        for m in WINDOW_METHODS for n in TARGET_WARPS_TRIED},

@@ -28,7 +28,8 @@ per_call_ms), once per variant of its kernel:
     `keyunroll_sums64`: both; `lb0`: without the launch bounds shipped since session 12
     (MIN_BLOCKS_PER_SM 0);
   - kivi (fused_decode, the affine kernel xquant shares): `shipped`; `mma`: MMA_SCORES (the
-    history's scores on tensor cores, session 22); `noscore`: the history's key loop never runs;
+    history's scores on tensor cores, session 22); `mmav`: MMA_VALUES (its values on tensor
+    cores, session 30); `mmav_mma`: both; `noscore`: the history's key loop never runs;
     `novalue`: its value loop never runs (session 30: where kivi's time goes at 128K);
   - any other method: `shipped` only (a reference beside them).
 A variant that cuts work computes a wrong attention: it says what the cut part costs, nothing
@@ -95,6 +96,8 @@ VARIANTS = {
 VARIANTS["kivi"] = ("veloxquant_mlx.cache.fused_decode", "_PARTIALS", {
     "shipped": ((), {}),
     "mma": ((), {"MMA_SCORES": 1}),
+    "mmav": ((), {"MMA_VALUES": 1}),
+    "mmav_mma": ((), {"MMA_VALUES": 1, "MMA_SCORES": 1}),
     "noscore": ((("for (int c0 = 0; c0 < D; c0 += KSC) {", "for (int c0 = 0; c0 < 0; c0 += KSC) {"),), {}),
     "novalue": ((("for (int v0 = 0; v0 < TILE; v0 += VST) {", "for (int v0 = 0; v0 < 0; v0 += VST) {"),), {}),
 })

@@ -209,6 +209,59 @@ __device__ __forceinline__ uint32_t vq_half2_bits(float lo, float hi) {
          | ((uint32_t)*reinterpret_cast<const unsigned short*>(&b) << 16);
 }
 
+// The same in bfloat16 (the tensor-core values' B where the cache's side data is bf16).
+__device__ __forceinline__ uint32_t vq_bf162_bits(float lo, float hi) {
+  const __nv_bfloat16 a = __float2bfloat16(lo), b = __float2bfloat16(hi);
+  return (uint32_t)*reinterpret_cast<const unsigned short*>(&a)
+         | ((uint32_t)*reinterpret_cast<const unsigned short*>(&b) << 16);
+}
+
+// mma.sync.m16n8k16 with bf16 A and B (fragments laid out as vq_mma_f16's), float32 C.
+#ifndef VQ_EMULATED_MMA
+__device__ __forceinline__ void vq_mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+#endif
+
+// The tensor-core values' pieces in the 16-bit type T of the cache's side data (fp16 or bf16;
+// the primary template is fp16's, never instantiated for a float cache: MMAV is 0 there).
+// mma: the warp's mma in T. pack: two floats as a B register in T; lo / hi: its halves back.
+// vq_code_pair16: the 2-bit codes at bits 2g and 16 + 2g of x (g = 0..7, `rot` = (2 g - POS) &
+// 31) as the A register (1 + code / 4, 1 + code' / 4) in T, exact: each code or-ed into the
+// mantissa of 1.0 (fp16's bits 8-9 under 0x3C00, bf16's bits 5-6 under 0x3F80) by a rotation
+// and one logic op.
+template <typename T> struct vq_mma_type {
+  static constexpr int POS = 8;
+  static constexpr uint32_t MASK = 0x03000300u, ONE = 0x3C003C00u;
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    vq_mma_f16(c, a, b0, b1);
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return vq_half2_bits(lo, hi); }
+  static __device__ __forceinline__ float lo(uint32_t x) { const unsigned short h = x; return vq_f32(*reinterpret_cast<const __half*>(&h)); }
+  static __device__ __forceinline__ float hi(uint32_t x) { const unsigned short h = x >> 16; return vq_f32(*reinterpret_cast<const __half*>(&h)); }
+};
+template <> struct vq_mma_type<__nv_bfloat16> {
+  static constexpr int POS = 5;
+  static constexpr uint32_t MASK = 0x00600060u, ONE = 0x3F803F80u;
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    vq_mma_bf16(c, a, b0, b1);
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return vq_bf162_bits(lo, hi); }
+  static __device__ __forceinline__ float lo(uint32_t x) { return __uint_as_float(x << 16); }
+  static __device__ __forceinline__ float hi(uint32_t x) { return __uint_as_float(x & 0xffff0000u); }
+};
+template <typename T>
+__device__ __forceinline__ uint32_t vq_code_pair16(uint32_t x, int rot) {
+  return (__funnelshift_r(x, x, rot) & vq_mma_type<T>::MASK) | vq_mma_type<T>::ONE;
+}
+
 // A small unsigned integer (< 2^23) as a float without the int-to-float conversion unit (a
 // slower path on Hopper): or it into the mantissa of 2^23 and subtract 2^23.
 __device__ __forceinline__ float vq_u2f(unsigned small) {
@@ -392,6 +445,13 @@ _PARTIALS_TEMPLATE = r"""
   // columns past the query rows: zeros, never stored).
   constexpr int MMA_WORDS = MMA ? D / 16 * 8 * R : 1;
   static_assert(!MMA || (KB == 2 && KSC == D && D % 16 == 0 && G % 16 == 0 && R <= 8 && 32 % R == 0), "MMA");
+  // MMAV (fused_decode.MMA_VALUES): the history's values weighed on tensor cores, where the GPU
+  // has them: O^T += V^T P^T per 16 tokens, the warp's C fragments NMT m-tiles of 16 channels
+  // x 8 query rows (lane 4 g + t: channels 16 mt + g and + 8, rows 2 t and 2 t + 1).
+  constexpr bool USE_MMAV = MMAV && VQ_HAS_MMA;
+  constexpr int NMT = MMAV ? DV / 16 : 1;
+  static_assert(!MMAV || (VB == 2 && sizeof(ST) == 2 && DV % 16 == 0 && G % 16 == 0 && VST % 16 == 0
+                          && R <= 8), "MMAV");
   const float neg_inf = __int_as_float(0xff800000);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -477,6 +537,19 @@ _PARTIALS_TEMPLATE = r"""
     scales.store(kstage[warp] + KSC * WR, lane);
     zeros.store(reinterpret_cast<ST*>(kstage[warp] + KSC * WR) + KSC * NGK, lane);
   };
+  // The warp's stage of VST value tokens from tile position v0 of the tile at `base` (codes,
+  // scales, zeros: contiguous runs; every load issued before the first store): the FMA and MMA
+  // value loops' one copy of the history's values into shared memory.
+  const auto stage_values = [&](int base, int v0) {
+    vq_stage<VST * 4 * WV / 16, 16> codes;
+    vq_stage<VST * GV * (int)sizeof(ST) / 16, 16> scales, zeros;
+    codes.load(vc_bh + (size_t)(base + v0) * WV, 16, lane);
+    scales.load(vs_bh + (size_t)(base + v0) * GV, 16, lane);
+    zeros.load(vz_bh + (size_t)(base + v0) * GV, 16, lane);
+    codes.store(kstage[warp], lane);
+    scales.store(kstage[warp] + VST * WV, lane);
+    zeros.store(reinterpret_cast<ST*>(kstage[warp] + VST * WV) + VST * GV, lane);
+  };
   //@declare
 
   float m[R], l[R], acc[R][CPL];
@@ -487,6 +560,18 @@ _PARTIALS_TEMPLATE = r"""
     #pragma unroll
     for (int c = 0; c < CPL; ++c) acc[r][c] = 0.f;
   }
+  // MMAV's accumulators: the C fragments (see the value loop) and, per value group, the lane's
+  // part of its row's bias sum_t (p zero - 4 B) (row g of lane 4 g + t). The fragments share
+  // acc's registers where acc is as large (a block weighs either the history, by MMA, or the
+  // exact rows, by the FMA loop into acc): apart, they cost kivi's kernel 32 registers (nvcc,
+  // sm_90, the 8B shape: 160 against 128).
+  constexpr bool CV_IN_ACC = R * CPL >= NMT * 4;
+  float cv_own[CV_IN_ACC ? 1 : NMT][4], vbias[GV];
+  float (&cv)[NMT][4] = *reinterpret_cast<float (*)[NMT][4]>(CV_IN_ACC ? &acc[0][0] : &cv_own[0][0]);
+  #pragma unroll
+  for (int mt = 0; mt < NMT; ++mt) cv[mt][0] = cv[mt][1] = cv[mt][2] = cv[mt][3] = 0.f;
+  #pragma unroll
+  for (int j = 0; j < GV; ++j) vbias[j] = 0.f;
 
   const int first = window ? 0 : blockIdx.x * per_block;
   const int lo = window ? 0 : n_skip;  // tokens before lo are not attended
@@ -661,6 +746,7 @@ _PARTIALS_TEMPLATE = r"""
     // A row at a time (its warp max and sum); s[i][r] becomes the probability, stored after
     // the last row so that a token's R floats go out as vector stores (one 128-bit store at
     // R = 4; one store per row instead: 106 registers against 96 at the 8B shape, ptxas sm_90).
+    float alpha_r[R];  // the rows' rescale of this tile (MMAV's fragments take it after the loop)
     #pragma unroll
     for (int r = 0; r < R; ++r) {
       float tile_max = neg_inf;
@@ -681,10 +767,34 @@ _PARTIALS_TEMPLATE = r"""
         sum += p;
       }
       l[r] = l[r] * alpha + vq_warp_sum(sum);
-      #pragma unroll
-      for (int c = 0; c < CPL; ++c) acc[r][c] *= alpha;
+      if (!USE_MMAV || window) {  // the exact block weighs its rows by the FMA loop
+        #pragma unroll
+        for (int c = 0; c < CPL; ++c) acc[r][c] *= alpha;
+      }
+      alpha_r[r] = alpha;
       m[r] = m_new;
       //@rescaled
+    }
+    if (USE_MMAV && !window) {
+      // The lane's rows: 2 t and 2 t + 1 in its C fragments, g in its bias parts (rows past R
+      // hold zeros and keep a factor of 1).
+      const int vt = lane & 3, vg = lane >> 2;
+      float a_lo = 1.f, a_hi = 1.f, a_b = 1.f;
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        a_lo = 2 * vt == r ? alpha_r[r] : a_lo;
+        a_hi = 2 * vt + 1 == r ? alpha_r[r] : a_hi;
+        a_b = vg == r ? alpha_r[r] : a_b;
+      }
+      #pragma unroll
+      for (int mt = 0; mt < NMT; ++mt) {
+        cv[mt][0] *= a_lo;
+        cv[mt][1] *= a_hi;
+        cv[mt][2] *= a_lo;
+        cv[mt][3] *= a_hi;
+      }
+      #pragma unroll
+      for (int j = 0; j < GV; ++j) vbias[j] *= a_b;
     }
     #pragma unroll
     for (int i = 0; i < TPL; ++i) {
@@ -722,6 +832,68 @@ _PARTIALS_TEMPLATE = r"""
           }
         }
       }
+    } else if (USE_MMAV) {
+      // Tensor cores: per 16 tokens, C[ch][r] += sum_t A[ch][t] B[t][r] with A = 1 + code / 4
+      // (exact in T, the side data's 16-bit type: the code put into the mantissa of 1.0) and
+      // B = T(p[t][r] scale[t]) of the channel's group, so that
+      //   sum_t p (scale code + zero) = 4 C + sum_t (p zero - 4 B),
+      // the second sum per row and group in float32 (vbias), with B as rounded. Why: the FMA loop below spends ~8
+      // instructions per code (its extraction, conversion, dequantization and one FMA per query
+      // row); here a code costs ~2 (its load shared by two, a byte permute, a rotation, a mask)
+      // and an mma does 16 tokens x 16 channels x 8 rows. T's rounding of p * scale (bf16: 2^-9
+      // relative) is the portable path's own rounding of a dequantized value.
+      using MT = vq_mma_type<ST>;
+      const ST* vss = reinterpret_cast<const ST*>(kstage[warp] + VST * WV);
+      const ST* vzs = vss + VST * GV;
+      const int t_last = last - 1 - base;  // the tile's last valid token
+      const int vt = lane & 3, vg = lane >> 2;
+      const int rot = (2 * vg - MT::POS) & 31;
+      #pragma unroll 1
+      for (int v0 = 0; v0 < TILE; v0 += VST) {
+        if (v0 > t_last) break;  // the rest of the tile is past the end (warp-uniform)
+        __syncwarp();  // the stage's last readers (the keys' or the previous values') are done
+        stage_values(base, v0);
+        __syncwarp();
+        #pragma unroll 1
+        for (int k0 = v0; k0 < v0 + VST && k0 <= t_last; k0 += 16) {
+          // The lane's tokens of the 16: k0 + 2 t + {0, 1, 8, 9} (B's rows, A's columns); past
+          // the end they read the last valid token's codes and scales, with p = 0.
+          int tj[4];
+          float p[4];
+          #pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int tok = k0 + 2 * vt + (i & 1) + 8 * (i >> 1);
+            tj[i] = min(tok, t_last) - v0;
+            p[i] = vg < R ? p_tile[tile_slot(tok) * R + vg] : 0.f;
+          }
+          uint32_t b[GV][2];
+          #pragma unroll
+          for (int j = 0; j < GV; ++j) {
+            float pb[4];
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              pb[i] = p[i] * vq_f32(vss[tj[i] * GV + j]);
+              vbias[j] = fmaf(p[i], vq_f32(vzs[tj[i] * GV + j]), vbias[j]);
+            }
+            b[j][0] = MT::pack(pb[0], pb[1]);
+            b[j][1] = MT::pack(pb[2], pb[3]);
+            // The "1" of A = 1 + code / 4 taken off with B as the mma rounded it: only the
+            // code's part keeps T's rounding (as a dequantized value's would).
+            vbias[j] -= 4.f * (MT::lo(b[j][0]) + MT::hi(b[j][0]) + MT::lo(b[j][1]) + MT::hi(b[j][1]));
+          }
+          #pragma unroll
+          for (int mt = 0; mt < NMT; ++mt) {
+            // Word mt of a token holds channels 16 mt .. 16 mt + 15 (2 bits each).
+            const uint32_t w0 = kstage[warp][tj[0] * WV + mt], w1 = kstage[warp][tj[1] * WV + mt];
+            const uint32_t w2 = kstage[warp][tj[2] * WV + mt], w3 = kstage[warp][tj[3] * WV + mt];
+            const uint32_t a[4] = {vq_code_pair16<ST>(__byte_perm(w0, w1, 0x5410), rot),
+                                   vq_code_pair16<ST>(__byte_perm(w0, w1, 0x7632), rot),
+                                   vq_code_pair16<ST>(__byte_perm(w2, w3, 0x5410), rot),
+                                   vq_code_pair16<ST>(__byte_perm(w2, w3, 0x7632), rot)};
+            MT::mma(cv[mt], a, b[16 * mt / G][0], b[16 * mt / G][1]);
+          }
+        }
+      }
     } else {
       // The tile's values staged VST tokens at a time (codes, scales, zeros: contiguous runs).
       const ST* vss = reinterpret_cast<const ST*>(kstage[warp] + VST * WV);
@@ -731,16 +903,7 @@ _PARTIALS_TEMPLATE = r"""
       for (int v0 = 0; v0 < TILE; v0 += VST) {
         if (v0 > t_last) break;  // the rest of the tile is past the end (warp-uniform)
         __syncwarp();  // the stage's last readers (the keys' or the previous values') are done
-        {
-          vq_stage<VST * 4 * WV / 16, 16> codes;
-          vq_stage<VST * GV * (int)sizeof(ST) / 16, 16> scales, zeros;
-          codes.load(vc_bh + (size_t)(base + v0) * WV, 16, lane);
-          scales.load(vs_bh + (size_t)(base + v0) * GV, 16, lane);
-          zeros.load(vz_bh + (size_t)(base + v0) * GV, 16, lane);
-          codes.store(kstage[warp], lane);
-          scales.store(kstage[warp] + VST * WV, lane);
-          zeros.store(reinterpret_cast<ST*>(kstage[warp] + VST * WV) + VST * GV, lane);
-        }
+        stage_values(base, v0);
         __syncwarp();
         // v0 is a multiple of TPL (VST >= 8), so its slot adds to the rounds' without carrying.
         const int slot_v0 = tile_slot(v0) + slot_tl;
@@ -783,6 +946,33 @@ _PARTIALS_TEMPLATE = r"""
     __syncwarp();
   }
 
+  float* red_o = ps[warp];  // the warp's probabilities are no longer needed: [r][channel]
+  if (USE_MMAV && !window) {
+    // Row g's bias parts summed over its lanes 4 g .. 4 g + 3, then fetched by the lanes whose
+    // C fragments hold rows 2 t and 2 t + 1; each (row, channel) is one lane's.
+    const int vt = lane & 3, vg = lane >> 2;
+    float b_lo[GV], b_hi[GV];
+    #pragma unroll
+    for (int j = 0; j < GV; ++j) {
+      float bsum = vbias[j];
+      bsum += __shfl_xor_sync(0xffffffffu, bsum, 1);
+      bsum += __shfl_xor_sync(0xffffffffu, bsum, 2);
+      b_lo[j] = __shfl_sync(0xffffffffu, bsum, 8 * vt);
+      b_hi[j] = __shfl_sync(0xffffffffu, bsum, (8 * vt + 4) & 31);
+    }
+    #pragma unroll
+    for (int mt = 0; mt < NMT; ++mt) {
+      const int ch = 16 * mt + vg;
+      if (2 * vt < R) {
+        red_o[2 * vt * DV + ch] = fmaf(4.f, cv[mt][0], b_lo[16 * mt / G]);
+        red_o[2 * vt * DV + ch + 8] = fmaf(4.f, cv[mt][2], b_lo[16 * mt / G]);
+      }
+      if (2 * vt + 1 < R) {
+        red_o[(2 * vt + 1) * DV + ch] = fmaf(4.f, cv[mt][1], b_hi[16 * mt / G]);
+        red_o[(2 * vt + 1) * DV + ch + 8] = fmaf(4.f, cv[mt][3], b_hi[16 * mt / G]);
+      }
+    }
+  } else {
   // Lanes holding the same channels for different tokens: sum them (the lane bits above LPT).
   #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -792,13 +982,13 @@ _PARTIALS_TEMPLATE = r"""
       for (int o = LPT; o < 32; o <<= 1) acc[r][c] += __shfl_xor_sync(0xffffffffu, acc[r][c], o);
     }
   }
-  float* red_o = ps[warp];  // the warp's probabilities are no longer needed: [r][channel]
   if (tl == 0) {
     #pragma unroll
     for (int r = 0; r < R; ++r) {
       #pragma unroll
       for (int c = 0; c < CPL; ++c) red_o[r * DV + ch0 + c] = acc[r][c];
     }
+  }
   }
   if (lane == 0) {
     #pragma unroll
@@ -1142,6 +1332,33 @@ def window_row_vectors(head_dim: int, lane_channels: int, dtype) -> int:
 MMA_SCORES = 0
 
 
+# The history's values weighed on tensor cores (template MMAV: per 16 tokens one
+# mma.sync.m16n8k16 per 16 channels, C = channels x query rows, A = 1 + code / 4 from the staged
+# 2-bit codes by a byte permute, a rotation and a mask, B = p x scale in the side data's 16-bit
+# type, the zeros' term in float32). Why: session 30's arithmetic for kivi at 128K (2-bit, 4
+# rows, ~75 M warp instructions per layer at ~50% issue efficiency, ~165 us on the H200) puts
+# ~8 instructions on each value code in the FMA loop (extraction, conversion, dequantization,
+# one FMA per query row), ~2 here. Taken by the affine kernel's own launches (kivi, xquant; a
+# kernel built on this source, GEAR's, adds its own terms to the FMA loop's accumulators) for
+# 16-bit queries and side data (a float32 model's kivi keeps fp16 scales: its float32 FMA loop
+# stays), 2-bit values, channels and groups multiples of 16, at most 8 query rows and
+# a value stage of whole 16-token steps. Off (0) until measured on the H200.
+MMA_VALUES = 0
+
+
+def mma_values(value_dim: int, rows: int, group_size: int, value_bits: int, dtype, side, stage,
+               switch: bool | None = None) -> int:
+    """MMAV of a launch: 1 where MMA_VALUES is set (or `switch`, where not None: a cache's own
+    `mma_values`, the bench ablation `<method>-mmav`) and the launch is one it takes (above),
+    else 0. `dtype`: the queries'; `side`: the scales' and zeros'; `stage`: the launch's stage
+    template (its VST)."""
+    on = MMA_VALUES if switch is None else switch
+    ok = (on and dtype in (mx.float16, mx.bfloat16) and side in (mx.float16, mx.bfloat16)
+          and value_bits == 2 and value_dim % 16 == 0
+          and group_size % 16 == 0 and rows <= 8 and stage is not None and dict(stage)["VST"] % 16 == 0)
+    return int(bool(ok))
+
+
 def mma_shared_bytes(head_dim: int, rows: int) -> int:
     """Static shared memory MMA adds: per warp one key group's B fragments (fp16 pairs of the
     lanes holding B's columns 0 .. rows - 1: 8 words per row and 16 channels)."""
@@ -1342,7 +1559,7 @@ def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bi
             queries, scale, *arrays(), cache.window_keys, cache.window_values,
             n_valid=cache.n_compressed, group_size=group_size, key_bits=key_bits,
             value_bits=value_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache, skip=skip,
-            sink=exact_prefix,
+            sink=exact_prefix, value_mma=cache.__dict__.get("mma_values"),
         )
         return inputs, shape, WINDOW_INPUTS
 
@@ -1486,11 +1703,13 @@ def affine_launch(
     value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
     value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0, sink=None,
     kernel=None, extra_inputs=(), extra_template=(), extra_shared: int = 0, split=None,
+    value_mma: bool | None = None,
 ):
     """The checks, block split, meta and template of kernel 1's launch (affine_partials) ->
     (kernel, inputs, {template, n_blocks, heads, value_dim}). `extra_shared`: the static
     shared bytes a kernel built on this one adds (the stages get what is left); `split`:
-    (tokens, heads) -> history tokens per block (default affine_tokens_per_block)."""
+    (tokens, heads) -> history tokens per block (default affine_tokens_per_block);
+    `value_mma`: the tensor-core values on or off for this launch (None: MMA_VALUES)."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -1515,10 +1734,13 @@ def affine_launch(
               window_keys.astype(dtype), window_values.astype(dtype), sink_keys, sink_values,
               meta, window_rows(window_keys.shape[2]), *extra_inputs]
     lanes = lanes_per_token(DV, value_bits, R)
+    # A kernel built on this source (GEAR's) adds its own value terms to the FMA loop's
+    # accumulators: the tensor-core values are the plain kernel's only.
+    mmav = mma_values(DV, R, group_size, value_bits, dtype, side, stage, value_mma) if kernel is None else 0
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                 ("VB", value_bits), ("LPT", lanes), ("QT", dtype),
                 ("ST", side), *stage, ("WB", 0), ("WRV", window_row_vectors(D, DV // lanes, dtype)),
-                ("MMA", mma), *extra_template]
+                ("MMA", mma), ("MMAV", mmav), *extra_template]
     kernel = _kernels()[0] if kernel is None else kernel
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
 
