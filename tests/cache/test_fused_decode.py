@@ -173,15 +173,16 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, make, dtype, D
 
 
 @cuda_only
-@pytest.mark.parametrize("constant, template_name", [("MMA_SCORES", "MMA"), ("MMA_VALUES", "MMAV")],
-                         ids=["scores", "values"])
+@pytest.mark.parametrize("constant, template_name", [("MMA_SCORES", "MMA"), ("MMA_VALUES", "MMAV"), ("L2_PREFETCH", "PF")],
+                         ids=["scores", "values", "l2-prefetch"])
 @pytest.mark.parametrize("name, make, dtype, D, B, rep, warps", [
     (*KERNEL_CASES[0], None), (*KERNEL_CASES[4], None), (*KERNEL_CASES[5], None), (*KERNEL_CASES[0], 1)],
     ids=["kivi-2", "kivi-default-sink", "xquant-2", "kivi-2-many-tiles"])
 def test_tensor_core_scores_match_the_portable_step_and_the_fma_kernel(monkeypatch, name, make, dtype, D, B, rep, warps,
                                                                        constant, template_name):
     # fused_decode.MMA_SCORES and MMA_VALUES (off as shipped) on the GPU's own mma.sync: the same
-    # attention as the portable path and as the FMA build, within the bf16 output's rounding.
+    # attention as the portable path and as the FMA build, within the bf16 output's rounding;
+    # L2_PREFETCH (off as shipped) only adds hints: the same attention.
     if warps:
         monkeypatch.setattr(fused_decode, "AFFINE_TARGET_WARPS", warps)
     shape = dict(B=B, rep=rep, D=D, Dv=D, dtype=dtype)

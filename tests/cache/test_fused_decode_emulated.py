@@ -215,11 +215,14 @@ def test_the_split_build_and_the_merge_kernel_are_the_same_attention(monkeypatch
     assert np.allclose(split, expected, atol=2e-5, rtol=2e-5) and np.allclose(split, fused, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("constant, template_name", [("WINDOW_ROW_VECTORS", "WRV"), ("L2_PREFETCH", "PF")],
+                         ids=["row-vectors", "l2-prefetch"])
 @pytest.mark.parametrize("case", [0, 1, 7, 8], ids=lambda i: CASES[i][0])
-def test_the_exact_blocks_row_vectors_give_the_element_loads_output(monkeypatch, case):
+def test_the_exact_blocks_row_vectors_give_the_element_loads_output(monkeypatch, case, constant, template_name):
     # WINDOW_ROW_VECTORS (template WRV, off by default): the exact block's sink and window rows
     # read 16 bytes a load; the same values summed in the same order: the same output bit for
-    # bit (fp32 and 16-bit queries, a sink, 1 / 4 / 8 rows, head_dim 64 and 128).
+    # bit (fp32 and 16-bit queries, a sink, 1 / 4 / 8 rows, head_dim 64 and 128). L2_PREFETCH
+    # (template PF, off by default) only adds hints (no-ops in the emulation): the same output.
     name, make, dtype, D, B, rep, n, warps = CASES[case]
     cache = make()
     q_heads = _filled(cache, n, B=B, H=2, rep=rep, D=D, dtype=dtype)
@@ -228,11 +231,11 @@ def test_the_exact_blocks_row_vectors_give_the_element_loads_output(monkeypatch,
     monkeypatch.setattr(cuda_emulation.EmulatedKernel, "__call__",
                         lambda self, **k: templates.append(dict(k["template"])) or real(self, **k))
     for vectors in (0, 1):
-        monkeypatch.setattr(fused_decode, "WINDOW_ROW_VECTORS", vectors)
+        monkeypatch.setattr(fused_decode, constant, vectors)
         cache.__dict__.pop("_fused_plan", None)  # the launch plan keeps the template it was built with
         templates.clear()
         got, made = _emulated_step(cache, q_heads, D**-0.5)
-        assert [k.calls for k in made if k.calls] == _launches() and templates[0]["WRV"] == vectors
+        assert [k.calls for k in made if k.calls] == _launches() and templates[0][template_name] == vectors
         outputs.append(np.array(got.astype(mx.float32)))
     assert np.array_equal(outputs[0], outputs[1])
 

@@ -101,11 +101,13 @@ def test_turboquant_rvqs_bounded_kernel_fits_five_blocks_per_sm(tmp_path):
 # a shape takes it): WINDOW_ROW_VECTORS (session 21, at the 8B shape kivi and xquant 125
 # registers, gear 125 against 96 off) and MMA_SCORES (session 22: 16-bit queries, 2-bit keys,
 # 1, 2 or 4 rows, whole-tile stages: the 8B shape; kivi 128 registers, gear 102) and
-# MMA_VALUES (session 30: 16-bit side data, 2-bit values, up to 8 rows; the plain kernel only).
+# MMA_VALUES (session 30: 16-bit side data, 2-bit values, up to 8 rows; the plain kernel only)
+# and L2_PREFETCH (session 30: every shape).
 SWITCHES = [
     ("WINDOW_ROW_VECTORS", "WRV", lambda method, dtype, rep, D: True),
     ("MMA_SCORES", "MMA", lambda method, dtype, rep, D: dtype != mx.float32 and rep in (1, 2, 4) and D % 16 == 0),
     ("MMA_VALUES", "MMAV", lambda method, dtype, rep, D: method != "gear" and dtype != mx.float32 and D % 16 == 0),
+    ("L2_PREFETCH", "PF", lambda method, dtype, rep, D: True),
 ]
 
 

@@ -262,6 +262,18 @@ __device__ __forceinline__ uint32_t vq_code_pair16(uint32_t x, int rot) {
   return (__funnelshift_r(x, x, rot) & vq_mma_type<T>::MASK) | vq_mma_type<T>::ONE;
 }
 
+// A hint that the 32-byte sector at p is read soon: fetched into L2, no register, no wait (a no-op
+// off the GPU: the CPU emulation). vq_prefetch_run: the sectors of `bytes` bytes from p, over
+// the warp's lanes.
+__device__ __forceinline__ void vq_prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+#endif
+}
+__device__ __forceinline__ void vq_prefetch_run(const void* p, int bytes, int lane) {
+  for (int off = 32 * lane; off < bytes; off += 32 * 32) vq_prefetch_l2(static_cast<const char*>(p) + off);
+}
+
 // A small unsigned integer (< 2^23) as a float without the int-to-float conversion unit (a
 // slower path on Hopper): or it into the mantissa of 2^23 and subtract 2^23.
 __device__ __forceinline__ float vq_u2f(unsigned small) {
@@ -578,6 +590,22 @@ _PARTIALS_TEMPLATE = r"""
   // The exact block: the sink's n_sink tokens (sk, sv), then the window's.
   const int last = window ? n_sink + (WB ? wn_shape[0] : n_window) : min(first + per_block, n_valid);
   for (int base = first + warp * TILE; base < last; base += TILE * NW) {
+    if (PF && !window) {
+      // L2_PREFETCH: the warp's next tile's keys (a row per channel, rows a capacity apart) and
+      // this tile's values, asked into L2 before this tile's key stage waits on memory.
+      const int next = base + TILE * NW;
+      if (next < last) {
+        for (int c = lane; c < D; c += 32) {
+          const uint32_t* row = kc_bh + (size_t)c * wk_words + (next * KB >> 5);
+          for (int off = 0; off < KCODE_ROW; off += 32) vq_prefetch_l2(reinterpret_cast<const char*>(row) + off);
+          vq_prefetch_l2(ks_bh + (size_t)c * gk + next / G);
+          vq_prefetch_l2(kz_bh + (size_t)c * gk + next / G);
+        }
+      }
+      vq_prefetch_run(vc_bh + (size_t)base * WV, TILE * WV * 4, lane);
+      vq_prefetch_run(vs_bh + (size_t)base * GV, TILE * GV * (int)sizeof(ST), lane);
+      vq_prefetch_run(vz_bh + (size_t)base * GV, TILE * GV * (int)sizeof(ST), lane);
+    }
     //@tile
     // ---- scores of the lane's TPL tokens t0 .. t0 + TPL - 1 ----
     const int t0 = base + lane * TPL;
@@ -1345,6 +1373,14 @@ MMA_SCORES = 0
 # a value stage of whole 16-token steps. Off (0) until measured on the H200.
 MMA_VALUES = 0
 
+# Each history tile asks L2 for the warp's next tile's keys and its own values before staging
+# its keys (template PF; every kernel built on this source, GEAR's too). Why tried: bench.
+# batch_probe on the H200 (session 30, results/batch_probe_h200_s30_kivi.json), one kivi layer
+# at 128K: 170 us as shipped, 103 with the key loop cut (stage and scores), 175 with the value
+# loop cut: the keys' stage (a 32-byte run of each of 128 channel rows, rows a capacity apart)
+# and its scores cost ~67 us, the values (contiguous) nothing that shows. Off until measured.
+L2_PREFETCH = 0
+
 
 def mma_values(value_dim: int, rows: int, group_size: int, value_bits: int, dtype, side, stage,
                switch: bool | None = None) -> int:
@@ -1740,7 +1776,7 @@ def affine_launch(
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                 ("VB", value_bits), ("LPT", lanes), ("QT", dtype),
                 ("ST", side), *stage, ("WB", 0), ("WRV", window_row_vectors(D, DV // lanes, dtype)),
-                ("MMA", mma), ("MMAV", mmav), *extra_template]
+                ("MMA", mma), ("MMAV", mmav), ("PF", int(bool(L2_PREFETCH))), *extra_template]
     kernel = _kernels()[0] if kernel is None else kernel
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
 
