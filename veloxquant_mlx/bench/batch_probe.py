@@ -17,7 +17,7 @@ per_call_ms), once per variant of its kernel:
     unrolled 4 / 13 at a time instead of 2 (more loads in flight, more registers); `ksl`:
     KEY_SLOTS_BY_ROW (the key outliers' atomics on row-major slots, session 29);
   - gear (fused_decode_gear): `shipped`, `ob1`, `ob8`; `nooutliers`: neither sparse loop runs;
-    `norank`: both low-rank terms skipped; `keyplain` / `valueplain`: the key / value sparse
+    `norank`: both low-rank terms skipped; `pf`: fused_decode.L2_PREFETCH (session 30); `keyplain` / `valueplain`: the key / value sparse
     terms' shared-memory atomics (for the keys: the scan's steps whose lanes meet on one token,
     since session 29's PLAIN_KEY_ADDS) as plain adds (racy: their cost, not a kernel);
   - turboquant_rvq (fused_decode_rotated): `shipped`; `noscore`: the history's key chunks never
@@ -78,6 +78,8 @@ VARIANTS = {
         "nooutliers": ((("vq_gear_tile_entries<KCNT,", "vq_gear_tile_entries<0,"),
                         ("vq_gear_tile_entries<VCNT,", "vq_gear_tile_entries<0,")), {}),
         "norank": ((("if (RANK > 0) {", "if (false) {"),) * 2, {}),
+        # session 30: fused_decode.L2_PREFETCH in GEAR's build of the affine source
+        "pf": ((), {"fused_decode.L2_PREFETCH": 1}),
         # session 29: the sparse terms' shared-memory atomics as plain adds (racy where two
         # entries of a round meet on one slot: what the atomics cost, not a correct kernel)
         "keyplain": ((("else atomicAdd(sum, qs[c * R + r] * val);", "else *sum += qs[c * R + r] * val;"),), {}),
@@ -134,7 +136,7 @@ def check_variants() -> None:
         module = importlib.import_module(module_name)
         for name, (cuts, constants) in variants.items():
             variant_source(getattr(module, attribute), cuts)
-            missing = [c for c in constants if not hasattr(module, c)]
+            missing = [c for c in constants if not hasattr(*constant_home(module, c))]
             if missing:
                 raise QuantizerConfigError(f"{MODULE}: {method} variant {name}: {module_name} has no {missing}")
 
@@ -144,23 +146,34 @@ def kernel_cache(module):
     return getattr(module, KERNEL_CACHES.get(module.__name__, "_partials_kernel"))
 
 
+def constant_home(module, name: str):
+    """(module, attribute) a variant's constant names: `name` in `module`, or `other.NAME` in
+    veloxquant_mlx.cache.other (a constant of the source a kernel is built on)."""
+    import importlib
+
+    if "." in name:
+        other, attribute = name.rsplit(".", 1)
+        return importlib.import_module(f"veloxquant_mlx.cache.{other}"), attribute
+    return module, name
+
+
 def time_variant(module, attribute: str, cache, queries, cuts, constants) -> float:
     """ms per attention call with the variant's source and constants in place (restored after)."""
     from veloxquant_mlx.bench.kernel_probe import per_call_ms
 
     shipped = getattr(module, attribute)
-    saved = {c: getattr(module, c) for c in constants}
+    saved = {c: getattr(*constant_home(module, c)) for c in constants}
     try:
         setattr(module, attribute, variant_source(shipped, cuts))
         for c, value in constants.items():
-            setattr(module, c, value)
+            setattr(*constant_home(module, c), value)
         kernel_cache(module).cache_clear()
         cache.__dict__.pop("_fused_plan", None)  # the next step plans with the variant
         return per_call_ms(lambda: cache.attention(queries, scale=D**-0.5), build_untimed=True)
     finally:
         setattr(module, attribute, shipped)
         for c, value in saved.items():
-            setattr(module, c, value)
+            setattr(*constant_home(module, c), value)
         kernel_cache(module).cache_clear()
         cache.__dict__.pop("_fused_plan", None)
 
