@@ -178,3 +178,19 @@ def test_a_caches_own_switch_takes_the_tensor_core_values(monkeypatch):
     got, template = _step(monkeypatch, cache, q_heads, 128)
     assert (fma_template["MMAV"], template["MMAV"]) == (0, 1)
     assert np.allclose(got, fma, atol=1e-2, rtol=1e-2), np.abs(got - fma).max()
+
+
+def test_the_tensor_cores_ablation_takes_both_products(monkeypatch):
+    # `kivi-tc` sets `mma_values` and `mma_scores` on a cache: its launches take MMAV and MMA
+    # whatever the module's switches say.
+    from veloxquant_mlx.bench.ablations import ABLATIONS
+
+    case = CASES[-1]
+    cache, q_heads = _make(case)
+    _set(monkeypatch, case, 0)
+    monkeypatch.setattr(fused_decode, "MMA_SCORES", 0)
+    fma, fma_template = _step(monkeypatch, cache, q_heads, 128)
+    ABLATIONS["kivi-tc"][0].mark([cache])
+    got, template = _step(monkeypatch, cache, q_heads, 128)
+    assert (fma_template["MMAV"], fma_template["MMA"], template["MMAV"], template["MMA"]) == (0, 0, 1, 1)
+    assert np.allclose(got, fma, atol=1e-2, rtol=1e-2), np.abs(got - fma).max()

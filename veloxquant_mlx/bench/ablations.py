@@ -35,8 +35,9 @@ class Marked:
     layer's cache from the factory; a model's lists come from the patch and go through `mark`
     (layer_specs.LayerSpec.open): cross-layer methods share a coordinator over the list."""
 
-    def __init__(self, attribute: str, value):
+    def __init__(self, attribute: str, value, **more):
         self.attribute, self.value = attribute, value
+        self.settings = {attribute: value, **more}  # every attribute the ablation sets
 
     def mark(self, caches: list) -> list:
         from veloxquant_mlx.cache.base import CompressedKVCache
@@ -46,7 +47,8 @@ class Marked:
             raise TypeError(f"no cache of {[type(c).__name__ for c in caches]} is one of ours "
                             f"(the ablation sets {self.attribute})")
         for cache in ours:
-            setattr(cache, self.attribute, self.value)
+            for attribute, value in self.settings.items():
+                setattr(cache, attribute, value)
         return caches
 
     def __call__(self, config, layer_index: int, n_layers: int):
@@ -66,6 +68,8 @@ full_scan = Marked("sorted_scan", False)
 # The affine decode kernel weighing the history's values on tensor cores
 # (fused_decode.MMA_VALUES, off as shipped until measured): kivi and xquant only (the plain kernel).
 tensor_core_values = Marked("mma_values", True)
+# ... and its scores too (fused_decode.MMA_SCORES, session 22): both products on tensor cores.
+tensor_cores = Marked("mma_values", True, mma_scores=True)
 MMA_VALUES_METHODS = ("kivi", "xquant")
 
 # The decode kernel's launches split for N target warps whatever the kernel's own target
@@ -85,6 +89,8 @@ ABLATIONS: dict[str, tuple] = {
     "gear-block64": (SmallBlockGEAR, "gear", "gear, 64-token blocks"),
     "gear-fullscan": (full_scan, "gear", "gear, decode kernel scanning every outlier of a block"),
     **{f"{m}-mmav": (tensor_core_values, m, f"{m}, decode values weighed on tensor cores")
+       for m in MMA_VALUES_METHODS},
+    **{f"{m}-tc": (tensor_cores, m, f"{m}, decode scores and values on tensor cores")
        for m in MMA_VALUES_METHODS},
     **{f"{m}-inplace": (in_place_window, m, f"{m}, decode window written in place") for m in WINDOW_METHODS},
     **{f"{m}-tw{n}": (Marked("decode_target_warps", n), m, f"{m}, decode launches for {n} target warps")

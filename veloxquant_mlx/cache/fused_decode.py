@@ -1402,12 +1402,14 @@ def mma_shared_bytes(head_dim: int, rows: int) -> int:
 
 
 def mma_plan(head_dim: int, value_dim: int, rows: int, group_size: int, key_bits: int,
-             value_bits: int, side_bytes: int, extra_shared: int, dtype):
-    """(MMA, stage template) of a launch: MMA 1 where MMA_SCORES is set, the queries are 16-bit,
+             value_bits: int, side_bytes: int, extra_shared: int, dtype, switch: bool | None = None):
+    """(MMA, stage template) of a launch: MMA 1 where MMA_SCORES is set (or `switch`, where not
+    None: a cache's own `mma_scores`, the bench ablation `<method>-tc`), the queries are 16-bit,
     the keys 2-bit, head_dim and the group multiples of 16, at most 8 query rows (the mma's
     8 columns) dividing 32, and the whole tile's keys fit one stage beside the B fragments;
     else 0 and the stage without them (None where no stage fits: supports() refuses)."""
-    if (MMA_SCORES and dtype in (mx.float16, mx.bfloat16) and key_bits == 2 and head_dim % 16 == 0
+    on = MMA_SCORES if switch is None else switch
+    if (on and dtype in (mx.float16, mx.bfloat16) and key_bits == 2 and head_dim % 16 == 0
             and group_size % 16 == 0 and rows <= 8 and 32 % rows == 0):
         stage = stage_template(head_dim, value_dim, rows, group_size, key_bits, value_bits, side_bytes,
                                extra_shared + mma_shared_bytes(head_dim, rows))
@@ -1595,7 +1597,8 @@ def decode_step(cache, queries, scale: float, arrays, *, group_size: int, key_bi
             queries, scale, *arrays(), cache.window_keys, cache.window_values,
             n_valid=cache.n_compressed, group_size=group_size, key_bits=key_bits,
             value_bits=value_bits, n_kv_heads=cache.n_kv_heads, meta_cache=meta_cache, skip=skip,
-            sink=exact_prefix, value_mma=cache.__dict__.get("mma_values"),
+            sink=exact_prefix, score_mma=cache.__dict__.get("mma_scores"),
+            value_mma=cache.__dict__.get("mma_values"),
         )
         return inputs, shape, WINDOW_INPUTS
 
@@ -1739,13 +1742,14 @@ def affine_launch(
     value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
     value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0, sink=None,
     kernel=None, extra_inputs=(), extra_template=(), extra_shared: int = 0, split=None,
-    value_mma: bool | None = None,
+    score_mma: bool | None = None, value_mma: bool | None = None,
 ):
     """The checks, block split, meta and template of kernel 1's launch (affine_partials) ->
     (kernel, inputs, {template, n_blocks, heads, value_dim}). `extra_shared`: the static
     shared bytes a kernel built on this one adds (the stages get what is left); `split`:
     (tokens, heads) -> history tokens per block (default affine_tokens_per_block);
-    `value_mma`: the tensor-core values on or off for this launch (None: MMA_VALUES)."""
+    `score_mma` / `value_mma`: the tensor-core scores / values on or off for this launch (None:
+    MMA_SCORES / MMA_VALUES)."""
     B, n_q_heads, _, D = queries.shape
     R = n_q_heads // n_kv_heads
     BH = B * n_kv_heads
@@ -1757,7 +1761,8 @@ def affine_launch(
         raise QuantizerConfigError(
             f"fused decode: the store's capacity {value_codes.shape[2]} is not a multiple of "
             f"the kernel's tile of {TILE} tokens")
-    mma, stage = mma_plan(D, DV, R, group_size, key_bits, value_bits, side.size, extra_shared, queries.dtype)
+    mma, stage = mma_plan(D, DV, R, group_size, key_bits, value_bits, side.size, extra_shared, queries.dtype,
+                          score_mma)
     if stage is None:
         raise QuantizerConfigError(
             f"fused decode: no stage of the history fits the shared memory at head_dim {D}, "
