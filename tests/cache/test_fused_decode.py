@@ -180,9 +180,9 @@ def test_kernel_step_matches_the_portable_step(monkeypatch, name, make, dtype, D
     ids=["kivi-2", "kivi-default-sink", "xquant-2", "kivi-2-many-tiles"])
 def test_tensor_core_scores_match_the_portable_step_and_the_fma_kernel(monkeypatch, name, make, dtype, D, B, rep, warps,
                                                                        constant, template_name):
-    # fused_decode.MMA_SCORES and MMA_VALUES (off as shipped) on the GPU's own mma.sync: the same
-    # attention as the portable path and as the FMA build, within the bf16 output's rounding;
-    # L2_PREFETCH (off as shipped) only adds hints: the same attention.
+    # fused_decode.MMA_SCORES and MMA_VALUES (on as shipped since session 30), each switched on
+    # and off on the GPU's own mma.sync: the same attention as the portable path and as the FMA
+    # build, within the bf16 output's rounding; L2_PREFETCH (off as shipped) only adds hints.
     if warps:
         monkeypatch.setattr(fused_decode, "AFFINE_TARGET_WARPS", warps)
     shape = dict(B=B, rep=rep, D=D, Dv=D, dtype=dtype)

@@ -1,4 +1,6 @@
-"""fused_decode.MMA_SCORES (template MMA: the history's scores on tensor cores, off as shipped)
+"""fused_decode.MMA_SCORES (template MMA: the history's scores on tensor cores; on as shipped
+for kivi and xquant since session 30, GEAR's build by fused_decode_gear.MMA_SCORES) alone, with
+the values' FMA loop (MMA_VALUES off; both together: test_fused_decode_mma_values_emulated.py),
 run on the CPU by the thread-level emulation (tests/cache/cuda_emulation.py, whose mma.sync
 follows PTX's fragment layout), against the portable attention and against the FMA build.
 
@@ -69,14 +71,18 @@ MUTATIONS = [
 def _programs_built_in_parallel():
     """Every program the tests below compile, built up front one per core."""
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_decode, "MMA_VALUES", 0)
         patch.setattr(fused_decode, "MMA_SCORES", 1)
+        patch.setattr(fused_decode_gear, "MMA_SCORES", True)
         with cuda_emulation.signatures_only() as captured:
             for name, make, fill, dtype, D, B, rep, n, warps in CASES:
                 for mma in (0, 1):
                     patch.setattr(fused_decode, "MMA_SCORES", mma)
+                    patch.setattr(fused_decode_gear, "MMA_SCORES", bool(mma))
                     cache = make()
                     cuda_emulation.emulated_decode_step(cache, fill(cache, 300, B=B, H=2, rep=rep, D=D, dtype=dtype), D**-0.5)
             patch.setattr(fused_decode, "MMA_SCORES", 1)
+            patch.setattr(fused_decode_gear, "MMA_SCORES", True)
             for name, old, new in MUTATIONS:
                 with pytest.MonkeyPatch.context() as mutated:
                     _mutated(mutated, old, new)
@@ -94,9 +100,11 @@ def _mutated(monkeypatch, old, new):
 
 
 def _step(monkeypatch, cache, q_heads, D, mma: int):
-    """The emulated decode step with MMA_SCORES = mma -> (output as float32, the partials
-    launch's template)."""
+    """The emulated decode step with MMA_SCORES = mma (GEAR's too) and the values' FMA loop ->
+    (output as float32, the partials launch's template)."""
+    monkeypatch.setattr(fused_decode, "MMA_VALUES", 0)
     monkeypatch.setattr(fused_decode, "MMA_SCORES", mma)
+    monkeypatch.setattr(fused_decode_gear, "MMA_SCORES", bool(mma))
     cache.__dict__.pop("_fused_plan", None)  # the launch plan keeps the template it was built with
     templates = []
     real = cuda_emulation.EmulatedKernel.__call__

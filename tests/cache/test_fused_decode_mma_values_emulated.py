@@ -1,5 +1,5 @@
-"""fused_decode.MMA_VALUES (template MMAV: the history's values weighed on tensor cores, off as
-shipped) run on the CPU by the thread-level emulation (tests/cache/cuda_emulation.py: its
+"""fused_decode.MMA_VALUES (template MMAV: the history's values weighed on tensor cores, on as
+shipped since session 30 for kivi and xquant) run on the CPU by the thread-level emulation (tests/cache/cuda_emulation.py: its
 mma.sync follows PTX's fragment layout, in fp16 and in bf16), against the portable attention and
 against the FMA build.
 
@@ -180,15 +180,17 @@ def test_a_caches_own_switch_takes_the_tensor_core_values(monkeypatch):
     assert np.allclose(got, fma, atol=1e-2, rtol=1e-2), np.abs(got - fma).max()
 
 
-def test_the_tensor_cores_ablation_takes_both_products(monkeypatch):
-    # `kivi-tc` sets `mma_values` and `mma_scores` on a cache: its launches take MMAV and MMA
-    # whatever the module's switches say.
+@pytest.mark.parametrize("shipped", [0, 1], ids=["switches-off", "switches-on"])
+def test_the_tensor_cores_and_fma_ablations_take_their_products_whatever_the_switches(monkeypatch, shipped):
+    # `kivi-tc` sets `mma_values` and `mma_scores` on a cache, `kivi-fma` clears both: their
+    # launches take MMAV and MMA, or neither, whatever the module's switches say.
     from veloxquant_mlx.bench.ablations import ABLATIONS
 
     case = CASES[-1]
+    _set(monkeypatch, case, shipped)
+    monkeypatch.setattr(fused_decode, "MMA_SCORES", shipped)
     cache, q_heads = _make(case)
-    _set(monkeypatch, case, 0)
-    monkeypatch.setattr(fused_decode, "MMA_SCORES", 0)
+    ABLATIONS["kivi-fma"][0].mark([cache])
     fma, fma_template = _step(monkeypatch, cache, q_heads, 128)
     ABLATIONS["kivi-tc"][0].mark([cache])
     got, template = _step(monkeypatch, cache, q_heads, 128)

@@ -66,10 +66,12 @@ in_place_window = Marked("decode_window_in_place", True)
 full_scan = Marked("sorted_scan", False)
 
 # The affine decode kernel weighing the history's values on tensor cores
-# (fused_decode.MMA_VALUES, off as shipped until measured): kivi and xquant only (the plain kernel).
+# (fused_decode.MMA_VALUES, on as shipped since session 30): kivi and xquant only (the plain kernel).
 tensor_core_values = Marked("mma_values", True)
 # ... and its scores too (fused_decode.MMA_SCORES, session 22): both products on tensor cores.
 tensor_cores = Marked("mma_values", True, mma_scores=True)
+# ... and neither: the FMA loops as before session 30 (both switches on as shipped since).
+fma_loops = Marked("mma_values", False, mma_scores=False)
 MMA_VALUES_METHODS = ("kivi", "xquant")
 
 # The decode kernel's launches split for N target warps whatever the kernel's own target
@@ -91,6 +93,8 @@ ABLATIONS: dict[str, tuple] = {
     **{f"{m}-mmav": (tensor_core_values, m, f"{m}, decode values weighed on tensor cores")
        for m in MMA_VALUES_METHODS},
     **{f"{m}-tc": (tensor_cores, m, f"{m}, decode scores and values on tensor cores")
+       for m in MMA_VALUES_METHODS},
+    **{f"{m}-fma": (fma_loops, m, f"{m}, decode scores and values by FMA loops")
        for m in MMA_VALUES_METHODS},
     **{f"{m}-inplace": (in_place_window, m, f"{m}, decode window written in place") for m in WINDOW_METHODS},
     **{f"{m}-tw{n}": (Marked("decode_target_warps", n), m, f"{m}, decode launches for {n} target warps")

@@ -67,7 +67,7 @@ HQ, HK, D = 32, 8, 128
 # start's "} else {" branch replaced by a closing brace.
 _CUTS = {
     "noscore": ("    } else {\n      // Past-the-end lanes read", "    // ---- online softmax"),
-    "novalue": ("    } else {\n      // The tile's values staged", "    __syncwarp();\n  }\n\n  // Lanes holding"),
+    "novalue": ("    } else {\n      // The tile's values staged", "    __syncwarp();\n  }\n\n  float* red_o"),
 }
 
 # The partials kernel's line that ends each block's tokens (the exact block's: sink + window).
@@ -252,7 +252,8 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
     decode step launches it (fused_decode.affine_partials) with AFFINE_TARGET_WARPS set to
     `target_warps` (and MAX_LANE_ACCUMULATORS to `lane_accumulators` if given: more lanes per
     value token, fewer registers; WINDOW_ROW_VECTORS to `row_vectors` and MMA_SCORES to `mma`
-    if given); the sink is
+    if given; a variant `kernel` of the source runs its FMA loops, the ones its cuts name: no
+    tensor-core values, tensor-core scores only where `mma` is 1); the sink is
     attended from its placeholder codes (skip 0, window alone). `merged` (kernel None): the shipped build with the merge fused in -> the
     attention output; successive calls take the launch states of a pool in turn (one per call
     of a per_call_ms batch, CALLS_PER_BATCH), so the calls of a batch share no counters (they stay
@@ -285,7 +286,8 @@ def _partials_call(kernel, cache, q, target_warps: int, lane_accumulators: int |
                 q, D**-0.5, *arrays, cache.window_keys, cache.window_values,
                 n_valid=cache.n_compressed, group_size=cache.group_size, key_bits=cache.key_bits,
                 value_bits=cache.value_bits, n_kv_heads=HK, meta_cache=meta, kernel=kernel, merged=merged,
-                state=states[turn[0] % len(states)])
+                state=states[turn[0] % len(states)],
+                score_mma=None if kernel is None else bool(mma), value_mma=None if kernel is None else False)
         finally:
             turn[0] += 1
             (fd.AFFINE_TARGET_WARPS, fd.MAX_LANE_ACCUMULATORS, fd.MAX_LANES_PER_TOKEN, fd.WINDOW_ROW_VECTORS,

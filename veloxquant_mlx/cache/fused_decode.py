@@ -1350,14 +1350,22 @@ def window_row_vectors(head_dim: int, lane_channels: int, dtype) -> int:
 # extraction, conversion and dequantization, then one FMA per query row). Taken where
 # mma_scores() allows it (16-bit queries: the fp16 rounding of the scaled queries stays below
 # the queries' own; 2-bit keys; the whole tile's keys staged at once); elsewhere, and on GPUs
-# before sm_80, the FMA loop. Off (0): measured on the H200 (session 22) it is no faster, so the
+# before sm_80, the FMA loop. Alone, measured on the H200 (session 22) it is no faster, so the
 # scores' instructions are not what bounds the kernel: one kivi layer's partials at 32K 0.0587
 # ms against 0.0581, at 128K 0.146 against 0.144 (results/kernel_probe_h200_s22_mma.json); the
 # whole chained attention (launch_bounds_probe) kivi 177 against 180 us at 128K, gear 272
 # against 271, at 32K within the runs' +-10 us (results/lb_h200_s22_*.json). Its values'
 # loads issued before the scores (registers 166: 3 blocks per SM) were slower still (kivi 184,
 # gear 318 us at 128K). Correct on the GPU (tests/cache/test_fused_decode.py -m cuda).
-MMA_SCORES = 0
+# On (1) since session 30, with the tensor-core values (MMA_VALUES): together they are faster
+# where either alone is not (bench.batch_probe, one kivi layer at 128K on the H200, two
+# machines: shipped 170 / 170 us, scores alone 181 / -, values alone 166 / 170, both 163 / 159;
+# results/batch_probe_h200_s30_kivi.json, ..._kivi_b.json), and through the 8-layer model in
+# one interleaved run per context (`kivi-tc` against `kivi` then, results/gpu_speed_h200_s30_*):
+# paired to fp16 at 128K 1.63x against 1.54x, and 1.23x / 1.20x (0.93x / 0.90x in fp16's
+# host-bound rounds); at 32K 1.13x / 1.12x and 0.94x / 0.91x. GEAR's build keeps its FMA scores
+# (fused_decode_gear.MMA_SCORES: not measured with its terms since session 22).
+MMA_SCORES = 1
 
 
 # The history's values weighed on tensor cores (template MMAV: per 16 tokens one
@@ -1366,12 +1374,13 @@ MMA_SCORES = 0
 # type, the zeros' term in float32). Why: session 30's arithmetic for kivi at 128K (2-bit, 4
 # rows, ~75 M warp instructions per layer at ~50% issue efficiency, ~165 us on the H200) puts
 # ~8 instructions on each value code in the FMA loop (extraction, conversion, dequantization,
-# one FMA per query row), ~2 here. Taken by the affine kernel's own launches (kivi, xquant; a
-# kernel built on this source, GEAR's, adds its own terms to the FMA loop's accumulators) for
+# one FMA per query row), ~2 here. Taken by the affine kernel's own launches (kivi, xquant; GEAR's
+# build adds its own terms to the FMA loop's accumulators and passes value_mma=False) for
 # 16-bit queries and side data (a float32 model's kivi keeps fp16 scales: its float32 FMA loop
 # stays), 2-bit values, channels and groups multiples of 16, at most 8 query rows and
-# a value stage of whole 16-token steps. Off (0) until measured on the H200.
-MMA_VALUES = 0
+# a value stage of whole 16-token steps. On since session 30, with the tensor-core scores
+# (MMA_SCORES' note has the figures).
+MMA_VALUES = 1
 
 # Each history tile asks L2 for the warp's next tile's keys and its own values before staging
 # its keys (template PF; every kernel built on this source, GEAR's too). Why tried: bench.
@@ -1710,7 +1719,7 @@ def affine_partials(
     value_zeros, window_keys, window_values, *, n_valid: int, group_size: int, key_bits: int,
     value_bits: int, n_kv_heads: int, meta_cache: FusedDecodeMeta, skip: int = 0, sink=None,
     kernel=None, extra_inputs=(), extra_template=(), merged: bool = False,
-    state: FusedLaunchState | None = None,
+    state: FusedLaunchState | None = None, score_mma: bool | None = None, value_mma: bool | None = None,
 ):
     """Kernel 1's launch (the checks, block split, meta and template) -> (part_o, part_m,
     part_l), or with `merged` the attention output (B, Hq, 1, DV) (PartialsKernel.attend: the
@@ -1719,12 +1728,13 @@ def affine_partials(
     None, else one built on this source by partials_source (GEAR's), or a raw variant kernel
     of its source (bench.kernel_probe times some; not with `merged`), taken after the checks;
     `extra_inputs` / `extra_template`: what such a kernel takes beyond this one's inputs (after
-    `meta`) and template constants."""
+    `meta`) and template constants; `score_mma` / `value_mma`: affine_launch's."""
     launch = affine_launch(
         queries, scale, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
         window_keys, window_values, n_valid=n_valid, group_size=group_size, key_bits=key_bits,
         value_bits=value_bits, n_kv_heads=n_kv_heads, meta_cache=meta_cache, skip=skip, sink=sink,
-        kernel=kernel, extra_inputs=extra_inputs, extra_template=extra_template)
+        kernel=kernel, extra_inputs=extra_inputs, extra_template=extra_template, score_mma=score_mma,
+        value_mma=value_mma)
     partials, inputs, shape = launch
     if merged:
         return partials.attend(queries, inputs=inputs, state=state, **shape)
@@ -1775,9 +1785,9 @@ def affine_launch(
               window_keys.astype(dtype), window_values.astype(dtype), sink_keys, sink_values,
               meta, window_rows(window_keys.shape[2]), *extra_inputs]
     lanes = lanes_per_token(DV, value_bits, R)
-    # A kernel built on this source (GEAR's) adds its own value terms to the FMA loop's
-    # accumulators: the tensor-core values are the plain kernel's only.
-    mmav = mma_values(DV, R, group_size, value_bits, dtype, side, stage, value_mma) if kernel is None else 0
+    # A kernel built on this source that adds its own value terms to the FMA loop's accumulators
+    # (GEAR's) passes value_mma=False.
+    mmav = mma_values(DV, R, group_size, value_bits, dtype, side, stage, value_mma)
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                 ("VB", value_bits), ("LPT", lanes), ("QT", dtype),
                 ("ST", side), *stage, ("WB", 0), ("WRV", window_row_vectors(D, DV // lanes, dtype)),

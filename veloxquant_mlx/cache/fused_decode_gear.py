@@ -111,6 +111,13 @@ OUTLIER_BATCH = 4
 # A tile reads only its own run of its block's sparse entries (template OSORT; the encoder
 # stores them sorted by index, gear_encoder.encode_side) instead of all of them.
 SORTED_SCAN = True
+
+# GEAR's build of the affine kernel scores the history on tensor cores (fused_decode.MMA_SCORES'
+# path, template MMA) where this is set. Off: the plain kernel (kivi, xquant) takes them since
+# session 30, with its tensor-core values; in GEAR's build they measured no faster in session 22
+# (272 against 271 us per layer at 128K, results/lb_h200_s22_*.json) and GEAR's terms add to the
+# FMA loop's value accumulators (no tensor-core values here).
+MMA_SCORES = False
 # The key outliers' sums in p_tile row-major (template KSL: bank-conflict-free atomics).
 KEY_SLOTS_BY_ROW = True
 # With SORTED_SCAN, a step of the key scan whose lanes name distinct tokens adds without atomics
@@ -462,10 +469,11 @@ def decode_step(cache, queries, scale: float):
             # TARGET_WARPS, not the affine kernel's own target (fused_decode.AFFINE_TARGET_WARPS)
             split=fused_decode.tokens_per_block,
             extra_shared=sparse_shared_bytes(cache.value_dim, rows, "v_out_values" in cache.store),
+            score_mma=bool(MMA_SCORES), value_mma=False,  # its terms add to the FMA loop's accumulators
         )
         return inputs, shape, fused_decode.WINDOW_INPUTS
 
     # Planned on the store's writes and the history (fused_decode.planned_attend), and the
     # outlier batch and the scan's switches (a probe sets them between steps).
-    switches = (OUTLIER_BATCH, SORTED_SCAN, KEY_SLOTS_BY_ROW, PLAIN_KEY_ADDS)
+    switches = (OUTLIER_BATCH, SORTED_SCAN, KEY_SLOTS_BY_ROW, PLAIN_KEY_ADDS, MMA_SCORES)
     return fused_decode.planned_attend(cache, queries, scale, switches, launch, _partials_kernel)
