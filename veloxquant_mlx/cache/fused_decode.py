@@ -1387,7 +1387,12 @@ MMA_VALUES = 1
 # batch_probe on the H200 (session 30, results/batch_probe_h200_s30_kivi.json), one kivi layer
 # at 128K: 170 us as shipped, 103 with the key loop cut (stage and scores), 175 with the value
 # loop cut: the keys' stage (a 32-byte run of each of 128 channel rows, rows a capacity apart)
-# and its scores cost ~67 us, the values (contiguous) nothing that shows. Off until measured.
+# and its scores cost ~67 us, the values (contiguous) nothing that shows. Off: measured slower
+# (batch_probe's `pf`, results/batch_probe_h200_s30_kivi_b.json, us per layer): kivi 183
+# against 170 at 128K, 70.9 against 69.0 at 32K; GEAR's build 268 against 256 at 128K (90.8
+# against 94.6 at 32K). The same run split the keys' cost: staged but never scored 120 us,
+# scored from a stage never filled 164, neither 99: the scores' arithmetic, not the stage's
+# loads, is the ~65 us (what the tensor-core scores and values, on since, take from).
 L2_PREFETCH = 0
 
 
