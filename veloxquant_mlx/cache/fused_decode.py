@@ -20,7 +20,8 @@ whose codes in the history are a placeholder the kernel skips), both in the quer
 sink is an input of its own (sk, sv), so a step with a sink launches the two kernels and no copy.
 Blocks of 4 warps per (batch*kv-head, range of tokens); GQA query rows share the codes they read;
 each warp copies its tile's history (codes, scales, zeros of keys, then of values) into a stage in
-shared memory, all its loads issued before the first store (vq_stage), and computes from there;
+shared memory, all its loads issued before the first store (vq_stage), and computes from there
+(with 16-bit queries and 2-bit codes both products on tensor cores: MMA_SCORES, MMA_VALUES);
 the work split, the inputs and the shared-memory layout are described above _PARTIALS. GEARCache's store is this layout plus a low-rank
 and a sparse term: fused_decode_gear.py builds its kernel from this one's source with code at
 its hook lines (partials_source), and launches it through affine_partials and merge_partials.
