@@ -740,3 +740,20 @@ def emulated_decode_step(cache, q_heads, scale):
         out = cache.attention(q_heads, scale=scale)
         mx.eval(out)
     return out, made
+
+
+def planned_step_and_template(monkeypatch, cache, q_heads, scale):
+    """One emulated decode step of `cache` planned afresh (its launch plan keeps the template it
+    was built with: a test that changes a switch between steps needs a new one) -> (output as
+    a float32 numpy array, the one partials launch's template as a dict)."""
+    cache.__dict__.pop("_fused_plan", None)
+    templates = []
+    real = EmulatedKernel.__call__
+    monkeypatch.setattr(EmulatedKernel, "__call__",
+                        lambda self, **k: templates.append(dict(k["template"])) or real(self, **k))
+    try:
+        got, made = emulated_decode_step(cache, q_heads, scale)
+    finally:
+        monkeypatch.setattr(EmulatedKernel, "__call__", real)
+    assert [k.calls for k in made if k.calls] == [1], "the decode step did not run its kernel"
+    return np.array(got.astype(mx.float32)), templates[0]

@@ -105,15 +105,7 @@ def _step(monkeypatch, cache, q_heads, D, mma: int):
     monkeypatch.setattr(fused_decode, "MMA_VALUES", 0)
     monkeypatch.setattr(fused_decode, "MMA_SCORES", mma)
     monkeypatch.setattr(fused_decode_gear, "MMA_SCORES", bool(mma))
-    cache.__dict__.pop("_fused_plan", None)  # the launch plan keeps the template it was built with
-    templates = []
-    real = cuda_emulation.EmulatedKernel.__call__
-    monkeypatch.setattr(cuda_emulation.EmulatedKernel, "__call__",
-                        lambda self, **k: templates.append(dict(k["template"])) or real(self, **k))
-    got, made = cuda_emulation.emulated_decode_step(cache, q_heads, D**-0.5)
-    assert [k.calls for k in made if k.calls] == [1], "the decode step did not run its kernel"
-    monkeypatch.setattr(cuda_emulation.EmulatedKernel, "__call__", real)
-    return np.array(got.astype(mx.float32)), templates[0]
+    return cuda_emulation.planned_step_and_template(monkeypatch, cache, q_heads, D**-0.5)
 
 
 @pytest.mark.parametrize("name, make, fill, dtype, D, B, rep, n, warps", CASES, ids=[c[0] for c in CASES])

@@ -18,22 +18,12 @@ import pytest
 
 from tests.cache import cuda_emulation
 from tests.cache.test_fused_decode_emulated import _filled
-from veloxquant_mlx import KVCacheConfig
+from tests.cache.test_fused_decode_mma_emulated import _kivi, _xquant
 from veloxquant_mlx.cache import fused_decode
-from veloxquant_mlx.cache.kivi import KIVICache
-from veloxquant_mlx.cache.xquant import XQuantCache
 
 pytestmark = pytest.mark.skipif(
     cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier and _Float16 for the kernels' CPU emulation"
 )
-
-
-def _kivi(**fields):
-    return lambda: KIVICache(KVCacheConfig(method="kivi", kivi_residual_length=32, bit_width_inlier=2, **fields))
-
-
-def _xquant():
-    return XQuantCache(KVCacheConfig(method="xquant", bit_width_inlier=2, xquant_residual_length=32))
 
 
 # (name, cache factory, dtype, head dim, batch, GQA rows, prefill tokens, target warps, MMA_SCORES)
@@ -106,15 +96,7 @@ def _mutated(monkeypatch, old, new):
 
 def _step(monkeypatch, cache, q_heads, D):
     """The emulated decode step -> (output as float32, the partials launch's template)."""
-    cache.__dict__.pop("_fused_plan", None)  # the launch plan keeps the template it was built with
-    templates = []
-    real = cuda_emulation.EmulatedKernel.__call__
-    monkeypatch.setattr(cuda_emulation.EmulatedKernel, "__call__",
-                        lambda self, **k: templates.append(dict(k["template"])) or real(self, **k))
-    got, made = cuda_emulation.emulated_decode_step(cache, q_heads, D**-0.5)
-    assert [k.calls for k in made if k.calls] == [1], "the decode step did not run its kernel"
-    monkeypatch.setattr(cuda_emulation.EmulatedKernel, "__call__", real)
-    return np.array(got.astype(mx.float32)), templates[0]
+    return cuda_emulation.planned_step_and_template(monkeypatch, cache, q_heads, D**-0.5)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
