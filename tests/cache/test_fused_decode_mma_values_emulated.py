@@ -4,7 +4,7 @@ mma.sync follows PTX's fragment layout, in fp16 and in bf16), against the portab
 against the FMA build.
 
 The shapes cover what the MMAV path indexes: value groups of 32, 64 and 128 channels (2, 4 and 8
-m-tiles per group), 1, 2, 4 and 8 query rows (B's columns past them zero; C's rows 2t, 2t + 1),
+m-tiles per group), 1, 2, 3, 4 and 8 query rows (B's columns past them zero; C's rows 2t, 2t + 1),
 head_dim 64 and 128 (4 and 8 m-tiles), bf16 and fp16 side data (the A codes' mantissa bits
 differ), a ragged last block, a warp walking several tiles (the fragments' rescale by the online
 softmax), KIVI's exact sink, and the tensor-core scores beside it. Corrupted sources (in memory)
@@ -32,6 +32,8 @@ CASES = [
     ("kivi-2 fp16 hd128 gqa2 group 64", _kivi(kivi_group_size=64), mx.float16, 128, 1, 2, 700, None, 0),
     ("kivi-2 bf16 hd128 mha group 128 batch2", _kivi(kivi_group_size=128), mx.bfloat16, 128, 2, 1, 700, None, 0),
     ("kivi-2 fp16 hd64 gqa8", _kivi(), mx.float16, 64, 1, 8, 700, None, 0),
+    # SmolLM2's heads (the demo's model): 3 rows, C's row 3 of lane t = 1 past them
+    ("kivi-2 bf16 hd64 gqa3", _kivi(), mx.bfloat16, 64, 1, 3, 700, None, 0),
     # 672 history tokens: blocks of 512 leave a last block of 160, whose second tile holds 32
     ("kivi-2 bf16 ragged last block", _kivi(), mx.bfloat16, 128, 1, 4, 730, None, 0),
     # one block per head, each warp walks several 128-token tiles (the fragments' rescale)
