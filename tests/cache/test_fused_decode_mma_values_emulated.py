@@ -52,7 +52,7 @@ MUTATIONS = [
     ("bias sign", "vbias[j] -= 4.f * (MT::lo(b[j][0])", "vbias[j] += 4.f * (MT::lo(b[j][0])"),
     ("no rescale", "cv[mt][0] *= a_lo;", "cv[mt][0] *= 1.f;"),
 ]
-MUTATED_CASE = CASES[5]
+MUTATED_CASE = next(c for c in CASES if c[0] == "kivi-2 bf16 many tiles per warp")
 
 
 def _make(case):
