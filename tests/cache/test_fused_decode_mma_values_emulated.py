@@ -46,9 +46,9 @@ CASES = [
 # A corrupted MMAV path must fail (on the many-tiles case): a code's bits one code off; the
 # scale's factor 4 lost; the bias's sign flipped; the C fragments not rescaled between tiles.
 MUTATIONS = [
-    ("rotation one code off", "const int rot = (2 * vg - MT::POS) & 31;", "const int rot = (2 * vg + 2 - MT::POS) & 31;"),
-    ("factor 4 lost", "red_o[2 * vt * DV + ch] = fmaf(4.f, cv[mt][0], b_lo[16 * mt / G]);",
-     "red_o[2 * vt * DV + ch] = fmaf(1.f, cv[mt][0], b_lo[16 * mt / G]);"),
+    ("rotation one code off", "const int rot = (2 * g8 - MT::POS) & 31;", "const int rot = (2 * g8 + 2 - MT::POS) & 31;"),
+    ("factor 4 lost", "red_o[2 * t4 * DV + ch] = fmaf(4.f, cv[mt][0], b_lo[16 * mt / G]);",
+     "red_o[2 * t4 * DV + ch] = fmaf(1.f, cv[mt][0], b_lo[16 * mt / G]);"),
     ("bias sign", "vbias[j] -= 4.f * (MT::lo(b[j][0])", "vbias[j] += 4.f * (MT::lo(b[j][0])"),
     ("no rescale", "cv[mt][0] *= a_lo;", "cv[mt][0] *= 1.f;"),
 ]

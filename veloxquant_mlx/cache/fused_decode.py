@@ -470,6 +470,8 @@ _PARTIALS_TEMPLATE = r"""
   const int lane = threadIdx.x % 32;
   const int tl = lane / LPT;
   const int ch0 = (lane % LPT) * CPL;
+  // An mma fragment's lane 4 g8 + t4 (the tensor-core scores' and values' layouts).
+  const int g8 = lane >> 2, t4 = lane & 3;
   // Where the lane's value bits start in its first word: 0 unless lanes share a word.
   const int sub = LANE_BITS >= 32 ? 0 : (ch0 * VB) & 31;
   const int bh = blockIdx.y;
@@ -669,7 +671,6 @@ _PARTIALS_TEMPLATE = r"""
       __syncwarp();  // the stage's and p_tile's last readers are done
       stage_keys(base, 0);
       __syncwarp();
-      const int g8 = lane >> 2, t4 = lane & 3;
       // Token g8's two bits (at 2 g8 of the m-tile's word) to bits 8, 9; token g8 + 8's to 24, 25.
       const int rot = (2 * g8 - 8) & 31;
       uint32_t* bf = bfrag[warp];
@@ -807,13 +808,12 @@ _PARTIALS_TEMPLATE = r"""
     if (USE_MMAV && !window) {
       // The lane's rows: 2 t and 2 t + 1 in its C fragments, g in its bias parts (rows past R
       // hold zeros and keep a factor of 1).
-      const int vt = lane & 3, vg = lane >> 2;
       float a_lo = 1.f, a_hi = 1.f, a_b = 1.f;
       #pragma unroll
       for (int r = 0; r < R; ++r) {
-        a_lo = 2 * vt == r ? alpha_r[r] : a_lo;
-        a_hi = 2 * vt + 1 == r ? alpha_r[r] : a_hi;
-        a_b = vg == r ? alpha_r[r] : a_b;
+        a_lo = 2 * t4 == r ? alpha_r[r] : a_lo;
+        a_hi = 2 * t4 + 1 == r ? alpha_r[r] : a_hi;
+        a_b = g8 == r ? alpha_r[r] : a_b;
       }
       #pragma unroll
       for (int mt = 0; mt < NMT; ++mt) {
@@ -861,79 +861,72 @@ _PARTIALS_TEMPLATE = r"""
           }
         }
       }
-    } else if (USE_MMAV) {
-      // Tensor cores: per 16 tokens, C[ch][r] += sum_t A[ch][t] B[t][r] with A = 1 + code / 4
-      // (exact in T, the side data's 16-bit type: the code put into the mantissa of 1.0) and
-      // B = T(p[t][r] scale[t]) of the channel's group, so that
-      //   sum_t p (scale code + zero) = 4 C + sum_t (p zero - 4 B),
-      // the second sum per row and group in float32 (vbias), with B as rounded. Why: the FMA loop below spends ~8
-      // instructions per code (its extraction, conversion, dequantization and one FMA per query
-      // row); here a code costs ~2 (its load shared by two, a byte permute, a rotation, a mask)
-      // and an mma does 16 tokens x 16 channels x 8 rows. T's rounding of p * scale (bf16: 2^-9
-      // relative) is the portable path's own rounding of a dequantized value.
-      using MT = vq_mma_type<ST>;
+    } else {
+      // The tile's values staged VST tokens at a time (codes, scales, zeros: contiguous runs),
+      // weighed on tensor cores (MMAV) or by the FMA loop.
       const ST* vss = reinterpret_cast<const ST*>(kstage[warp] + VST * WV);
       const ST* vzs = vss + VST * GV;
       const int t_last = last - 1 - base;  // the tile's last valid token
-      const int vt = lane & 3, vg = lane >> 2;
-      const int rot = (2 * vg - MT::POS) & 31;
+      using MT = vq_mma_type<ST>;
+      const int rot = (2 * g8 - MT::POS) & 31;  // MMAV: code g8's bits to the mantissa's
       #pragma unroll 1
       for (int v0 = 0; v0 < TILE; v0 += VST) {
         if (v0 > t_last) break;  // the rest of the tile is past the end (warp-uniform)
         __syncwarp();  // the stage's last readers (the keys' or the previous values') are done
         stage_values(base, v0);
         __syncwarp();
-        #pragma unroll 1
-        for (int k0 = v0; k0 < v0 + VST && k0 <= t_last; k0 += 16) {
-          // The lane's tokens of the 16: k0 + 2 t + {0, 1, 8, 9} (B's rows, A's columns); past
-          // the end they read the last valid token's codes and scales, with p = 0.
-          int tj[4];
-          float p[4];
-          #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int tok = k0 + 2 * vt + (i & 1) + 8 * (i >> 1);
-            tj[i] = min(tok, t_last) - v0;
-            p[i] = vg < R ? p_tile[tile_slot(tok) * R + vg] : 0.f;
-          }
-          uint32_t b[GV][2];
-          #pragma unroll
-          for (int j = 0; j < GV; ++j) {
-            float pb[4];
+        if (USE_MMAV) {
+          // Tensor cores: per 16 tokens, C[ch][r] += sum_t A[ch][t] B[t][r] with A = 1 + code / 4
+          // (exact in T, the side data's 16-bit type: the code put into the mantissa of 1.0)
+          // and B = T(p[t][r] scale[t]) of the channel's group, so that
+          //   sum_t p (scale code + zero) = 4 C + sum_t (p zero - 4 B),
+          // the second sum per row and group in float32 (vbias), with B as rounded. Why: the
+          // FMA loop below spends ~8 instructions per code (its extraction, conversion,
+          // dequantization and one FMA per query row); here a code costs ~2 (its load shared by
+          // two, a byte permute, a rotation, a mask) and an mma does 16 tokens x 16 channels x
+          // 8 rows. T's rounding of p * scale (bf16: 2^-9 relative) is the portable path's own
+          // rounding of a dequantized value.
+          #pragma unroll 1
+          for (int k0 = v0; k0 < v0 + VST && k0 <= t_last; k0 += 16) {
+            // The lane's tokens of the 16: k0 + 2 t + {0, 1, 8, 9} (B's rows, A's columns); past
+            // the end they read the last valid token's codes and scales, with p = 0.
+            int tj[4];
+            float p[4];
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              pb[i] = p[i] * vq_f32(vss[tj[i] * GV + j]);
-              vbias[j] = fmaf(p[i], vq_f32(vzs[tj[i] * GV + j]), vbias[j]);
+              const int tok = k0 + 2 * t4 + (i & 1) + 8 * (i >> 1);
+              tj[i] = min(tok, t_last) - v0;
+              p[i] = g8 < R ? p_tile[tile_slot(tok) * R + g8] : 0.f;
             }
-            b[j][0] = MT::pack(pb[0], pb[1]);
-            b[j][1] = MT::pack(pb[2], pb[3]);
-            // The "1" of A = 1 + code / 4 taken off with B as the mma rounded it: only the
-            // code's part keeps T's rounding (as a dequantized value's would).
-            vbias[j] -= 4.f * (MT::lo(b[j][0]) + MT::hi(b[j][0]) + MT::lo(b[j][1]) + MT::hi(b[j][1]));
+            uint32_t b[GV][2];
+            #pragma unroll
+            for (int j = 0; j < GV; ++j) {
+              float pb[4];
+              #pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                pb[i] = p[i] * vq_f32(vss[tj[i] * GV + j]);
+                vbias[j] = fmaf(p[i], vq_f32(vzs[tj[i] * GV + j]), vbias[j]);
+              }
+              b[j][0] = MT::pack(pb[0], pb[1]);
+              b[j][1] = MT::pack(pb[2], pb[3]);
+              // The "1" of A = 1 + code / 4 taken off with B as the mma rounded it: only the
+              // code's part keeps T's rounding (as a dequantized value's would).
+              vbias[j] -= 4.f * (MT::lo(b[j][0]) + MT::hi(b[j][0]) + MT::lo(b[j][1]) + MT::hi(b[j][1]));
+            }
+            #pragma unroll
+            for (int mt = 0; mt < NMT; ++mt) {
+              // Word mt of a token holds channels 16 mt .. 16 mt + 15 (2 bits each).
+              const uint32_t w0 = kstage[warp][tj[0] * WV + mt], w1 = kstage[warp][tj[1] * WV + mt];
+              const uint32_t w2 = kstage[warp][tj[2] * WV + mt], w3 = kstage[warp][tj[3] * WV + mt];
+              const uint32_t a[4] = {vq_code_pair16<ST>(__byte_perm(w0, w1, 0x5410), rot),
+                                     vq_code_pair16<ST>(__byte_perm(w0, w1, 0x7632), rot),
+                                     vq_code_pair16<ST>(__byte_perm(w2, w3, 0x5410), rot),
+                                     vq_code_pair16<ST>(__byte_perm(w2, w3, 0x7632), rot)};
+              MT::mma(cv[mt], a, b[16 * mt / G][0], b[16 * mt / G][1]);
+            }
           }
-          #pragma unroll
-          for (int mt = 0; mt < NMT; ++mt) {
-            // Word mt of a token holds channels 16 mt .. 16 mt + 15 (2 bits each).
-            const uint32_t w0 = kstage[warp][tj[0] * WV + mt], w1 = kstage[warp][tj[1] * WV + mt];
-            const uint32_t w2 = kstage[warp][tj[2] * WV + mt], w3 = kstage[warp][tj[3] * WV + mt];
-            const uint32_t a[4] = {vq_code_pair16<ST>(__byte_perm(w0, w1, 0x5410), rot),
-                                   vq_code_pair16<ST>(__byte_perm(w0, w1, 0x7632), rot),
-                                   vq_code_pair16<ST>(__byte_perm(w2, w3, 0x5410), rot),
-                                   vq_code_pair16<ST>(__byte_perm(w2, w3, 0x7632), rot)};
-            MT::mma(cv[mt], a, b[16 * mt / G][0], b[16 * mt / G][1]);
-          }
+          continue;  // the FMA loop below is the other path
         }
-      }
-    } else {
-      // The tile's values staged VST tokens at a time (codes, scales, zeros: contiguous runs).
-      const ST* vss = reinterpret_cast<const ST*>(kstage[warp] + VST * WV);
-      const ST* vzs = vss + VST * GV;
-      const int t_last = last - 1 - base;  // the tile's last valid token
-      #pragma unroll 1
-      for (int v0 = 0; v0 < TILE; v0 += VST) {
-        if (v0 > t_last) break;  // the rest of the tile is past the end (warp-uniform)
-        __syncwarp();  // the stage's last readers (the keys' or the previous values') are done
-        stage_values(base, v0);
-        __syncwarp();
         // v0 is a multiple of TPL (VST >= 8), so its slot adds to the rounds' without carrying.
         const int slot_v0 = tile_slot(v0) + slot_tl;
         // Not unrolled beyond a batch: unrolled whole (64 rounds at the 8B shape) the loop was
@@ -979,26 +972,25 @@ _PARTIALS_TEMPLATE = r"""
   if (USE_MMAV && !window) {
     // Row g's bias parts summed over its lanes 4 g .. 4 g + 3, then fetched by the lanes whose
     // C fragments hold rows 2 t and 2 t + 1; each (row, channel) is one lane's.
-    const int vt = lane & 3, vg = lane >> 2;
     float b_lo[GV], b_hi[GV];
     #pragma unroll
     for (int j = 0; j < GV; ++j) {
       float bsum = vbias[j];
       bsum += __shfl_xor_sync(0xffffffffu, bsum, 1);
       bsum += __shfl_xor_sync(0xffffffffu, bsum, 2);
-      b_lo[j] = __shfl_sync(0xffffffffu, bsum, 8 * vt);
-      b_hi[j] = __shfl_sync(0xffffffffu, bsum, (8 * vt + 4) & 31);
+      b_lo[j] = __shfl_sync(0xffffffffu, bsum, 8 * t4);
+      b_hi[j] = __shfl_sync(0xffffffffu, bsum, (8 * t4 + 4) & 31);
     }
     #pragma unroll
     for (int mt = 0; mt < NMT; ++mt) {
-      const int ch = 16 * mt + vg;
-      if (2 * vt < R) {
-        red_o[2 * vt * DV + ch] = fmaf(4.f, cv[mt][0], b_lo[16 * mt / G]);
-        red_o[2 * vt * DV + ch + 8] = fmaf(4.f, cv[mt][2], b_lo[16 * mt / G]);
+      const int ch = 16 * mt + g8;
+      if (2 * t4 < R) {
+        red_o[2 * t4 * DV + ch] = fmaf(4.f, cv[mt][0], b_lo[16 * mt / G]);
+        red_o[2 * t4 * DV + ch + 8] = fmaf(4.f, cv[mt][2], b_lo[16 * mt / G]);
       }
-      if (2 * vt + 1 < R) {
-        red_o[(2 * vt + 1) * DV + ch] = fmaf(4.f, cv[mt][1], b_hi[16 * mt / G]);
-        red_o[(2 * vt + 1) * DV + ch + 8] = fmaf(4.f, cv[mt][3], b_hi[16 * mt / G]);
+      if (2 * t4 + 1 < R) {
+        red_o[(2 * t4 + 1) * DV + ch] = fmaf(4.f, cv[mt][1], b_hi[16 * mt / G]);
+        red_o[(2 * t4 + 1) * DV + ch + 8] = fmaf(4.f, cv[mt][3], b_hi[16 * mt / G]);
       }
     }
   } else {
