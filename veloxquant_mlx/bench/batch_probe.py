@@ -27,13 +27,14 @@ per_call_ms), once per variant of its kernel:
     rolled (their loads in flight together); `valunroll`: the value batches' loop unrolled;
     `keyunroll_sums64`: both; `lb0`: without the launch bounds shipped since session 12
     (MIN_BLOCKS_PER_SM 0);
-  - kivi (fused_decode, the affine kernel xquant shares): `shipped`; `mma`: MMA_SCORES (the
-    history's scores on tensor cores, session 22); `mmav`: MMA_VALUES (its values on tensor
-    cores, session 30); `mmav_mma`: both; `pf`: L2_PREFETCH (the next tile's keys and this
-    tile's values asked into L2 first, session 30); `noscore`: the history's key loop never runs;
-    `novalue`: its value loop never runs; `nokeycompute`: the keys staged, never scored;
-    `nokeystage`: the scores computed from a stage never filled (session 30: where kivi's time
-    goes at 128K);
+  - kivi (fused_decode, the affine kernel xquant shares): `shipped` (both products on tensor
+    cores since session 30); `fma`: both by the FMA loops, as shipped before; on top of those,
+    `mma`: MMA_SCORES alone (the history's scores on tensor cores, session 22); `mmav`:
+    MMA_VALUES alone (its values on tensor cores); `mmav_mma`: both; `pf`: L2_PREFETCH (the next
+    tile's keys and this tile's values asked into L2 first); `noscore`: the history's key loop
+    never runs; `novalue`: its value loop never runs; `nokeycompute`: the keys staged, never
+    scored; `nokeystage`: the scores computed from a stage never filled (session 30: where
+    kivi's time goes at 128K; the cuts name the FMA loops);
   - any other method: `shipped` only (a reference beside them).
 A variant that cuts work computes a wrong attention: it says what the cut part costs, nothing
 else. The cuts are exact source spans (VARIANTS): a change to a kernel that moves one fails here
@@ -98,16 +99,20 @@ VARIANTS = {
         "lb0": ((), {"MIN_BLOCKS_PER_SM": 0}),
     }),
 }
+# The switches of kivi's two products, pinned per variant: the FMA loops (as shipped until
+# session 30, when the variants below were first timed, and what the cuts name) or tensor cores.
+_FMA = {"MMA_SCORES": 0, "MMA_VALUES": 0}
 VARIANTS["kivi"] = ("veloxquant_mlx.cache.fused_decode", "_PARTIALS", {
     "shipped": ((), {}),
-    "mma": ((), {"MMA_SCORES": 1}),
-    "mmav": ((), {"MMA_VALUES": 1}),
+    "fma": ((), _FMA),
+    "mma": ((), {**_FMA, "MMA_SCORES": 1}),
+    "mmav": ((), {**_FMA, "MMA_VALUES": 1}),
     "mmav_mma": ((), {"MMA_VALUES": 1, "MMA_SCORES": 1}),
-    "pf": ((), {"L2_PREFETCH": 1}),
-    "noscore": ((("for (int c0 = 0; c0 < D; c0 += KSC) {", "for (int c0 = 0; c0 < 0; c0 += KSC) {"),), {}),
-    "novalue": ((("for (int v0 = 0; v0 < TILE; v0 += VST) {", "for (int v0 = 0; v0 < 0; v0 += VST) {"),), {}),
-    "nokeycompute": ((("for (int dd = 0; dd < KSC; ++dd) {", "for (int dd = 0; dd < 0; ++dd) {"),), {}),
-    "nokeystage": ((("        stage_keys(base, c0);\n", "\n"),), {}),
+    "pf": ((), {**_FMA, "L2_PREFETCH": 1}),
+    "noscore": ((("for (int c0 = 0; c0 < D; c0 += KSC) {", "for (int c0 = 0; c0 < 0; c0 += KSC) {"),), _FMA),
+    "novalue": ((("for (int v0 = 0; v0 < TILE; v0 += VST) {", "for (int v0 = 0; v0 < 0; v0 += VST) {"),), _FMA),
+    "nokeycompute": ((("for (int dd = 0; dd < KSC; ++dd) {", "for (int dd = 0; dd < 0; ++dd) {"),), _FMA),
+    "nokeystage": ((("        stage_keys(base, c0);\n", "\n"),), _FMA),
 })
 # The lru_cache holding a module's built kernels (cleared so that a variant's source is built).
 KERNEL_CACHES = {"veloxquant_mlx.cache.fused_decode": "_kernels"}
