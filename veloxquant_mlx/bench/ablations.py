@@ -36,7 +36,6 @@ class Marked:
     (layer_specs.LayerSpec.open): cross-layer methods share a coordinator over the list."""
 
     def __init__(self, attribute: str, value, **more):
-        self.attribute, self.value = attribute, value
         self.settings = {attribute: value, **more}  # every attribute the ablation sets
 
     def mark(self, caches: list) -> list:
@@ -45,7 +44,7 @@ class Marked:
         ours = [c for c in caches if isinstance(c, CompressedKVCache)]
         if not ours:
             raise TypeError(f"no cache of {[type(c).__name__ for c in caches]} is one of ours "
-                            f"(the ablation sets {self.attribute})")
+                            f"(the ablation sets {', '.join(self.settings)})")
         for cache in ours:
             for attribute, value in self.settings.items():
                 setattr(cache, attribute, value)
