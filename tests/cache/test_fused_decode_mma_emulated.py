@@ -58,12 +58,13 @@ CASES = [
 ]
 
 # A corrupted MMA path must fail: token g's bits rotated one code off; B's fragments written to
-# the lanes of the wrong k rows; the ones-mma's offset not taken off.
+# the lanes of the wrong k rows; the ones-mma's offset not taken off; the second m-tile of a
+# pair weighed from the first one's words.
 MUTATIONS = [
     ("rotation one code off", "const int rot = (2 * g8 - 8) & 31;", "const int rot = (2 * g8 - 6) & 31;"),
     ("B fragment rows", "h * 4 + (cc % 8) / 2) * 2 + cc / 8]", "h * 4 + (cc % 8) / 2) * 2 + 0]"),
-    ("offset kept", "float c[4] = {bz0 - off[0], bz1 - off[1], bz0 - off[2], bz1 - off[3]};",
-     "float c[4] = {bz0, bz1, bz0, bz1};"),
+    ("offset kept", "c[j][0] = bz0 - off[0];", "c[j][0] = bz0;"),
+    ("pair's second words", "x[i][MP - 1] = pair.y;", "x[i][MP - 1] = pair.x;"),
 ]
 
 

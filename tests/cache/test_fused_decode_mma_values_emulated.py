@@ -51,6 +51,7 @@ MUTATIONS = [
      "red_o[2 * t4 * DV + ch] = fmaf(1.f, cv[mt][0], b_lo[16 * mt / G]);"),
     ("bias sign", "vbias[j] -= 4.f * (MT::lo(b[j][0])", "vbias[j] += 4.f * (MT::lo(b[j][0])"),
     ("no rescale", "cv[mt][0] *= a_lo;", "cv[mt][0] *= 1.f;"),
+    ("zeros read as scales", "vq_shared_row<GV>(vzs + tj[i] * GV, zp[i]);", "vq_shared_row<GV>(vss + tj[i] * GV, zp[i]);"),
 ]
 MUTATED_CASE = next(c for c in CASES if c[0] == "kivi-2 bf16 many tiles per warp")
 

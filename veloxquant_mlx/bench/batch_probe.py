@@ -113,6 +113,9 @@ VARIANTS["kivi"] = ("veloxquant_mlx.cache.fused_decode", "_PARTIALS", {
     "novalue": ((("for (int v0 = 0; v0 < TILE; v0 += VST) {", "for (int v0 = 0; v0 < 0; v0 += VST) {"),), _FMA),
     "nokeycompute": ((("for (int dd = 0; dd < KSC; ++dd) {", "for (int dd = 0; dd < 0; ++dd) {"),), _FMA),
     "nokeystage": ((("        stage_keys(base, c0);\n", "\n"),), _FMA),
+    # The same cuts of the tensor-core loops (both switches on, as shipped since session 30).
+    "noscore_tc": ((("for (int gi = 0; gi < NGK; ++gi) {", "for (int gi = 0; gi < 0; ++gi) {"),), {}),
+    "novalue_tc": ((("for (int v0 = 0; v0 < TILE; v0 += VST) {", "for (int v0 = 0; v0 < 0; v0 += VST) {"),), {}),
 })
 # The lru_cache holding a module's built kernels (cleared so that a variant's source is built).
 KERNEL_CACHES = {"veloxquant_mlx.cache.fused_decode": "_kernels"}

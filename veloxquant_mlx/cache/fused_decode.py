@@ -154,6 +154,25 @@ struct vq_stage {
   }
 };
 
+// N elements of type T from shared memory at p as floats, in the widest loads that N * sizeof(T)
+// bytes allow (p aligned to that width: row i of a run of N-element rows from an aligned base).
+// Why: the tensor-core values' scales and zeros of a token, GV 16-bit values, loaded one at a
+// time were 32 of the 44 shared loads per 16 tokens (sm_90 SASS, the 8B shape).
+template <int N, typename T>
+__device__ __forceinline__ void vq_shared_row(const T* p, float (&out)[N]) {
+  constexpr int BYTES = N * (int)sizeof(T);
+  constexpr int VEC = BYTES % 16 == 0 ? 16 : BYTES % 8 == 0 ? 8 : BYTES % 4 == 0 ? 4 : 2;
+  constexpr int EV = VEC / (int)sizeof(T);
+  using V = typename vq_vec_of<VEC>::type;
+  #pragma unroll
+  for (int v = 0; v < BYTES / VEC; ++v) {
+    const V raw = reinterpret_cast<const V*>(p)[v];
+    const T* e = reinterpret_cast<const T*>(&raw);
+    #pragma unroll
+    for (int k = 0; k < EV; ++k) out[v * EV + k] = vq_f32(e[k]);
+  }
+}
+
 // N elements of a row as floats, 16 bytes a load (`row` 16-byte aligned, N * sizeof(T) a
 // multiple of 16; N below one vector loads nothing: the callers' WRV path excludes it).
 template <int N, typename T>
@@ -210,11 +229,32 @@ __device__ __forceinline__ uint32_t vq_half2_bits(float lo, float hi) {
          | ((uint32_t)*reinterpret_cast<const unsigned short*>(&b) << 16);
 }
 
-// The same in bfloat16 (the tensor-core values' B where the cache's side data is bf16).
+// The same in bfloat16 (the tensor-core values' B where the cache's side data is bf16). On the
+// GPU one cvt.rn.bf16x2.f32 (the same rounding): ptxas made the two conversions two F2F and a
+// byte permute (sm_90 SASS), where it makes fp16's pair one F2FP by itself.
 __device__ __forceinline__ uint32_t vq_bf162_bits(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
   const __nv_bfloat16 a = __float2bfloat16(lo), b = __float2bfloat16(hi);
   return (uint32_t)*reinterpret_cast<const unsigned short*>(&a)
          | ((uint32_t)*reinterpret_cast<const unsigned short*>(&b) << 16);
+#endif
+}
+
+// (x & mask) | one as one logic op (lop3, the constants in registers). Why: written in C++,
+// ptxas made it two LOP3 with immediates, and the tensor-core loops make one such register per
+// 2 codes (sm_90 SASS: 64 of kivi's 211 instructions per 16 tokens of scores were LOP3).
+__device__ __forceinline__ uint32_t vq_and_or(uint32_t x, uint32_t mask, uint32_t one) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(mask), "r"(one));
+  return r;
+#else
+  return (x & mask) | one;
+#endif
 }
 
 // mma.sync.m16n8k16 with bf16 A and B (fragments laid out as vq_mma_f16's), float32 C.
@@ -260,7 +300,7 @@ template <> struct vq_mma_type<__nv_bfloat16> {
 };
 template <typename T>
 __device__ __forceinline__ uint32_t vq_code_pair16(uint32_t x, int rot) {
-  return (__funnelshift_r(x, x, rot) & vq_mma_type<T>::MASK) | vq_mma_type<T>::ONE;
+  return vq_and_or(__funnelshift_r(x, x, rot), vq_mma_type<T>::MASK, vq_mma_type<T>::ONE);
 }
 
 // A hint that the 32-byte sector at p is read soon: fetched into L2, no register, no wait (a no-op
@@ -704,30 +744,60 @@ _PARTIALS_TEMPLATE = r"""
           const uint2 b = b_frag(kt);
           vq_mma_f16(off, ones, b.x, b.y);
         }
+        // MP m-tiles at a time: a channel's words of the two are adjacent (one 64-bit load), they
+        // share each k-tile's B fragment, and their mma chains are independent. Why: one m-tile
+        // at a time, a warp's 8 mma per m-tile each waited on the one before (the same C), and
+        // its words and B came one 32-bit load each (sm_90 SASS: 211 instructions per m-tile).
+        constexpr int MP = MPG % 2 == 0 ? 2 : 1;
         #pragma unroll 1
-        for (int mt = gi * MPG; mt < (gi + 1) * MPG; ++mt) {
-          float c[4] = {bz0 - off[0], bz1 - off[1], bz0 - off[2], bz1 - off[3]};
+        for (int mt = gi * MPG; mt < (gi + 1) * MPG; mt += MP) {
+          float c[MP][4];
+          #pragma unroll
+          for (int j = 0; j < MP; ++j) {
+            c[j][0] = bz0 - off[0];
+            c[j][1] = bz1 - off[1];
+            c[j][2] = bz0 - off[2];
+            c[j][3] = bz1 - off[3];
+          }
           #pragma unroll
           for (int kt = 0; kt < D / 16; ++kt) {
-            // Channels kt * 16 + 2 t4 (+ 1, + 8, + 9): their words of the m-tile's 16 tokens.
+            // Channels kt * 16 + 2 t4 (+ 1, + 8, + 9): their words of the m-tiles' 16 tokens each
+            // (word mt of a channel's row, WR even and mt a multiple of MP: aligned).
             const uint32_t* w = kstage[warp] + (kt * 16 + 2 * t4) * WR + mt;
-            const uint32_t x0 = __funnelshift_r(w[0], w[0], rot), x1 = __funnelshift_r(w[WR], w[WR], rot);
-            const uint32_t x2 = __funnelshift_r(w[8 * WR], w[8 * WR], rot);
-            const uint32_t x3 = __funnelshift_r(w[9 * WR], w[9 * WR], rot);
-            const uint32_t a[4] = {(__byte_perm(x0, x1, 0x5410) & 0x03000300u) | 0x3C003C00u,
-                                   (__byte_perm(x0, x1, 0x7632) & 0x03000300u) | 0x3C003C00u,
-                                   (__byte_perm(x2, x3, 0x5410) & 0x03000300u) | 0x3C003C00u,
-                                   (__byte_perm(x2, x3, 0x7632) & 0x03000300u) | 0x3C003C00u};
+            uint32_t x[4][MP];
+            const int rows[4] = {0, WR, 8 * WR, 9 * WR};
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              if (MP == 2) {
+                const uint2 pair = *reinterpret_cast<const uint2*>(w + rows[i]);
+                x[i][0] = pair.x;
+                x[i][MP - 1] = pair.y;
+              } else {
+                x[i][0] = w[rows[i]];
+              }
+            }
             const uint2 b = b_frag(kt);
-            vq_mma_f16(c, a, b.x, b.y);
+            #pragma unroll
+            for (int j = 0; j < MP; ++j) {
+              #pragma unroll
+              for (int i = 0; i < 4; ++i) x[i][j] = __funnelshift_r(x[i][j], x[i][j], rot);
+              const uint32_t a[4] = {vq_and_or(__byte_perm(x[0][j], x[1][j], 0x5410), 0x03000300u, 0x3C003C00u),
+                                     vq_and_or(__byte_perm(x[0][j], x[1][j], 0x7632), 0x03000300u, 0x3C003C00u),
+                                     vq_and_or(__byte_perm(x[2][j], x[3][j], 0x5410), 0x03000300u, 0x3C003C00u),
+                                     vq_and_or(__byte_perm(x[2][j], x[3][j], 0x7632), 0x03000300u, 0x3C003C00u)};
+              vq_mma_f16(c[j], a, b.x, b.y);
+            }
           }
           if (2 * t4 < R) {
-            const int tok = mt * 16 + g8;
-            sbuf[tok * R + 2 * t4] = c[0];
-            sbuf[(tok + 8) * R + 2 * t4] = c[2];
-            if (2 * t4 + 1 < R) {
-              sbuf[tok * R + 2 * t4 + 1] = c[1];
-              sbuf[(tok + 8) * R + 2 * t4 + 1] = c[3];
+            #pragma unroll
+            for (int j = 0; j < MP; ++j) {
+              const int tok = (mt + j) * 16 + g8;
+              sbuf[tok * R + 2 * t4] = c[j][0];
+              sbuf[(tok + 8) * R + 2 * t4] = c[j][2];
+              if (2 * t4 + 1 < R) {
+                sbuf[tok * R + 2 * t4 + 1] = c[j][1];
+                sbuf[(tok + 8) * R + 2 * t4 + 1] = c[j][3];
+              }
             }
           }
         }
@@ -898,14 +968,20 @@ _PARTIALS_TEMPLATE = r"""
               tj[i] = min(tok, t_last) - v0;
               p[i] = g8 < R ? p_tile[tile_slot(tok) * R + g8] : 0.f;
             }
+            float sc[4][GV], zp[4][GV];  // the tokens' scales and zeros, a row per token
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              vq_shared_row<GV>(vss + tj[i] * GV, sc[i]);
+              vq_shared_row<GV>(vzs + tj[i] * GV, zp[i]);
+            }
             uint32_t b[GV][2];
             #pragma unroll
             for (int j = 0; j < GV; ++j) {
               float pb[4];
               #pragma unroll
               for (int i = 0; i < 4; ++i) {
-                pb[i] = p[i] * vq_f32(vss[tj[i] * GV + j]);
-                vbias[j] = fmaf(p[i], vq_f32(vzs[tj[i] * GV + j]), vbias[j]);
+                pb[i] = p[i] * sc[i][j];
+                vbias[j] = fmaf(p[i], zp[i][j], vbias[j]);
               }
               b[j][0] = MT::pack(pb[0], pb[1]);
               b[j][1] = MT::pack(pb[2], pb[3]);
