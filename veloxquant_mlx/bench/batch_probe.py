@@ -34,9 +34,7 @@ per_call_ms), once per variant of its kernel:
     tile's keys and this tile's values asked into L2 first); `noscore`: the history's key loop
     never runs; `novalue`: its value loop never runs; `nokeycompute`: the keys staged, never
     scored; `nokeystage`: the scores computed from a stage never filled (session 30: where
-    kivi's time goes at 128K; the cuts name the FMA loops); `noscore_tc` / `novalue_tc`: the
-    tensor-core key groups' / value loop never run (session 31); `noprefetch`: neither
-    register prefetch (VALUE_PREFETCH, KEY_PREFETCH), `valueprefetch`: the values' alone;
+    kivi's time goes at 128K; the cuts name the FMA loops);
   - any other method: `shipped` only (a reference beside them).
 A variant that cuts work computes a wrong attention: it says what the cut part costs, nothing
 else. The cuts are exact source spans (VARIANTS): a change to a kernel that moves one fails here
@@ -118,9 +116,6 @@ VARIANTS["kivi"] = ("veloxquant_mlx.cache.fused_decode", "_PARTIALS", {
     # The same cuts of the tensor-core loops (both switches on, as shipped since session 30).
     "noscore_tc": ((("for (int gi = 0; gi < NGK; ++gi) {", "for (int gi = 0; gi < 0; ++gi) {"),), {}),
     "novalue_tc": ((("for (int v0 = 0; v0 < TILE; v0 += VST) {", "for (int v0 = 0; v0 < 0; v0 += VST) {"),), {}),
-    # The register prefetches (session 31): neither, or the values' alone.
-    "noprefetch": ((), {"VALUE_PREFETCH": 0, "KEY_PREFETCH": 0}),
-    "valueprefetch": ((), {"KEY_PREFETCH": 0}),
 })
 # The lru_cache holding a module's built kernels (cleared so that a variant's source is built).
 KERNEL_CACHES = {"veloxquant_mlx.cache.fused_decode": "_kernels"}

@@ -605,20 +605,6 @@ _PARTIALS_TEMPLATE = r"""
     scales.store(kstage[warp] + VST * WV, lane);
     zeros.store(reinterpret_cast<ST*>(kstage[warp] + VST * WV) + VST * GV, lane);
   };
-  // VPF (fused_decode.VALUE_PREFETCH): a history tile's values (one stage: VST == TILE) loaded
-  // into these registers as the tile begins, stored to the stage when its value loop starts, so
-  // that their wait on memory passes during the keys' stage and the scores instead of after.
-  static_assert(!VPF || VST == TILE, "VPF");
-  vq_stage<VST * 4 * WV / 16, 16> vpf_codes;
-  vq_stage<VST * GV * (int)sizeof(ST) / 16, 16> vpf_scales, vpf_zeros;
-  // KPF (fused_decode.KEY_PREFETCH, with VPF and the tensor-core scores' whole-tile key stage):
-  // the warp's next tile's keys loaded into registers as this tile's value loop starts (the
-  // values' registers are free again), stored to the stage when that tile begins: their wait
-  // passes during this tile's values. kpf_held: registers hold the next tile's keys (warp-uniform).
-  static_assert(!KPF || (VPF && MMA && KSC == D), "KPF");
-  vq_stage<KSC, KCODE_ROW> kpf_codes;
-  vq_stage<KSC, KSIDE_ROW> kpf_scales, kpf_zeros;
-  bool kpf_held = false;
   //@declare
 
   float m[R], l[R], acc[R][CPL];
@@ -662,11 +648,6 @@ _PARTIALS_TEMPLATE = r"""
       vq_prefetch_run(vc_bh + (size_t)base * WV, TILE * WV * 4, lane);
       vq_prefetch_run(vs_bh + (size_t)base * GV, TILE * GV * (int)sizeof(ST), lane);
       vq_prefetch_run(vz_bh + (size_t)base * GV, TILE * GV * (int)sizeof(ST), lane);
-    }
-    if (VPF && !window) {
-      vpf_codes.load(vc_bh + (size_t)base * WV, 16, lane);
-      vpf_scales.load(vs_bh + (size_t)base * GV, 16, lane);
-      vpf_zeros.load(vz_bh + (size_t)base * GV, 16, lane);
     }
     //@tile
     // ---- scores of the lane's TPL tokens t0 .. t0 + TPL - 1 ----
@@ -728,13 +709,7 @@ _PARTIALS_TEMPLATE = r"""
       const ST* kss = reinterpret_cast<const ST*>(kstage[warp] + KSC * WR);
       const ST* kzs = kss + KSC * NGK;
       __syncwarp();  // the stage's and p_tile's last readers are done
-      if (KPF && kpf_held) {  // loaded during the previous tile's values
-        kpf_codes.store(kstage[warp], lane);
-        kpf_scales.store(kstage[warp] + KSC * WR, lane);
-        kpf_zeros.store(reinterpret_cast<ST*>(kstage[warp] + KSC * WR) + KSC * NGK, lane);
-      } else {
-        stage_keys(base, 0);
-      }
+      stage_keys(base, 0);
       __syncwarp();
       // Token g8's two bits (at 2 g8 of the m-tile's word) to bits 8, 9; token g8 + 8's to 24, 25.
       const int rot = (2 * g8 - 8) & 31;
@@ -968,23 +943,8 @@ _PARTIALS_TEMPLATE = r"""
       for (int v0 = 0; v0 < TILE; v0 += VST) {
         if (v0 > t_last) break;  // the rest of the tile is past the end (warp-uniform)
         __syncwarp();  // the stage's last readers (the keys' or the previous values') are done
-        if (VPF) {  // the tile's one stage, loaded as the tile began
-          vpf_codes.store(kstage[warp], lane);
-          vpf_scales.store(kstage[warp] + VST * WV, lane);
-          vpf_zeros.store(reinterpret_cast<ST*>(kstage[warp] + VST * WV) + VST * GV, lane);
-        } else {
-          stage_values(base, v0);
-        }
+        stage_values(base, v0);
         __syncwarp();
-        if (KPF) {
-          const int next = base + TILE * NW;
-          kpf_held = next < last;
-          if (kpf_held) {
-            kpf_codes.load(kc_bh + (next * KB >> 5), (size_t)wk_words * 4, lane);
-            kpf_scales.load(ks_bh + next / G, (size_t)gk * sizeof(ST), lane);
-            kpf_zeros.load(kz_bh + next / G, (size_t)gk * sizeof(ST), lane);
-          }
-        }
         if (USE_MMAV) {
           // Tensor cores: per 16 tokens, C[ch][r] += sum_t A[ch][t] B[t][r] with A = 1 + code / 4
           // (exact in T, the side data's 16-bit type: the code put into the mantissa of 1.0)
@@ -1505,34 +1465,6 @@ MMA_VALUES = 1
 L2_PREFETCH = 0
 
 
-# A history tile's values loaded into registers as the tile begins and put into the stage
-# when its value loop starts (template VPF), where the tensor-core values take the launch and
-# the tile's values are one stage (VST == TILE). Why: Nsight's profile of kivi's kernel at 128K
-# (session 31, results/ncu_kivi_h200_s31_128k*.csv*) ran 2 warps per scheduler (2 blocks per
-# SM at its 1024 target warps), so each stage's wait on memory was mostly the warp's own wait;
-# both products cut in turn left ~105 us of 149 (batch_probe's noscore_tc / novalue_tc). The
-# 48 registers per lane the values take fit: those launches hold 2 blocks per SM.
-VALUE_PREFETCH = 1
-
-
-def value_prefetch(mmav: int, stage) -> int:
-    """VPF of a launch: 1 where VALUE_PREFETCH is set, the values go to tensor cores (`mmav`)
-    and the stage holds a whole tile's values, else 0."""
-    return int(bool(VALUE_PREFETCH and mmav and dict(stage)["VST"] == TILE))
-
-
-# The warp's next history tile's keys loaded into registers as this tile's value loop starts and
-# put into the stage when that tile begins (template KPF), where VPF holds and the tensor-core
-# scores stage a whole tile's keys. Why: VALUE_PREFETCH's, for the keys' stage.
-KEY_PREFETCH = 1
-
-
-def key_prefetch(mma: int, mmav: int, stage) -> int:
-    """KPF of a launch: 1 where KEY_PREFETCH is set, VPF holds and the tensor-core scores take
-    the launch (`mma`: they stage a whole tile's keys, KSC == head_dim), else 0."""
-    return int(bool(KEY_PREFETCH and mma and value_prefetch(mmav, stage)))
-
-
 def mma_values(value_dim: int, rows: int, group_size: int, value_bits: int, dtype, side, stage,
                switch: bool | None = None) -> int:
     """MMAV of a launch: 1 where MMA_VALUES is set (or `switch`, where not None: a cache's own
@@ -1933,8 +1865,7 @@ def affine_launch(
     template = [("D", D), ("DV", DV), ("R", R), ("G", group_size), ("KB", key_bits),
                 ("VB", value_bits), ("LPT", lanes), ("QT", dtype),
                 ("ST", side), *stage, ("WB", 0), ("WRV", window_row_vectors(D, DV // lanes, dtype)),
-                ("MMA", mma), ("MMAV", mmav), ("PF", int(bool(L2_PREFETCH))),
-                ("VPF", value_prefetch(mmav, stage)), ("KPF", key_prefetch(mma, mmav, stage)), *extra_template]
+                ("MMA", mma), ("MMAV", mmav), ("PF", int(bool(L2_PREFETCH))), *extra_template]
     kernel = _kernels()[0] if kernel is None else kernel
     return kernel, inputs, {"template": template, "n_blocks": n_blocks, "heads": BH, "value_dim": DV}
 
