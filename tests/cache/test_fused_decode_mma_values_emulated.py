@@ -41,6 +41,8 @@ CASES = [
     ("xquant-2 bf16 hd128 gqa4", _xquant, mx.bfloat16, 128, 1, 4, 700, None, 0),
     # both products on tensor cores
     ("kivi-2 bf16 with tensor-core scores", _kivi(), mx.bfloat16, 128, 1, 4, 1100, None, 1),
+    # both, a warp walking several tiles (the scores' stage and fragments reused tile after tile)
+    ("kivi-2 bf16 tensor-core scores, many tiles per warp", _kivi(), mx.bfloat16, 128, 1, 4, 1100, 1, 1),
 ]
 
 # A corrupted MMAV path must fail (on the many-tiles case): a code's bits one code off; the
@@ -171,7 +173,7 @@ def test_the_tensor_cores_and_fma_ablations_take_their_products_whatever_the_swi
     # launches take MMAV and MMA, or neither, whatever the module's switches say.
     from veloxquant_mlx.bench.ablations import ABLATIONS
 
-    case = CASES[-1]
+    case = next(c for c in CASES if c[0] == "kivi-2 bf16 with tensor-core scores")
     _set(monkeypatch, case, shipped)
     monkeypatch.setattr(fused_decode, "MMA_SCORES", shipped)
     cache, q_heads = _make(case)
