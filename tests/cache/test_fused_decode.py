@@ -79,10 +79,14 @@ def test_blocks_fill_the_gpu_within_bounds():
     # a kernel's own target (minicache's merged kernel keeps 4096)
     assert fused_decode.tokens_per_block(131584, 8, target_warps=4096) == 1536
     # kivi's and xquant's launches (AFFINE_TARGET_WARPS, ~1024 warps): twice the tiles per warp
-    # at 32K, eight at 128K (8 heads); GEAR's launch keeps the split above
+    # at 32K, four at 64K (8 heads); from 6 tiles per warp on twice the warps (~2048: 3 tiles
+    # per warp at 96K, 4 at 128K, not 6 and 8); GEAR's launch keeps the split above
     assert fused_decode.affine_tokens_per_block(4096, 8) == 512
     assert fused_decode.affine_tokens_per_block(32768, 8) == 1024
-    assert fused_decode.affine_tokens_per_block(131072, 8) == 4096
+    assert fused_decode.affine_tokens_per_block(65536, 8) == 2048
+    assert fused_decode.affine_tokens_per_block(98304 - 128, 8) == 3072  # 6136 tiles: under 6 per warp
+    assert fused_decode.affine_tokens_per_block(98304, 8) == 1536
+    assert fused_decode.affine_tokens_per_block(131072, 8) == 2048
 
 
 def test_supported_shapes():

@@ -468,6 +468,16 @@ TARGET_WARPS = 8192
 # merge of every block's partial are each layer's wait; half as many blocks halve the partials
 # the last block merges, and a warp's second tile overlaps other warps' waits on memory.
 AFFINE_TARGET_WARPS = 1024
+# ... and twice as many where each warp would walk at least AFFINE_LONG_TILES_PER_WARP tiles at
+# AFFINE_TARGET_WARPS (at 8 KV heads: from 96K tokens on). Why: since session 31's tensor-core
+# loops kivi's kernel takes 134 registers, so an SM holds 3 of its blocks, and 2048 target warps
+# (~520 blocks) keep more warps per scheduler than 1024 (~264 blocks, 2 per SM) where the
+# history is long. One layer on the H200 (bench.launch_bounds_probe --warps 1024,2048,1024,2048,
+# results/lb_h200_s31_tw_*.log, us): at 128K kivi 153.8 / 152.3 with 1024 against 140.5 / 146.6
+# with 2048, xquant 143.1 / 146.0 against 133.9 / 134.0; at 96K kivi 118.4 / 117.7 against
+# 112.7 / 112.5, xquant 117.6 / 118.0 against 112.0 / 110.6; at 64K (4 tiles per warp) 2048
+# was slower: kivi 91.3 / 95.0 against 97.8 / 105.0, xquant 84.7 / 85.1 against 91.7 / 89.6.
+AFFINE_LONG_TILES_PER_WARP = 6
 _PARTIALS_TEMPLATE = r"""
   constexpr int NW = 4;               // warps per block
   constexpr int TILE = 128;           // tokens per warp tile
@@ -1359,8 +1369,11 @@ def _kernels():
 
 
 def affine_tokens_per_block(n_valid: int, n_heads: int) -> int:
-    """History tokens per block of the affine kernel's own launches (AFFINE_TARGET_WARPS)."""
-    return tokens_per_block(n_valid, n_heads, target_warps=AFFINE_TARGET_WARPS)
+    """History tokens per block of the affine kernel's own launches: AFFINE_TARGET_WARPS, twice
+    that where each warp would walk AFFINE_LONG_TILES_PER_WARP tiles or more."""
+    tiles = -(-n_valid // TILE) * n_heads
+    long = tiles >= AFFINE_LONG_TILES_PER_WARP * AFFINE_TARGET_WARPS
+    return tokens_per_block(n_valid, n_heads, target_warps=AFFINE_TARGET_WARPS * (2 if long else 1))
 
 
 # The target warps of the cache whose launch plan is being built, where it has its own
