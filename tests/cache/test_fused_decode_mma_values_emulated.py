@@ -46,12 +46,14 @@ CASES = [
 ]
 
 # A corrupted MMAV path must fail (on the many-tiles case): a code's bits one code off; the
-# scale's factor 4 lost; the bias's sign flipped; the C fragments not rescaled between tiles.
+# scale's factor 4 lost; the ones-mma's sum of B not taken off, or not rescaled between tiles;
+# the C fragments not rescaled between tiles; the zeros read from the scales' row.
 MUTATIONS = [
     ("rotation one code off", "const int rot = (2 * g8 - MT::POS) & 31;", "const int rot = (2 * g8 + 2 - MT::POS) & 31;"),
-    ("factor 4 lost", "red_o[2 * t4 * DV + ch] = fmaf(4.f, cv[mt][0], b_lo[16 * mt / G]);",
-     "red_o[2 * t4 * DV + ch] = fmaf(1.f, cv[mt][0], b_lo[16 * mt / G]);"),
-    ("bias sign", "vbias[j] -= 4.f * (MT::lo(b[j][0])", "vbias[j] += 4.f * (MT::lo(b[j][0])"),
+    ("factor 4 lost", "red_o[2 * t4 * DV + ch] = fmaf(4.f, cv[mt][0] - one[0], b_lo[16 * mt / G]);",
+     "red_o[2 * t4 * DV + ch] = fmaf(1.f, cv[mt][0] - one[0], b_lo[16 * mt / G]);"),
+    ("ones' sum kept", "fmaf(4.f, cv[mt][0] - one[0], b_lo[16 * mt / G])", "fmaf(4.f, cv[mt][0], b_lo[16 * mt / G])"),
+    ("ones' sum not rescaled", "cones[j][0] *= a_lo;", "cones[j][0] *= 1.f;"),
     ("no rescale", "cv[mt][0] *= a_lo;", "cv[mt][0] *= 1.f;"),
     ("zeros read as scales", "vq_shared_row<GV>(vzs + tj[i] * GV, zp[i]);", "vq_shared_row<GV>(vss + tj[i] * GV, zp[i]);"),
 ]

@@ -558,6 +558,19 @@ _PARTIALS_TEMPLATE = r"""
     qs[d * R + r] = scale * vq_f32(q[(size_t)bh * R * D + i]);
   }
   __syncthreads();
+  // MMA: the lane's pairs of the scores' B (query row h = i % R, channels c = i / R * 2 and
+  // c + 1, for i = lane + 32 k), times 4, in registers for the whole launch. Why: every key
+  // group rebuilt B from shared memory, its indices and the factor 4 recomputed (sm_90 SASS:
+  // 122 instructions per 4 pairs, ~1,000 of a tile's ~5,800).
+  constexpr int BPL = MMA ? (D / 2 * R + 31) / 32 : 1;  // B pairs per lane
+  float q4[BPL][2];
+  #pragma unroll
+  for (int k = 0; k < BPL; ++k) {
+    const int i = lane + 32 * k, h = i % R, c = i / R * 2;
+    const bool in = (D / 2 * R) % 32 == 0 || i < D / 2 * R;
+    q4[k][0] = in ? 4.f * qs[c * R + h] : 0.f;
+    q4[k][1] = in ? 4.f * qs[(c + 1) * R + h] : 0.f;
+  }
 
   const uint32_t* kc_bh = kc + (size_t)bh * D * wk_words;
   const ST* ks_bh = ks + (size_t)bh * D * gk;
@@ -625,18 +638,21 @@ _PARTIALS_TEMPLATE = r"""
     #pragma unroll
     for (int c = 0; c < CPL; ++c) acc[r][c] = 0.f;
   }
-  // MMAV's accumulators: the C fragments (see the value loop) and, per value group, the lane's
-  // part of its row's bias sum_t (p zero - 4 B) (row g of lane 4 g + t). The fragments share
+  // MMAV's accumulators: the C fragments (see the value loop); per value group, the lane's
+  // part of its row's zeros' sum_t p zero (row g of lane 4 g + t) and the fragment of
+  // sum_t B (cones: the same for every channel, the rows those of cv's fragments). The fragments share
   // acc's registers where acc is as large (a block weighs either the history, by MMA, or the
   // exact rows, by the FMA loop into acc): apart, they cost kivi's kernel 32 registers (nvcc,
   // sm_90, the 8B shape: 160 against 128).
   constexpr bool CV_IN_ACC = R * CPL >= NMT * 4;
-  float cv_own[CV_IN_ACC ? 1 : NMT][4], vbias[GV];
+  float cv_own[CV_IN_ACC ? 1 : NMT][4], vbias[GV], cones[MMAV ? GV : 1][4];
   float (&cv)[NMT][4] = *reinterpret_cast<float (*)[NMT][4]>(CV_IN_ACC ? &acc[0][0] : &cv_own[0][0]);
   #pragma unroll
   for (int mt = 0; mt < NMT; ++mt) cv[mt][0] = cv[mt][1] = cv[mt][2] = cv[mt][3] = 0.f;
   #pragma unroll
   for (int j = 0; j < GV; ++j) vbias[j] = 0.f;
+  #pragma unroll
+  for (int j = 0; j < (MMAV ? GV : 1); ++j) cones[j][0] = cones[j][1] = cones[j][2] = cones[j][3] = 0.f;
 
   const int first = window ? 0 : blockIdx.x * per_block;
   const int lo = window ? 0 : n_skip;  // tokens before lo are not attended
@@ -730,16 +746,20 @@ _PARTIALS_TEMPLATE = r"""
       #pragma unroll 1
       for (int gi = 0; gi < NGK; ++gi) {
         // The group's B (lane's pairs of channels of query row h = lane % R) and bias partial.
+        // bz summed from 4 q: 4 times the sum of q zero, exactly (a power of two), taken off below.
         float bz = 0.f;
-        for (int i = lane; i < D / 2 * R; i += 32) {
-          const int h = i % R, c = i / R * 2, cc = c % 16;
-          const float q0 = qs[c * R + h], q1 = qs[(c + 1) * R + h];
-          bf[((c / 16) * 4 * R + h * 4 + (cc % 8) / 2) * 2 + cc / 8] = vq_half2_bits(
-              4.f * q0 * vq_f32(kss[c * NGK + gi]), 4.f * q1 * vq_f32(kss[(c + 1) * NGK + gi]));
-          bz = fmaf(q0, vq_f32(kzs[c * NGK + gi]), fmaf(q1, vq_f32(kzs[(c + 1) * NGK + gi]), bz));
+        #pragma unroll
+        for (int k = 0; k < BPL; ++k) {
+          const int i = lane + 32 * k, h = i % R, c = i / R * 2, cc = c % 16;
+          if ((D / 2 * R) % 32 == 0 || i < D / 2 * R) {
+            bf[((c / 16) * 4 * R + h * 4 + (cc % 8) / 2) * 2 + cc / 8] = vq_half2_bits(
+                q4[k][0] * vq_f32(kss[c * NGK + gi]), q4[k][1] * vq_f32(kss[(c + 1) * NGK + gi]));
+            bz = fmaf(q4[k][0], vq_f32(kzs[c * NGK + gi]), fmaf(q4[k][1], vq_f32(kzs[(c + 1) * NGK + gi]), bz));
+          }
         }
         #pragma unroll
         for (int o = R; o < 32; o <<= 1) bz += __shfl_xor_sync(0xffffffffu, bz, o);
+        bz *= 0.25f;
         // The lane's C columns are rows 2 t4 and 2 t4 + 1 (those from R on are not used).
         const float bz0 = __shfl_sync(0xffffffffu, bz, (2 * t4) % R);
         const float bz1 = __shfl_sync(0xffffffffu, bz, (2 * t4 + 1) % R);
@@ -903,7 +923,13 @@ _PARTIALS_TEMPLATE = r"""
         cv[mt][3] *= a_hi;
       }
       #pragma unroll
-      for (int j = 0; j < GV; ++j) vbias[j] *= a_b;
+      for (int j = 0; j < GV; ++j) {
+        vbias[j] *= a_b;
+        cones[j][0] *= a_lo;
+        cones[j][1] *= a_hi;
+        cones[j][2] *= a_lo;
+        cones[j][3] *= a_hi;
+      }
     }
     #pragma unroll
     for (int i = 0; i < TPL; ++i) {
@@ -959,8 +985,9 @@ _PARTIALS_TEMPLATE = r"""
           // Tensor cores: per 16 tokens, C[ch][r] += sum_t A[ch][t] B[t][r] with A = 1 + code / 4
           // (exact in T, the side data's 16-bit type: the code put into the mantissa of 1.0)
           // and B = T(p[t][r] scale[t]) of the channel's group, so that
-          //   sum_t p (scale code + zero) = 4 C + sum_t (p zero - 4 B),
-          // the second sum per row and group in float32 (vbias), with B as rounded. Why: the
+          //   sum_t p (scale code + zero) = 4 C - 4 sum_t B + sum_t p zero,
+          // sum_t B (B as rounded) by one more mma per group with A = 1 (cones), the zeros' sum
+          // per row and group in float32 (vbias). Why: the
           // FMA loop below spends ~8 instructions per code (its extraction, conversion,
           // dequantization and one FMA per query row); here a code costs ~2 (its load shared by
           // two, a byte permute, a rotation, a mask) and an mma does 16 tokens x 16 channels x
@@ -995,9 +1022,11 @@ _PARTIALS_TEMPLATE = r"""
               }
               b[j][0] = MT::pack(pb[0], pb[1]);
               b[j][1] = MT::pack(pb[2], pb[3]);
-              // The "1" of A = 1 + code / 4 taken off with B as the mma rounded it: only the
-              // code's part keeps T's rounding (as a dequantized value's would).
-              vbias[j] -= 4.f * (MT::lo(b[j][0]) + MT::hi(b[j][0]) + MT::lo(b[j][1]) + MT::hi(b[j][1]));
+              // The "1" of A = 1 + code / 4, to take off with B as the mma rounded it: only the
+              // code's part keeps T's rounding (as a dequantized value's would). An mma, not
+              // B's halves unpacked and added (8 instructions per group and 16 tokens).
+              const uint32_t ones[4] = {MT::ONE, MT::ONE, MT::ONE, MT::ONE};
+              MT::mma(cones[j], ones, b[j][0], b[j][1]);
             }
             #pragma unroll
             for (int mt = 0; mt < NMT; ++mt) {
@@ -1070,13 +1099,14 @@ _PARTIALS_TEMPLATE = r"""
     #pragma unroll
     for (int mt = 0; mt < NMT; ++mt) {
       const int ch = 16 * mt + g8;
+      const float* one = cones[MMAV ? 16 * mt / G : 0];
       if (2 * t4 < R) {
-        red_o[2 * t4 * DV + ch] = fmaf(4.f, cv[mt][0], b_lo[16 * mt / G]);
-        red_o[2 * t4 * DV + ch + 8] = fmaf(4.f, cv[mt][2], b_lo[16 * mt / G]);
+        red_o[2 * t4 * DV + ch] = fmaf(4.f, cv[mt][0] - one[0], b_lo[16 * mt / G]);
+        red_o[2 * t4 * DV + ch + 8] = fmaf(4.f, cv[mt][2] - one[2], b_lo[16 * mt / G]);
       }
       if (2 * t4 + 1 < R) {
-        red_o[(2 * t4 + 1) * DV + ch] = fmaf(4.f, cv[mt][1], b_hi[16 * mt / G]);
-        red_o[(2 * t4 + 1) * DV + ch + 8] = fmaf(4.f, cv[mt][3], b_hi[16 * mt / G]);
+        red_o[(2 * t4 + 1) * DV + ch] = fmaf(4.f, cv[mt][1] - one[1], b_hi[16 * mt / G]);
+        red_o[(2 * t4 + 1) * DV + ch + 8] = fmaf(4.f, cv[mt][3] - one[3], b_hi[16 * mt / G]);
       }
     }
   } else {
