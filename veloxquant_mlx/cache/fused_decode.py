@@ -729,9 +729,10 @@ _PARTIALS_TEMPLATE = r"""
       // mma of ones over the same B takes off, and bias[r] = sum_d q[d][r] zero[d] (float32).
       // Why tried: the FMA loop below spends ~2 instructions per multiply-add of the scores
       // (dequantizing, converting each code); here a warp's m16n8k16 does 16 tokens x 16
-      // channels x 8 rows, and a code costs ~1 bit operation. Measured no faster on the H200
-      // (MMA_SCORES' note): off as shipped. The whole tile is staged at once (KSC == D); the
-      // tile's scores go through p_tile into the lanes' s[i][r].
+      // channels x 8 rows, and a code costs ~1 bit operation. Alone no faster on the H200;
+      // with the values on tensor cores too, on as shipped since session 30 (MMA_SCORES' note).
+      // The whole tile is staged at once (KSC == D); the tile's scores go through p_tile into
+      // the lanes' s[i][r].
       const ST* kss = reinterpret_cast<const ST*>(kstage[warp] + KSC * WR);
       const ST* kzs = kss + KSC * NGK;
       __syncwarp();  // the stage's and p_tile's last readers are done
