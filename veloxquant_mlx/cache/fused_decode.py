@@ -645,14 +645,12 @@ _PARTIALS_TEMPLATE = r"""
   // exact rows, by the FMA loop into acc): apart, they cost kivi's kernel 32 registers (nvcc,
   // sm_90, the 8B shape: 160 against 128).
   constexpr bool CV_IN_ACC = R * CPL >= NMT * 4;
-  float cv_own[CV_IN_ACC ? 1 : NMT][4], vbias[GV], cones[MMAV ? GV : 1][4];
+  float cv_own[CV_IN_ACC ? 1 : NMT][4], vbias[GV], cones[GV][4];
   float (&cv)[NMT][4] = *reinterpret_cast<float (*)[NMT][4]>(CV_IN_ACC ? &acc[0][0] : &cv_own[0][0]);
   #pragma unroll
   for (int mt = 0; mt < NMT; ++mt) cv[mt][0] = cv[mt][1] = cv[mt][2] = cv[mt][3] = 0.f;
   #pragma unroll
-  for (int j = 0; j < GV; ++j) vbias[j] = 0.f;
-  #pragma unroll
-  for (int j = 0; j < (MMAV ? GV : 1); ++j) cones[j][0] = cones[j][1] = cones[j][2] = cones[j][3] = 0.f;
+  for (int j = 0; j < GV; ++j) vbias[j] = cones[j][0] = cones[j][1] = cones[j][2] = cones[j][3] = 0.f;
 
   const int first = window ? 0 : blockIdx.x * per_block;
   const int lo = window ? 0 : n_skip;  // tokens before lo are not attended
@@ -738,7 +736,8 @@ _PARTIALS_TEMPLATE = r"""
       __syncwarp();  // the stage's and p_tile's last readers are done
       stage_keys(base, 0);
       __syncwarp();
-      // Token g8's two bits (at 2 g8 of the m-tile's word) to bits 8, 9; token g8 + 8's to 24, 25.
+      // vq_code_pair16's rotation: the code at bit 2 g8 of each half of a permuted register (a
+      // token's code in one channel's word of the m-tile) to bits 8, 9 and 24, 25.
       const int rot = (2 * g8 - 8) & 31;
       uint32_t* bf = bfrag[warp];
       float* sbuf = p_tile;  // the tile's scores [token][r] (p_tile is free until the softmax)
@@ -810,12 +809,12 @@ _PARTIALS_TEMPLATE = r"""
             const uint2 b = b_frag(kt);
             #pragma unroll
             for (int j = 0; j < MP; ++j) {
-              #pragma unroll
-              for (int i = 0; i < 4; ++i) x[i][j] = __funnelshift_r(x[i][j], x[i][j], rot);
-              const uint32_t a[4] = {vq_and_or(__byte_perm(x[0][j], x[1][j], 0x5410), 0x03000300u, 0x3C003C00u),
-                                     vq_and_or(__byte_perm(x[0][j], x[1][j], 0x7632), 0x03000300u, 0x3C003C00u),
-                                     vq_and_or(__byte_perm(x[2][j], x[3][j], 0x5410), 0x03000300u, 0x3C003C00u),
-                                     vq_and_or(__byte_perm(x[2][j], x[3][j], 0x7632), 0x03000300u, 0x3C003C00u)};
+              // Tokens g8 (low halves) and g8 + 8 (high halves) of channels 2 t4 and 2 t4 + 1
+              // (+ 8, + 9), as the values' A registers are made (fp16 here: B is fp16).
+              const uint32_t a[4] = {vq_code_pair16<__half>(__byte_perm(x[0][j], x[1][j], 0x5410), rot),
+                                     vq_code_pair16<__half>(__byte_perm(x[0][j], x[1][j], 0x7632), rot),
+                                     vq_code_pair16<__half>(__byte_perm(x[2][j], x[3][j], 0x5410), rot),
+                                     vq_code_pair16<__half>(__byte_perm(x[2][j], x[3][j], 0x7632), rot)};
               vq_mma_f16(c[j], a, b.x, b.y);
             }
           }
@@ -1100,7 +1099,7 @@ _PARTIALS_TEMPLATE = r"""
     #pragma unroll
     for (int mt = 0; mt < NMT; ++mt) {
       const int ch = 16 * mt + g8;
-      const float* one = cones[MMAV ? 16 * mt / G : 0];
+      const float* one = cones[16 * mt / G];
       if (2 * t4 < R) {
         red_o[2 * t4 * DV + ch] = fmaf(4.f, cv[mt][0] - one[0], b_lo[16 * mt / G]);
         red_o[2 * t4 * DV + ch + 8] = fmaf(4.f, cv[mt][2] - one[2], b_lo[16 * mt / G]);
