@@ -212,11 +212,14 @@ def test_tensor_core_scores_match_the_portable_step_and_the_fma_kernel(monkeypat
 @cuda_only
 def test_kernel_with_many_tiles_per_warp_matches_the_portable_step(monkeypatch):
     # Few target warps: every warp walks several 128-token tiles (the online softmax across
-    # tiles) and the history spans several blocks; same template as the kivi-2 bf16 case.
+    # tiles); same template as the kivi-2 bf16 case. 4960 compressed tokens of 2 heads are 78
+    # tiles, at least AFFINE_LONG_TILES_PER_WARP per warp of 1 target: the long-history rule
+    # doubles it to 2 warps, so each head's one history block holds its 39 tiles, ~10 a warp.
     monkeypatch.setattr(fused_decode, "AFFINE_TARGET_WARPS", 1)
     shape = dict(B=1, rep=4, D=128, Dv=128, dtype=mx.bfloat16)
     cache = _filled(_kivi(bit_width_inlier=2)(), 5000, **shape)
-    assert fused_decode.affine_tokens_per_block(cache.n_compressed, 2) == 128 * 4 * 64
+    assert cache.n_compressed == 4960
+    assert fused_decode.affine_tokens_per_block(cache.n_compressed, 2) == 128 * 4 * 39
     q_heads = _decode_step(cache, **shape)
     monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
     portable = cache.attention(q_heads, scale=128**-0.5).astype(mx.float32)
