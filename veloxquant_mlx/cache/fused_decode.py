@@ -50,8 +50,11 @@ from veloxquant_mlx.errors import QuantizerConfigError
 
 ENV_SWITCH = "VELOXQUANT_CUDA_KERNELS"
 SUPPORTED_BITS = (2, 4, 8)
+# Blocks per group of the fused merge's first level (vq_merge_if_last, the header's
+# VQ_MERGE_GROUP): at most this many blocks per head merge in one level.
+MERGE_GROUP = 16
 
-_HEADER = r"""
+_HEADER = f"constexpr int VQ_MERGE_GROUP = {MERGE_GROUP};\n" + r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
@@ -322,63 +325,119 @@ __device__ __forceinline__ float vq_u2f(unsigned small) {
 }
 
 // The merge of one (batch*kv-head)'s block partials into its R output rows (flash-decoding's
-// second pass), done inside the partials kernel by the block that finishes last: every block,
-// its partial written, fences it and counts itself in (counts[bh], zero at launch); the block
-// that brings the count to n_blocks sets it back to zero (for the next launch: the counters
-// outlive the launch, FusedLaunchState), reads every block's partial (__ldcg: from L2, never a
-// stale L1 line) and writes out[(bh * R + r) * DV + c] = sum_b e_b o_b / sum_b e_b l_b, e_b =
-// exp(m_b - max m). Called by every thread of the block, after its last write of the partials.
-// A warp per row: its lanes take 32 blocks' m and l at a time (each lane one block's weight,
-// broadcast by shuffles) and 32 consecutive channels of each block's partial, so a lane's loads
-// of a run of blocks are independent and in flight together. Why: this merge runs alone at the
-// end of the launch (the tail of every layer's decode step); as 128 threads each walking all the
-// blocks for 4 outputs, one load after another, kivi's attention took 0.208 ms per layer at 128K
-// tokens on the H200 and 0.177 / 0.178 with this merge (32K: 0.094 -> 0.073 / 0.078;
-// results/kernel_probe_h200_s10.json, kernel_probe_h200_s10_merge*.json, kivi_attention_ms).
-template <int R, int DV, typename OT>
-__device__ __noinline__ void vq_merge_if_last(const float* part_o, const float* part_m,
-                                                 const float* part_l, int* counts, OT* out,
-                                                 int bh, int n_blocks) {
+// second pass), done inside the partials kernel by the blocks that finish last: every block,
+// its partial written, fences it and counts itself in; the block that brings a count to its
+// total sets it back to zero (for the next launch: the counters outlive the launch,
+// FusedLaunchState), reads the partials counted (__ldcg: from L2, never a stale L1 line) and
+// merges them. Up to VQ_MERGE_GROUP blocks per head: one level, counts[bh], the last block
+// writes out[(bh * R + r) * DV + c] = sum_b e_b o_b / sum_b e_b l_b, e_b = exp(m_b - max m).
+// More: two levels. Blocks count in per group of VQ_MERGE_GROUP (counts[heads + bh * NG + g]);
+// each group's last block merges its group's partials into one partial of the group (o, m, l
+// as a block's, in `groups`: [heads][NG][R][DV] then m and l [heads][NG][R]) and counts the
+// group in (counts[bh]); the last group's block merges the NG group partials into out.
+// Why two levels: the merge runs alone at the end of the launch (the tail of every layer's
+// decode step) and a lane's loads of a row's partials are a chain of L2 round trips, 32
+// partials a run; cut out of the launch (session 32, results/tail_h200_s32.json) the one-level
+// merge was ~6 us of kivi's layer at 32K (33 blocks per head) and 15-24 us of GEAR's and
+// KVQuant's at 128K (257 blocks per head). Groups of 16 merge in one run each while the other
+// blocks still work, and the last merge reads NG partials instead of n_blocks.
+// Called by every thread of the block, after its last write of the partials.
+// A warp per row (vq_merge_row): its lanes take 32 partials' m and l at a time (each lane one
+// partial's weight, broadcast by shuffles) and 32 consecutive channels of each partial, so a
+// lane's loads of a run of partials are independent and in flight together. Why: as 128 threads
+// each walking all the blocks for 4 outputs, one load after another, kivi's attention took
+// 0.208 ms per layer at 128K tokens on the H200 and 0.177 / 0.178 with this merge (32K: 0.094 ->
+// 0.073 / 0.078; results/kernel_probe_h200_s10.json, kernel_probe_h200_s10_merge*.json).
+// vq_merge_row: row r's merge of `count` partials, partial b's row at o_first + b R DV, m_first +
+// b R, l_first + b R: o[j] = sum_b e_b o_b[lane + 32 j], den = sum_b e_b l_b; returns max m.
+template <int R, int DV>
+__device__ __forceinline__ float vq_merge_row(const float* o_first, const float* m_first, const float* l_first,
+                                              int count, int lane, float (&o)[(DV + 31) / 32], float& den) {
   constexpr int CJ = (DV + 31) / 32;  // channels per lane: lane + 32 j
+  const float neg_inf = __int_as_float(0xff800000);
+  float top = neg_inf;
+  #pragma unroll 4
+  for (int b = lane; b < count; b += 32) top = fmaxf(top, __ldcg(m_first + (size_t)b * R));
+  top = vq_warp_max(top);
+  den = 0.f;
+  #pragma unroll
+  for (int j = 0; j < CJ; ++j) o[j] = 0.f;
+  for (int b0 = 0; b0 < count; b0 += 32) {
+    const int b = b0 + lane;
+    float e = 0.f;
+    if (b < count) {
+      const float mb = __ldcg(m_first + (size_t)b * R);
+      e = mb == neg_inf ? 0.f : expf(mb - top);
+      den = fmaf(e, __ldcg(l_first + (size_t)b * R), den);
+    }
+    const int run = min(32, count - b0);
+    const float* po = o_first + (size_t)b0 * R * DV + lane;
+    #pragma unroll 8
+    for (int k = 0; k < run; ++k) {
+      const float ek = __shfl_sync(0xffffffffu, e, k);
+      #pragma unroll
+      for (int j = 0; j < CJ; ++j)
+        if (lane + 32 * j < DV) o[j] = fmaf(ek, __ldcg(po + (size_t)k * R * DV + 32 * j), o[j]);
+    }
+  }
+  den = vq_warp_sum(den);
+  return top;
+}
+
+// Whether this block's count brings counts[at] to `total` (then set back to zero); every
+// thread of the block calls it and gets the answer.
+__device__ __forceinline__ bool vq_counted_last(int* counts, int at, int total) {
   __shared__ int vq_last;
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    vq_last = atomicAdd(counts + bh, 1) == n_blocks - 1;
-    if (vq_last) counts[bh] = 0;  // every other block of bh has counted in
+    vq_last = atomicAdd(counts + at, 1) == total - 1;
+    if (vq_last) counts[at] = 0;  // every other block has counted in
   }
   __syncthreads();
-  if (!vq_last) return;
-  __threadfence();
-  const float neg_inf = __int_as_float(0xff800000);
+  const bool last = vq_last;
+  __syncthreads();  // read by all before a later call writes it
+  if (last) __threadfence();
+  return last;
+}
+
+template <int R, int DV, typename OT>
+__device__ __noinline__ void vq_merge_if_last(const float* part_o, const float* part_m,
+                                                 const float* part_l, float* groups, int* counts, OT* out,
+                                                 int bh, int n_blocks) {
+  constexpr int CJ = (DV + 31) / 32;
   const int lane = threadIdx.x & 31;
-  const size_t first = (size_t)bh * n_blocks * R;
-  for (int r = threadIdx.x >> 5; r < R; r += blockDim.x >> 5) {
-    float top = neg_inf;
-    for (int b = lane; b < n_blocks; b += 32) top = fmaxf(top, __ldcg(part_m + first + (size_t)b * R + r));
-    top = vq_warp_max(top);
-    float o[CJ], den = 0.f;
-    #pragma unroll
-    for (int j = 0; j < CJ; ++j) o[j] = 0.f;
-    for (int b0 = 0; b0 < n_blocks; b0 += 32) {
-      const int b = b0 + lane;
-      float e = 0.f;
-      if (b < n_blocks) {
-        const float mb = __ldcg(part_m + first + (size_t)b * R + r);
-        e = mb == neg_inf ? 0.f : expf(mb - top);
-        den = fmaf(e, __ldcg(part_l + first + (size_t)b * R + r), den);
-      }
-      const int run = min(32, n_blocks - b0);
-      const float* po = part_o + (first + (size_t)b0 * R + r) * DV + lane;
-      #pragma unroll 8
-      for (int k = 0; k < run; ++k) {
-        const float ek = __shfl_sync(0xffffffffu, e, k);
-        #pragma unroll
-        for (int j = 0; j < CJ; ++j)
-          if (lane + 32 * j < DV) o[j] = fmaf(ek, __ldcg(po + (size_t)k * R * DV + 32 * j), o[j]);
+  const int heads = gridDim.y;
+  const int NG = n_blocks > VQ_MERGE_GROUP ? (n_blocks + VQ_MERGE_GROUP - 1) / VQ_MERGE_GROUP : 1;
+  float* group_o = groups;
+  float* group_m = groups + (size_t)heads * NG * R * DV;
+  float* group_l = group_m + (size_t)heads * NG * R;
+  if (NG > 1) {
+    const int g = blockIdx.x / VQ_MERGE_GROUP, g_first = g * VQ_MERGE_GROUP;
+    if (!vq_counted_last(counts, heads + bh * NG + g, min(VQ_MERGE_GROUP, n_blocks - g_first))) return;
+    const size_t first = ((size_t)bh * n_blocks + g_first) * R, at = ((size_t)bh * NG + g) * R;
+    for (int r = threadIdx.x >> 5; r < R; r += blockDim.x >> 5) {
+      float o[CJ], den;
+      const float top = vq_merge_row<R, DV>(part_o + (first + r) * DV, part_m + first + r, part_l + first + r,
+                                            min(VQ_MERGE_GROUP, n_blocks - g_first), lane, o, den);
+      #pragma unroll
+      for (int j = 0; j < CJ; ++j)
+        if (lane + 32 * j < DV) group_o[(at + r) * DV + lane + 32 * j] = o[j];
+      if (lane == 0) {
+        group_m[at + r] = top;
+        group_l[at + r] = den;
       }
     }
-    den = vq_warp_sum(den);
+  }
+  if (!vq_counted_last(counts, bh, NG)) return;
+  const float* src_o = NG > 1 ? group_o : part_o;
+  const float* src_m = NG > 1 ? group_m : part_m;
+  const float* src_l = NG > 1 ? group_l : part_l;
+  const int count = NG > 1 ? NG : n_blocks;  // partials per head
+  const size_t first = (size_t)bh * count * R;
+  for (int r = threadIdx.x >> 5; r < R; r += blockDim.x >> 5) {
+    float o[CJ], den;
+    vq_merge_row<R, DV>(src_o + (first + r) * DV, src_m + first + r, src_l + first + r, count, lane, o, den);
     #pragma unroll
     for (int j = 0; j < CJ; ++j)
       if (lane + 32 * j < DV) out[((size_t)bh * R + r) * DV + lane + 32 * j] = vq_cast<OT>(o[j] / den);
@@ -1235,7 +1294,8 @@ _FUSED_PROLOGUE = r"""
 #define part_l (const_cast<float*>(scratch) + (size_t)gridDim.y * gridDim.x * R * (DV + 1))
 """
 _FUSED_EPILOGUE = r"""
-  vq_merge_if_last<R, DV>(part_o, part_m, part_l, const_cast<int*>(counts), out, blockIdx.y, gridDim.x);
+  vq_merge_if_last<R, DV>(part_o, part_m, part_l, part_l + (size_t)gridDim.y * gridDim.x * R,
+                          const_cast<int*>(counts), out, blockIdx.y, gridDim.x);
 #undef part_o
 #undef part_m
 #undef part_l
@@ -1268,11 +1328,14 @@ class FusedLaunchState:
         self.scratch = None
         self.last_out = None
 
-    def inputs(self, heads: int, queries, scratch_size: int) -> list:
+    def inputs(self, heads: int, queries, scratch_size: int, counters: int | None = None) -> list:
         """[counts, scratch, after] for a launch over `heads` (batch * kv heads) blocks' rows
-        whose partials take `scratch_size` floats."""
-        if self.counts is None or self.counts.shape[0] != heads:
-            self.counts = mx.zeros((heads,), dtype=mx.int32)
+        whose partials take `scratch_size` floats and whose merge counts in `counters` int32
+        (default `heads`; merge_counters). Counters are kept while enough: every launch leaves
+        them all at zero, so a launch of fewer heads or groups finds its own at zero too."""
+        counters = heads if counters is None else counters
+        if self.counts is None or self.counts.shape[0] < counters:
+            self.counts = mx.zeros((counters,), dtype=mx.int32)
         if self.scratch is None or self.scratch.shape[0] < scratch_size:
             self.scratch = mx.zeros((-(-scratch_size // SCRATCH_STEP) * SCRATCH_STEP,), dtype=mx.float32)
         after = self.last_out
@@ -1281,9 +1344,22 @@ class FusedLaunchState:
         return [self.counts, self.scratch, after]
 
 
+def merge_groups(n_blocks: int) -> int:
+    """Groups of the fused merge's first level (the kernel's NG): 1 (one level) up to MERGE_GROUP blocks."""
+    return -(-n_blocks // MERGE_GROUP) if n_blocks > MERGE_GROUP else 1
+
+
 def scratch_floats(heads: int, n_blocks: int, rows: int, value_dim: int) -> int:
-    """Floats of the fused kernel's scratch: the partials (o, m, l)."""
-    return heads * n_blocks * rows * (value_dim + 2)
+    """Floats of the fused kernel's scratch: the blocks' partials (o, m, l), then the groups'
+    (vq_merge_if_last's two levels)."""
+    groups = merge_groups(n_blocks)
+    return heads * (n_blocks + (groups if groups > 1 else 0)) * rows * (value_dim + 2)
+
+
+def merge_counters(heads: int, n_blocks: int) -> int:
+    """Counters of the fused merge: one per head, then one per head and group at two levels."""
+    groups = merge_groups(n_blocks)
+    return heads * (1 + (groups if groups > 1 else 0))
 
 
 class PartialsKernel:
@@ -1334,7 +1410,8 @@ class PartialsKernel:
         state = FusedLaunchState() if state is None else state
         scratch_size = scratch_floats(heads, n_blocks, rows, value_dim)
         out = self.fused(
-            inputs=[*inputs, *state.inputs(heads, queries, scratch_size)], template=template,
+            inputs=[*inputs, *state.inputs(heads, queries, scratch_size, merge_counters(heads, n_blocks))],
+            template=template,
             grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1), threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
             output_shapes=[(B, n_q_heads, 1, value_dim)], output_dtypes=[queries.dtype],
         )[0]
