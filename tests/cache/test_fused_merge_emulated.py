@@ -23,9 +23,12 @@ pytestmark = pytest.mark.skipif(
     cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier and _Float16 for the kernels' CPU emulation"
 )
 
+# Each block hands the merge its own slab of `out` (n_blocks slabs of heads x R x DV): the one
+# slab per head written must be the last block's. The emulation runs blocks in index order with
+# the partials already in place, so a merge by any other block would still come out right.
 _SOURCE = """
-  vq_merge_if_last<R, DV>(part_o, part_m, part_l, const_cast<float*>(groups), const_cast<int*>(counts), out,
-                          blockIdx.y, gridDim.x);
+  vq_merge_if_last<R, DV>(part_o, part_m, part_l, const_cast<float*>(groups), const_cast<int*>(counts),
+                          out + (size_t)blockIdx.x * gridDim.y * R * DV, blockIdx.y, gridDim.x);
 """
 
 
@@ -61,5 +64,8 @@ def test_the_last_block_merges_every_blocks_partial(heads, n_blocks, R, DV, empt
         inputs=[mx.array(part_o), mx.array(part_m), mx.array(part_l), mx.zeros((max(groups_floats, 1),)), counts],
         template=[("R", R), ("DV", DV)], grid=(32 * fused_decode.WARPS_PER_BLOCK * n_blocks, heads, 1),
         threadgroup=(32 * fused_decode.WARPS_PER_BLOCK, 1, 1),
-        output_shapes=[(heads, R, DV)], output_dtypes=[mx.float32])
-    np.testing.assert_allclose(np.array(out), _reference(part_o, part_m, part_l), rtol=2e-5, atol=2e-6)
+        output_shapes=[(n_blocks, heads, R, DV)], output_dtypes=[mx.float32])
+    out = np.array(out)
+    # Unwritten slabs keep the emulation's fill (NaN): only the last block's holds the rows.
+    assert np.isnan(out[:-1]).all()
+    np.testing.assert_allclose(out[-1], _reference(part_o, part_m, part_l), rtol=2e-5, atol=2e-6)

@@ -429,11 +429,11 @@ __device__ __noinline__ void vq_merge_if_last(const float* part_o, const float* 
       }
     }
   }
-  if (!vq_counted_last(counts, bh, NG)) return;
+  const int count = NG > 1 ? NG : n_blocks;  // partials per head, each counted in once
+  if (!vq_counted_last(counts, bh, count)) return;
   const float* src_o = NG > 1 ? group_o : part_o;
   const float* src_m = NG > 1 ? group_m : part_m;
   const float* src_l = NG > 1 ? group_l : part_l;
-  const int count = NG > 1 ? NG : n_blocks;  // partials per head
   const size_t first = (size_t)bh * count * R;
   for (int r = threadIdx.x >> 5; r < R; r += blockDim.x >> 5) {
     float o[CJ], den;
