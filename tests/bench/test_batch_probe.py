@@ -54,3 +54,41 @@ def test_an_unknown_variant_name_is_a_usage_error_naming_it(capsys):
 def test_variants_keep_the_named_ones():
     assert batch_probe.parse_args(["--variants", "mma,ksl"]).variants == ["mma", "ksl"]
     assert batch_probe.parse_args([]).variants is None
+
+
+def test_launch_variants_patch_the_fused_launch_and_every_kernel_header_then_restore(monkeypatch):
+    import mlx.core as mx
+
+    from veloxquant_mlx.cache import fused_decode, fused_decode_gear
+
+    built = []  # a stand-in for mx.fast.cuda_kernel (absent off CUDA): the headers kernels get
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: built.append(kw["header"]), raising=False)
+
+    shipped = (fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE, fused_decode._HEADER, fused_decode_gear._HEADER)
+    group = f"constexpr int VQ_MERGE_GROUP = {fused_decode.MERGE_GROUP};"
+    with batch_probe.launch_variant("nomerge"):
+        assert "vq_merge_if_last" not in fused_decode._FUSED_EPILOGUE and "#undef part_o" in fused_decode._FUSED_EPILOGUE
+        assert fused_decode._FUSED_PROLOGUE == shipped[0]
+    with batch_probe.launch_variant("empty"):
+        assert fused_decode._FUSED_PROLOGUE.startswith(shipped[0]) and "return;" in fused_decode._FUSED_PROLOGUE
+        assert "vq_merge_if_last" not in fused_decode._FUSED_EPILOGUE
+    with batch_probe.launch_variant("onelevel"):
+        for header in (fused_decode._HEADER, fused_decode_gear._HEADER):
+            assert group not in header and "VQ_MERGE_GROUP = 1 << 30;" in header
+        assert fused_decode._FUSED_EPILOGUE == shipped[1]
+        fused_decode._kernels()[0].fused  # built within the variant, with its header ...
+        assert "VQ_MERGE_GROUP = 1 << 30;" in built[-1]
+    assert fused_decode._kernels.cache_info().currsize == 0  # ... and not kept after it
+    assert (fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE, fused_decode._HEADER,
+            fused_decode_gear._HEADER) == shipped
+
+
+def test_a_launch_variant_whose_merge_is_gone_is_refused():
+    with pytest.raises(QuantizerConfigError, match="no longer holds the merge"):
+        batch_probe.launch_variant_sources("nomerge", "", "#undef part_o\n", {})
+    with pytest.raises(QuantizerConfigError, match="allowed: nomerge, empty, onelevel"):
+        batch_probe.launch_variant_sources("nope", "", "  vq_merge_if_last<R, DV>(a);\n", {})
+
+
+def test_launch_variants_are_known_names():
+    assert batch_probe.parse_args(["--variants", "nomerge,onelevel"]).variants == ["nomerge", "onelevel"]

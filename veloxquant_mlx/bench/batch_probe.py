@@ -35,7 +35,13 @@ per_call_ms), once per variant of its kernel:
     never runs; `novalue`: its value loop never runs; `nokeycompute`: the keys staged, never
     scored; `nokeystage`: the scores computed from a stage never filled (session 30: where
     kivi's time goes at 128K; the cuts name the FMA loops);
-  - any other method: `shipped` only (a reference beside them).
+  - any other method: `shipped` only (a reference beside them);
+  - every method, its fused launch (fused_decode's prologue, epilogue and merge, which every
+    partials kernel shares; LAUNCH_VARIANTS, session 32): `nomerge`, no block merges (every
+    block writes its partial, the output is left unwritten: the merge's cost by difference);
+    `empty`, every thread returns at once (the chained call's floor: its launch and MLX's work
+    per call); `onelevel`, the merge in one level at any block count (VQ_MERGE_GROUP raised past
+    any grid in every kernel header: the merge before session 32).
 A variant that cuts work computes a wrong attention: it says what the cut part costs, nothing
 else. The cuts are exact source spans (VARIANTS): a change to a kernel that moves one fails here
 before anything is timed. Why one process: two packages on one machine would need `python -m` run
@@ -45,6 +51,8 @@ machines differ more than these variants do.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import sys
 import time
 
@@ -117,6 +125,64 @@ VARIANTS["kivi"] = ("veloxquant_mlx.cache.fused_decode", "_PARTIALS", {
     "noscore_tc": ((("for (int gi = 0; gi < NGK; ++gi) {", "for (int gi = 0; gi < 0; ++gi) {"),), {}),
     "novalue_tc": ((("for (int v0 = 0; v0 < TILE; v0 += VST) {", "for (int v0 = 0; v0 < 0; v0 += VST) {"),), {}),
 })
+# Variants of every method's fused launch (see the docstring): the fused prologue / epilogue and
+# the kernel headers' merge group, patched in fused_decode and in each kernel module's header.
+LAUNCH_VARIANTS = ("nomerge", "empty", "onelevel")
+# Kernel modules whose `_HEADER` begins with fused_decode's (the merge's VQ_MERGE_GROUP).
+HEADER_MODULES = ("fused_decode", "fused_decode_codebook", "fused_decode_gear", "fused_decode_rotated",
+                  "fused_decode_merged")
+_MERGE_CALL = re.compile(r"  vq_merge_if_last<R, DV>\([^;]*\);\n")
+_EMPTY = "  if (threadIdx.x < 100000) return;  // batch_probe `empty`: every thread returns\n"
+
+
+def launch_variant_sources(name: str, prologue: str, epilogue: str, headers: dict) -> tuple:
+    """(prologue, epilogue, {module: header}) of launch variant `name` from the shipped ones; a
+    part the variant needs and no longer finds raises (as variant_source's cuts do)."""
+    from veloxquant_mlx.cache import fused_decode
+    from veloxquant_mlx.errors import QuantizerConfigError
+
+    no_merge = _MERGE_CALL.sub("", epilogue)
+    group = f"constexpr int VQ_MERGE_GROUP = {fused_decode.MERGE_GROUP};"
+    if no_merge == epilogue or any(group not in h for h in headers.values()):
+        raise QuantizerConfigError(f"{MODULE}: the fused epilogue or a kernel header no longer holds the merge "
+                                   "a launch variant patches: update LAUNCH_VARIANTS")
+    if name == "nomerge":
+        return prologue, no_merge, headers
+    if name == "empty":
+        return prologue + _EMPTY, no_merge, headers
+    if name == "onelevel":
+        return prologue, epilogue, {m: h.replace(group, "constexpr int VQ_MERGE_GROUP = 1 << 30;") for m, h in headers.items()}
+    raise QuantizerConfigError(f"{MODULE}: launch variant {name!r}; allowed: {', '.join(LAUNCH_VARIANTS)}")
+
+
+@contextlib.contextmanager
+def launch_variant(name: str):
+    """Within: every kernel built with launch variant `name` (the kernel factories emptied on the
+    way in and out, so that nothing built before or within outlives it)."""
+    import importlib
+
+    from veloxquant_mlx.bench.step_census import kernel_factories
+    from veloxquant_mlx.cache import fused_decode
+
+    modules = [importlib.import_module(f"veloxquant_mlx.cache.{m}") for m in HEADER_MODULES]
+    shipped = (fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE, {m: m._HEADER for m in modules})
+    prologue, epilogue, headers = launch_variant_sources(name, *shipped)
+    factories = kernel_factories()
+    try:
+        fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE = prologue, epilogue
+        for m, header in headers.items():
+            m._HEADER = header
+        for f in factories:
+            f.cache_clear()
+        yield
+    finally:
+        fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE = shipped[:2]
+        for m, header in shipped[2].items():
+            m._HEADER = header
+        for f in factories:
+            f.cache_clear()
+
+
 # The lru_cache holding a module's built kernels (cleared so that a variant's source is built).
 KERNEL_CACHES = {"veloxquant_mlx.cache.fused_decode": "_kernels"}
 SHIPPED_ONLY = {"shipped": ((), {})}
@@ -147,6 +213,9 @@ def check_variants() -> None:
             missing = [c for c in constants if not hasattr(*constant_home(module, c))]
             if missing:
                 raise QuantizerConfigError(f"{MODULE}: {method} variant {name}: {module_name} has no {missing}")
+    for name in LAUNCH_VARIANTS:
+        with launch_variant(name):
+            pass
 
 
 def kernel_cache(module):
@@ -244,6 +313,15 @@ def probe_context(n: int, methods, log, only=None) -> dict:
                 ms = time_variant(module, attribute, cache, q, cuts, constants)
             row[f"{method}_{name}_ms"] = ms
             log(f"  {method} {name}: {ms:.4f} ms")
+        for name in LAUNCH_VARIANTS:
+            if only is not None and name not in only:
+                continue
+            with launch_variant(name):
+                cache.__dict__.pop("_fused_plan", None)  # the next step plans with the variant's kernels
+                ms = per_call_ms(lambda: cache.attention(q, scale=D**-0.5), build_untimed=True)
+            cache.__dict__.pop("_fused_plan", None)
+            row[f"{method}_{name}_ms"] = ms
+            log(f"  {method} {name}: {ms:.4f} ms")
         del cache
     return row
 
@@ -259,7 +337,7 @@ def parse_args(argv=None):
                    help="comma list of variant names to time besides `shipped` (default: all of each method's)")
     args = p.parse_args(argv)
     if args.variants is not None:
-        known = sorted({name for _, _, variants in VARIANTS.values() for name in variants})
+        known = sorted({name for _, _, variants in VARIANTS.values() for name in variants} | set(LAUNCH_VARIANTS))
         args.variants = command.name_list(p, "--variants", args.variants, known, "")
     try:
         args.contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
