@@ -74,11 +74,15 @@ def test_launch_variants_patch_the_fused_launch_and_every_kernel_header_then_res
         assert "vq_merge_if_last" not in fused_decode._FUSED_EPILOGUE
     with batch_probe.launch_variant("onelevel"):
         for header in (fused_decode._HEADER, fused_decode_gear._HEADER):
-            assert group not in header and "VQ_MERGE_GROUP = 1 << 30;" in header
+            assert group not in header and f"VQ_MERGE_GROUP = {1 << 30};" in header
         assert fused_decode._FUSED_EPILOGUE == shipped[1]
         fused_decode._kernels()[0].fused  # built within the variant, with its header ...
-        assert "VQ_MERGE_GROUP = 1 << 30;" in built[-1]
+        assert f"VQ_MERGE_GROUP = {1 << 30};" in built[-1]
     assert fused_decode._kernels.cache_info().currsize == 0  # ... and not kept after it
+    with batch_probe.launch_variant("group8"):  # the kernel's groups and the launch's sizes agree
+        assert "VQ_MERGE_GROUP = 8;" in fused_decode._HEADER and fused_decode.MERGE_GROUP == 8
+        assert fused_decode.merge_counters(2, 17) == 2 * (1 + 3)
+    assert fused_decode.MERGE_GROUP == 16 and fused_decode.merge_counters(2, 17) == 2 * (1 + 2)
     assert (fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE, fused_decode._HEADER,
             fused_decode_gear._HEADER) == shipped
 
@@ -86,7 +90,7 @@ def test_launch_variants_patch_the_fused_launch_and_every_kernel_header_then_res
 def test_a_launch_variant_whose_merge_is_gone_is_refused():
     with pytest.raises(QuantizerConfigError, match="no longer holds the merge"):
         batch_probe.launch_variant_sources("nomerge", "", "#undef part_o\n", {})
-    with pytest.raises(QuantizerConfigError, match="allowed: nomerge, empty, onelevel"):
+    with pytest.raises(QuantizerConfigError, match="allowed: nomerge, empty, onelevel, group8, group32"):
         batch_probe.launch_variant_sources("nope", "", "  vq_merge_if_last<R, DV>(a);\n", {})
 
 

@@ -40,8 +40,10 @@ per_call_ms), once per variant of its kernel:
     partials kernel shares; LAUNCH_VARIANTS, session 32): `nomerge`, no block merges (every
     block writes its partial, the output is left unwritten: the merge's cost by difference);
     `empty`, every thread returns at once (the chained call's floor: its launch and MLX's work
-    per call); `onelevel`, the merge in one level at any block count (VQ_MERGE_GROUP raised past
-    any grid in every kernel header: the merge before session 32).
+    per call); `onelevel`, the merge in one level at any block count (the merge before session
+    32); `group8` / `group32`, the merge's first level in groups of 8 / 32 blocks instead of 16
+    (fused_decode.MERGE_GROUP and every kernel header's VQ_MERGE_GROUP set together, so that
+    the counters and the scratch are sized for the kernel's groups).
 A variant that cuts work computes a wrong attention: it says what the cut part costs, nothing
 else. The cuts are exact source spans (VARIANTS): a change to a kernel that moves one fails here
 before anything is timed. Why one process: two packages on one machine would need `python -m` run
@@ -127,7 +129,9 @@ VARIANTS["kivi"] = ("veloxquant_mlx.cache.fused_decode", "_PARTIALS", {
 })
 # Variants of every method's fused launch (see the docstring): the fused prologue / epilogue and
 # the kernel headers' merge group, patched in fused_decode and in each kernel module's header.
-LAUNCH_VARIANTS = ("nomerge", "empty", "onelevel")
+LAUNCH_VARIANTS = ("nomerge", "empty", "onelevel", "group8", "group32")
+# The merge group each launch variant builds with (None: the shipped MERGE_GROUP).
+_VARIANT_GROUPS = {"onelevel": 1 << 30, "group8": 8, "group32": 32}
 # Kernel modules whose `_HEADER` begins with fused_decode's (the merge's VQ_MERGE_GROUP).
 HEADER_MODULES = ("fused_decode", "fused_decode_codebook", "fused_decode_gear", "fused_decode_rotated",
                   "fused_decode_merged")
@@ -136,8 +140,9 @@ _EMPTY = "  if (threadIdx.x < 100000) return;  // batch_probe `empty`: every thr
 
 
 def launch_variant_sources(name: str, prologue: str, epilogue: str, headers: dict) -> tuple:
-    """(prologue, epilogue, {module: header}) of launch variant `name` from the shipped ones; a
-    part the variant needs and no longer finds raises (as variant_source's cuts do)."""
+    """(prologue, epilogue, {module: header}) of launch variant `name` from the shipped ones (its
+    merge group, where it has one of its own, is _VARIANT_GROUPS'); a part the variant needs
+    and no longer finds raises (as variant_source's cuts do)."""
     from veloxquant_mlx.cache import fused_decode
     from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -150,8 +155,9 @@ def launch_variant_sources(name: str, prologue: str, epilogue: str, headers: dic
         return prologue, no_merge, headers
     if name == "empty":
         return prologue + _EMPTY, no_merge, headers
-    if name == "onelevel":
-        return prologue, epilogue, {m: h.replace(group, "constexpr int VQ_MERGE_GROUP = 1 << 30;") for m, h in headers.items()}
+    if name in _VARIANT_GROUPS:
+        own = f"constexpr int VQ_MERGE_GROUP = {_VARIANT_GROUPS[name]};"
+        return prologue, epilogue, {m: h.replace(group, own) for m, h in headers.items()}
     raise QuantizerConfigError(f"{MODULE}: launch variant {name!r}; allowed: {', '.join(LAUNCH_VARIANTS)}")
 
 
@@ -167,8 +173,11 @@ def launch_variant(name: str):
     modules = [importlib.import_module(f"veloxquant_mlx.cache.{m}") for m in HEADER_MODULES]
     shipped = (fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE, {m: m._HEADER for m in modules})
     prologue, epilogue, headers = launch_variant_sources(name, *shipped)
+    group = fused_decode.MERGE_GROUP
     factories = kernel_factories()
     try:
+        # the launch's counters and scratch are sized by MERGE_GROUP: the kernel's groups
+        fused_decode.MERGE_GROUP = _VARIANT_GROUPS.get(name, group)
         fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE = prologue, epilogue
         for m, header in headers.items():
             m._HEADER = header
@@ -176,6 +185,7 @@ def launch_variant(name: str):
             f.cache_clear()
         yield
     finally:
+        fused_decode.MERGE_GROUP = group
         fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE = shipped[:2]
         for m, header in shipped[2].items():
             m._HEADER = header
