@@ -1333,12 +1333,11 @@ class FusedLaunchState:
         self.scratch = None
         self.last_out = None
 
-    def inputs(self, heads: int, queries, scratch_size: int, counters: int | None = None) -> list:
-        """[counts, scratch, after] for a launch over `heads` (batch * kv heads) blocks' rows
-        whose partials take `scratch_size` floats and whose merge counts in `counters` int32
-        (default `heads`; merge_counters). Counters are kept while enough: every launch leaves
-        them all at zero, so a launch of fewer heads or groups finds its own at zero too."""
-        counters = heads if counters is None else counters
+    def inputs(self, queries, scratch_size: int, counters: int) -> list:
+        """[counts, scratch, after] for a launch whose partials take `scratch_size` floats and
+        whose merge counts in `counters` int32 (merge_counters). Counters are kept while enough:
+        every launch leaves them all at zero, so a launch of fewer heads or groups finds its own
+        at zero too."""
         if self.counts is None or self.counts.shape[0] < counters:
             self.counts = mx.zeros((counters,), dtype=mx.int32)
         if self.scratch is None or self.scratch.shape[0] < scratch_size:
@@ -1349,22 +1348,21 @@ class FusedLaunchState:
         return [self.counts, self.scratch, after]
 
 
-def merge_groups(n_blocks: int) -> int:
-    """Groups of the fused merge's first level (the kernel's NG): 1 (one level) up to MERGE_GROUP blocks."""
-    return -(-n_blocks // MERGE_GROUP) if n_blocks > MERGE_GROUP else 1
+def group_partials(n_blocks: int) -> int:
+    """Partials per head of the fused merge's groups (the kernel's NG where it merges in two
+    levels, past MERGE_GROUP blocks; 0 at one level, where it keeps none)."""
+    return -(-n_blocks // MERGE_GROUP) if n_blocks > MERGE_GROUP else 0
 
 
 def scratch_floats(heads: int, n_blocks: int, rows: int, value_dim: int) -> int:
     """Floats of the fused kernel's scratch: the blocks' partials (o, m, l), then the groups'
     (vq_merge_if_last's two levels)."""
-    groups = merge_groups(n_blocks)
-    return heads * (n_blocks + (groups if groups > 1 else 0)) * rows * (value_dim + 2)
+    return heads * (n_blocks + group_partials(n_blocks)) * rows * (value_dim + 2)
 
 
 def merge_counters(heads: int, n_blocks: int) -> int:
     """Counters of the fused merge: one per head, then one per head and group at two levels."""
-    groups = merge_groups(n_blocks)
-    return heads * (1 + (groups if groups > 1 else 0))
+    return heads * (1 + group_partials(n_blocks))
 
 
 class PartialsKernel:
@@ -1415,7 +1413,7 @@ class PartialsKernel:
         state = FusedLaunchState() if state is None else state
         scratch_size = scratch_floats(heads, n_blocks, rows, value_dim)
         out = self.fused(
-            inputs=[*inputs, *state.inputs(heads, queries, scratch_size, merge_counters(heads, n_blocks))],
+            inputs=[*inputs, *state.inputs(queries, scratch_size, merge_counters(heads, n_blocks))],
             template=template,
             grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1), threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
             output_shapes=[(B, n_q_heads, 1, value_dim)], output_dtypes=[queries.dtype],
