@@ -12,8 +12,10 @@ mx.concatenate of a 128-token window and one token, a one-token slice write into
 as mlx-lm's KVCache does, an int32 array made from a Python list as a kernel's `meta`) and for a
 trivial custom kernel with a partials kernel's interface (12 inputs, 3 outputs, 9 template
 constants): as is, with `init_value` (MLX fills every output first), with one output, and with
-the shared header of our decode kernels (MLX rebuilds the whole source string per call).
-Medians of 5 rounds, the first untimed.
+the shared header of our decode kernels (MLX rebuilds the whole source string per call); then
+with one output and a decode launch's 24 inputs, its 27 template constants, its source's size,
+and all three (`cuda_kernel_decode_shaped`: the host cost of the call our decode steps make,
+for a kernel that does next to nothing). Medians of 5 rounds, the first untimed.
 """
 
 from __future__ import annotations
@@ -30,16 +32,38 @@ ROUNDS = 5
 _SOURCE = "  const int i = threadIdx.x + blockIdx.x * blockDim.x; if (i < 1024) out[i] = x0[i] + (float)N;"
 
 
-def _custom_call(*, outputs: int = 3, header: str = "", **launch):
-    """A call of the trivial kernel (`outputs` of its three; `header` prepended; `launch`: more
-    of the call's keywords, e.g. init_value)."""
+_TEMPLATE = [("N", 3), ("D", 128), ("R", 4), ("G", 32), ("KB", 2), ("VB", 2), ("LPT", 8),
+             ("QT", mx.bfloat16), ("ST", mx.bfloat16)]
+# A decode launch's counts (GEAR's fused build, the 8B shape: 21 inputs of its own plus the
+# fused merge's 3, 27 template constants, one output) and its source's size (~41 KB beside the
+# ~24 KB header), the source padded to it with a comment. Why: on the H200 (session 33,
+# results/host_profile_h200_s33_decode.json) the Python function that makes that call
+# (fused_decode.PartialsKernel.attend) took 26-28 us of own time per layer and step under
+# cProfile, where this module's 12-input call took ~11 us to build in session 10: these cases
+# say which of inputs, template constants or source size the difference is.
+DECODE_INPUTS = 24
+DECODE_TEMPLATE = _TEMPLATE + [(f"C{i}", i) for i in range(15)] + [("IT", mx.uint16), ("JT", mx.uint16), ("B", 1)]
+DECODE_SOURCE_BYTES = 41_000
+
+
+def _padded_source(size: int) -> str:
+    """_SOURCE after a comment that brings it to `size` bytes (NVRTC skips it)."""
+    pad = max(0, size - len(_SOURCE) - 4)
+    return "// " + "x" * pad + "\n" + _SOURCE
+
+
+def _custom_call(*, outputs: int = 3, header: str = "", inputs: int = 12, template=None, source: str = _SOURCE,
+                 **launch):
+    """A call of the trivial kernel (`outputs` of its three; `header` prepended; `inputs` arrays;
+    `template` constants (None: _TEMPLATE); `source`: the kernel's, padded or not; `launch`:
+    more of the call's keywords, e.g. init_value)."""
     names = ["out", "o2", "o3"][:outputs]
-    kernel = mx.fast.cuda_kernel(name=f"vq_launch_cost_{outputs}_{len(header)}", input_names=[f"x{i}" for i in range(12)],
-                                 output_names=names, source=_SOURCE, header=header)
-    xs = [mx.zeros((1024,), mx.float32) for _ in range(12)]
+    template = _TEMPLATE if template is None else template
+    kernel = mx.fast.cuda_kernel(name=f"vq_launch_cost_{outputs}_{len(header)}_{inputs}_{len(template)}_{len(source)}",
+                                 input_names=[f"x{i}" for i in range(inputs)],
+                                 output_names=names, source=source, header=header)
+    xs = [mx.zeros((1024,), mx.float32) for _ in range(inputs)]
     mx.eval(xs)
-    template = [("N", 3), ("D", 128), ("R", 4), ("G", 32), ("KB", 2), ("VB", 2), ("LPT", 8),
-                ("QT", mx.bfloat16), ("ST", mx.bfloat16)]
     shapes = [(1024,), (8, 4), (8, 4)][:outputs]
     return lambda: kernel(inputs=xs, template=template, grid=(1024, 1, 1), threadgroup=(256, 1, 1),
                           output_shapes=shapes, output_dtypes=[mx.float32] * outputs, **launch)
@@ -88,7 +112,15 @@ def run() -> dict:
 
         variants = {"cuda_kernel": _custom_call(), "cuda_kernel_init_value": _custom_call(init_value=0),
                     "cuda_kernel_one_output": _custom_call(outputs=1),
-                    "cuda_kernel_decode_header": _custom_call(header=_HEADER)}
+                    "cuda_kernel_decode_header": _custom_call(header=_HEADER),
+                    # One output from here on, as the fused decode launch has.
+                    "cuda_kernel_24_inputs": _custom_call(outputs=1, inputs=DECODE_INPUTS),
+                    "cuda_kernel_27_constants": _custom_call(outputs=1, template=DECODE_TEMPLATE),
+                    "cuda_kernel_decode_source": _custom_call(outputs=1, header=_HEADER,
+                                                              source=_padded_source(DECODE_SOURCE_BYTES)),
+                    "cuda_kernel_decode_shaped": _custom_call(outputs=1, header=_HEADER, inputs=DECODE_INPUTS,
+                                                              template=DECODE_TEMPLATE,
+                                                              source=_padded_source(DECODE_SOURCE_BYTES))}
         for name, call in variants.items():
             mx.eval(call())  # its JIT compile, untimed
             cases[name] = call

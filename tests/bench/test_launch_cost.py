@@ -1,0 +1,25 @@
+"""bench.launch_cost off CUDA: its built-in ops' cases run, and its decode-shaped kernel call has
+the counts it names (the CUDA cases run on the H200 only)."""
+from veloxquant_mlx.bench import launch_cost
+
+
+def test_the_decode_shaped_call_has_a_decode_launchs_counts():
+    names = [name for name, _ in launch_cost.DECODE_TEMPLATE]
+    assert len(names) == 27 and len(set(names)) == 27
+    assert launch_cost.DECODE_INPUTS == 24
+
+
+def test_the_padded_source_has_the_size_asked_and_ends_in_the_kernel():
+    source = launch_cost._padded_source(launch_cost.DECODE_SOURCE_BYTES)
+    assert len(source) == launch_cost.DECODE_SOURCE_BYTES
+    assert source.startswith("// ") and source.endswith(launch_cost._SOURCE)
+    assert source.count("\n") == 1  # one comment line, then the kernel
+
+
+def test_the_builtin_cases_time_every_call(monkeypatch):
+    monkeypatch.setattr(launch_cost, "CALLS", 20)
+    cases = launch_cost.run()
+    assert set(cases) == {"add", "concatenate", "window_write", "meta_from_list"}
+    for case in cases.values():
+        assert case["build_us"] > 0 and case["eval_us"] >= 0
+        assert case["build_us_range"][0] <= case["build_us"] <= case["build_us_range"][1]
