@@ -80,6 +80,10 @@ MMA_VALUES_METHODS = ("kivi", "xquant")
 TARGET_WARPS_TRIED = (1024, 2048, 4096, 8192)
 
 
+# The fused decode launch with its template constants written into the kernel's source
+# (fused_decode.BAKED_CONSTANTS, off as shipped): MLX's host work per call without them.
+baked_constants = Marked("baked_constants", True)
+
 # The methods whose decode steps append to the base's exact window (pyramidkv's update is its own).
 WINDOW_METHODS = ("kivi", "xquant", "turboquant_rvq", "minicache", "gear", "kvquant")
 
@@ -96,6 +100,8 @@ ABLATIONS: dict[str, tuple] = {
     **{f"{m}-fma": (fma_loops, m, f"{m}, decode scores and values by FMA loops")
        for m in MMA_VALUES_METHODS},
     **{f"{m}-inplace": (in_place_window, m, f"{m}, decode window written in place") for m in WINDOW_METHODS},
+    **{f"{m}-baked": (baked_constants, m, f"{m}, decode launch constants in the kernel source")
+       for m in WINDOW_METHODS},
     **{f"{m}-tw{n}": (Marked("decode_target_warps", n), m, f"{m}, decode launches for {n} target warps")
        for m in WINDOW_METHODS for n in TARGET_WARPS_TRIED},
 }

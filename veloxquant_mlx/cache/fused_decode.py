@@ -1306,6 +1306,45 @@ _FUSED_EPILOGUE = r"""
 #undef part_l
 """
 
+# Where set, a fused decode launch passes MLX no template: its constants are written into the
+# kernel's source instead (PartialsKernel.baked: one kernel object per set of constants), as the
+# lines MLX itself writes for them, so the compiled kernel is the same. Why: on the H200 the
+# Python function making a decode launch took 26-28 us of own time per layer and step under
+# cProfile (session 33, results/host_profile_h200_s33_decode.json: the mx.fast.cuda_kernel call
+# inside it), against ~3 us for mlx-lm's attention, and MLX converts, hashes and formats every
+# template constant at every call (a decode launch has up to 27). Off until the H200 times it:
+# bench.launch_cost's constant cases, and the `<method>-baked` ablations (a cache's own
+# `baked_constants` attribute) in gpu_speed --interleave.
+BAKED_CONSTANTS = False
+
+# MLX's CUDA type name per dtype (its dtype_to_cuda_type), for constants written into a source.
+_CUDA_TYPE_NAMES = {
+    mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
+    mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
+    mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
+}
+
+
+def constants_source(template) -> str:
+    """The lines MLX's CUDA backend writes into a kernel's body for its template constants
+    (custom_kernel.cpp, build_kernel), in their order, and the blank line after them:
+    `constexpr int N = 3;`, `constexpr bool F = true;`, `using T = __nv_bfloat16;`."""
+    lines = []
+    for name, value in template:
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};\n")
+        elif isinstance(value, (int, np.integer)):
+            lines.append(f"  constexpr int {name} = {int(value)};\n")
+        elif isinstance(value, mx.Dtype) and value in _CUDA_TYPE_NAMES:
+            lines.append(f"  using {name} = {_CUDA_TYPE_NAMES[value]};\n")
+        else:
+            raise QuantizerConfigError(
+                f"decode kernel template constant {name}={value!r}: allowed is an int, a bool or one "
+                f"of the dtypes {sorted(map(str, _CUDA_TYPE_NAMES))}"
+            )
+    return "".join(lines) + "\n" if lines else ""
+
+
 # The fused build's inputs beyond the partials kernel's own: the counters, the partials'
 # scratch, and the launch this one must follow (FusedLaunchState.after), which the kernel never
 # reads.
@@ -1375,6 +1414,7 @@ class PartialsKernel:
     def __init__(self, name: str, input_names, source: str, header: str):
         self.name, self.input_names, self.source, self.header = name, list(input_names), source, header
         self._split = self._fused = None
+        self._baked = {}  # template constants (a tuple) -> the fused build with them in its source
 
     @property
     def split(self):
@@ -1395,26 +1435,48 @@ class PartialsKernel:
                 source=_FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE, header=self.header)
         return self._fused
 
+    def baked(self, template):
+        """The fused build with `template`'s constants written into its source (BAKED_CONSTANTS),
+        launched with no template; built once per set of constants."""
+        key = tuple(template)
+        kernel = self._baked.get(key)
+        if kernel is None:
+            kernel = self._baked[key] = build_kernel(
+                mx.fast.cuda_kernel,
+                name=self.name + "_merged_baked", input_names=[*self.input_names, *FUSED_EXTRA_INPUTS],
+                output_names=["out"],
+                source=constants_source(key) + _FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE,
+                header=self.header)
+        return kernel
+
     def partials(self, queries, *, inputs, template, n_blocks: int, heads: int, value_dim: int):
         """The split build's launch -> (part_o, part_m, part_l)."""
         return split_launch(self.split, queries, inputs=inputs, template=template, n_blocks=n_blocks,
                             heads=heads, value_dim=value_dim)
 
     def attend(self, queries, *, inputs, template, n_blocks: int, heads: int, value_dim: int,
-               state: FusedLaunchState | None = None):
+               state: FusedLaunchState | None = None, baked: bool | None = None):
         """The attention output (B, Hq, 1, DV) in the queries' dtype: one fused launch
         (MERGE_IN_KERNEL), else the split build and merge_partials. `state`: the cache's
-        FusedLaunchState (None: one for this launch alone)."""
+        FusedLaunchState (None: one for this launch alone); `baked`: the fused launch's
+        constants written into its source (None: BAKED_CONSTANTS)."""
+        in_source = BAKED_CONSTANTS if baked is None else baked
         if not MERGE_IN_KERNEL:
+            if in_source:
+                raise QuantizerConfigError(
+                    "decode kernels: constants in the source (BAKED_CONSTANTS or a cache's "
+                    "baked_constants) apply to the fused launch only; MERGE_IN_KERNEL is off"
+                )
             return merge_partials(*self.partials(queries, inputs=inputs, template=template, n_blocks=n_blocks,
                                                  heads=heads, value_dim=value_dim), queries)
         B, n_q_heads = queries.shape[:2]
         rows = n_q_heads * B // heads
         state = FusedLaunchState() if state is None else state
         scratch_size = scratch_floats(heads, n_blocks, rows, value_dim)
-        out = self.fused(
+        kernel, constants = (self.baked(template), []) if in_source else (self.fused, template)
+        out = kernel(
             inputs=[*inputs, *state.inputs(queries, scratch_size, merge_counters(heads, n_blocks))],
-            template=template,
+            template=constants,
             grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1), threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
             output_shapes=[(B, n_q_heads, 1, value_dim)], output_dtypes=[queries.dtype],
         )[0]
@@ -1891,7 +1953,7 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
     inputs[0] = queries
     inputs[keys_slot], inputs[values_slot], inputs[rows_slot] = window_inputs(cache, queries.dtype, held)
     state = cache.__dict__.setdefault("_fused_launch", FusedLaunchState())
-    return kernel().attend(queries, inputs=inputs, state=state, **shape)
+    return kernel().attend(queries, inputs=inputs, state=state, baked=cache.__dict__.get("baked_constants"), **shape)
 
 
 def affine_decode_attention(

@@ -1,0 +1,77 @@
+"""fused_decode.BAKED_CONSTANTS / a cache's `baked_constants` (the `<method>-baked` ablations):
+a decode launch's template constants written into its kernel's source, as the lines MLX writes
+for them, so the kernel compiled is the one the template gives. Checked without compiling: the
+emulation's program text of each method's decode launch, both ways, from one model's caches."""
+
+import mlx.core as mx
+import pytest
+
+from tests.cache import cuda_emulation
+from veloxquant_mlx.bench import step_census
+from veloxquant_mlx.bench.ablations import WINDOW_METHODS
+from veloxquant_mlx.bench.layer_specs import parse_layer_spec
+from veloxquant_mlx.bench.tiny import random_llama
+from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache.kernel_name import base_name
+from veloxquant_mlx.errors import QuantizerConfigError
+
+SHAPE = dict(kv_heads=8, heads=32, head_dim=128, dtype=mx.bfloat16)
+
+
+def test_constants_are_written_as_mlx_writes_them():
+    template = [("D", 128), ("F", True), ("QT", mx.bfloat16), ("IT", mx.uint16), ("ST", mx.float16)]
+    assert fused_decode.constants_source(template) == (
+        "  constexpr int D = 128;\n  constexpr bool F = true;\n  using QT = __nv_bfloat16;\n"
+        "  using IT = uint16_t;\n  using ST = __half;\n\n")
+    assert fused_decode.constants_source([]) == ""
+
+
+def test_a_constant_of_another_kind_is_refused_by_name():
+    with pytest.raises(QuantizerConfigError, match=r"constant X=0\.5: allowed is an int, a bool"):
+        fused_decode.constants_source([("D", 128), ("X", 0.5)])
+
+
+def _decode_launches(method: str, baked: bool) -> list:
+    """(kernel, signature) of every decode launch of one step of a 4-layer model's caches of
+    `method` (1024 tokens prefilled on the portable path), the caches' baked_constants set
+    (4 layers: minicache merges the second half's pairs, its first half are plain caches)."""
+    model = random_llama(hidden=256, layers=4, intermediate=64, vocab=64, dtype=mx.bfloat16,
+                         **step_census.LLAMA_8B_ATTENTION)
+    with step_census.method_caches(method, model) as (caches, attention):
+        step_census.prefill(caches, attention, history=1024, chunk=512, seed=0, **SHAPE)
+        for cache in caches:
+            cache.baked_constants = baked  # on every cache: minicache's plain layers take it too
+        with cuda_emulation.emulated_kernels(), cuda_emulation.signatures_only() as captured:
+            for i, cache in enumerate(caches):
+                k, v, q = (step_census._random(s, mx.bfloat16, 10 * i + j) for j, s in enumerate(
+                    ((1, 8, 1, 128), (1, 8, 1, 128), (1, 32, 1, 128))))
+                keys, values = cache.update_and_fetch(k, v)
+                attention(q, keys, values, cache=cache, scale=128 ** -0.5, mask=None)
+    return [(k, sig) for k, sig in captured if "_decode_partials_merged" in base_name(k.name)]
+
+
+@pytest.mark.parametrize("method", WINDOW_METHODS)
+def test_a_baked_launch_compiles_the_templated_kernel(method):
+    plain, baked = _decode_launches(method, False), _decode_launches(method, True)
+    # One decode launch per layer of ours (minicache: the merged pair's two layers).
+    assert len(plain) == len(baked) == (2 if method == "minicache" else 4)
+    for (pk, psig), (bk, bsig) in zip(plain, baked):
+        assert psig.template and not bsig.template
+        assert base_name(bk.name) == base_name(pk.name) + "_baked"
+        assert (psig.input_dtypes, psig.input_ndims) == (bsig.input_dtypes, bsig.input_ndims)
+        # The same program but for whitespace: MLX's template lines now open the source.
+        assert " ".join(bk.program(bsig).split()) == " ".join(pk.program(psig).split())
+
+
+def test_the_ablation_sets_the_caches_switch():
+    spec = parse_layer_spec("gear-baked")
+    assert spec.kind == "ablation" and spec.make(0, 1).baked_constants is True
+    assert fused_decode.BAKED_CONSTANTS is False  # the shipped default stays the template
+
+
+def test_the_split_launch_refuses_baked_constants(monkeypatch):
+    monkeypatch.setattr(fused_decode, "MERGE_IN_KERNEL", False)
+    kernel = fused_decode.PartialsKernel("vq_test_partials", ["q"], "", "")
+    with pytest.raises(QuantizerConfigError, match="fused launch only; MERGE_IN_KERNEL is off"):
+        kernel.attend(mx.zeros((1, 4, 1, 8)), inputs=[], template=[], n_blocks=1, heads=1, value_dim=8,
+                      baked=True)
