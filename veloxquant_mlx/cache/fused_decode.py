@@ -1425,14 +1425,19 @@ class PartialsKernel:
                 output_names=["part_o", "part_m", "part_l"], source=self.source, header=self.header)
         return self._split
 
+    def _fused_build(self, suffix: str = "", constants: str = ""):
+        """The source with the merge fused in (`constants`: template lines written before it),
+        built under this kernel's name + "_merged" + `suffix`."""
+        return build_kernel(
+            mx.fast.cuda_kernel,
+            name=self.name + "_merged" + suffix, input_names=[*self.input_names, *FUSED_EXTRA_INPUTS],
+            output_names=["out"],
+            source=constants + _FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE, header=self.header)
+
     @property
     def fused(self):
         if self._fused is None:
-            self._fused = build_kernel(
-                mx.fast.cuda_kernel,
-                name=self.name + "_merged", input_names=[*self.input_names, *FUSED_EXTRA_INPUTS],
-                output_names=["out"],
-                source=_FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE, header=self.header)
+            self._fused = self._fused_build()
         return self._fused
 
     def baked(self, template):
@@ -1441,12 +1446,7 @@ class PartialsKernel:
         key = tuple(template)
         kernel = self._baked.get(key)
         if kernel is None:
-            kernel = self._baked[key] = build_kernel(
-                mx.fast.cuda_kernel,
-                name=self.name + "_merged_baked", input_names=[*self.input_names, *FUSED_EXTRA_INPUTS],
-                output_names=["out"],
-                source=constants_source(key) + _FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE,
-                header=self.header)
+            kernel = self._baked[key] = self._fused_build("_baked", constants_source(key))
         return kernel
 
     def partials(self, queries, *, inputs, template, n_blocks: int, heads: int, value_dim: int):
