@@ -3,10 +3,13 @@ a decode launch's template constants written into its kernel's source, as the li
 for them, so the kernel compiled is the one the template gives. Checked without compiling: the
 emulation's program text of each method's decode launch, both ways, from one model's caches."""
 
+import contextlib
+
 import mlx.core as mx
 import pytest
 
 from tests.cache import cuda_emulation
+from tests.cache.cuda_marks import cuda_test
 from veloxquant_mlx.bench import step_census
 from veloxquant_mlx.bench.ablations import WINDOW_METHODS
 from veloxquant_mlx.bench.layer_specs import parse_layer_spec
@@ -31,22 +34,38 @@ def test_a_constant_of_another_kind_is_refused_by_name():
         fused_decode.constants_source([("D", 128), ("X", 0.5)])
 
 
-def _decode_launches(method: str, baked: bool) -> list:
-    """(kernel, signature) of every decode launch of one step of a 4-layer model's caches of
-    `method` (1024 tokens prefilled on the portable path), the caches' baked_constants set
-    (4 layers: minicache merges the second half's pairs, its first half are plain caches)."""
+def _one_step(method: str, baked: bool, around=contextlib.nullcontext) -> list:
+    """The attention outputs of one decode step of a 4-layer model's caches of `method` (1024
+    tokens prefilled on the portable path), the caches' baked_constants set (4 layers:
+    minicache merges the second half's pairs, its first half are plain caches); the step (not
+    the prefill) runs inside `around()`."""
     model = random_llama(hidden=256, layers=4, intermediate=64, vocab=64, dtype=mx.bfloat16,
                          **step_census.LLAMA_8B_ATTENTION)
+    outputs = []
     with step_census.method_caches(method, model) as (caches, attention):
         step_census.prefill(caches, attention, history=1024, chunk=512, seed=0, **SHAPE)
         for cache in caches:
             cache.baked_constants = baked  # on every cache: minicache's plain layers take it too
-        with cuda_emulation.emulated_kernels(), cuda_emulation.signatures_only() as captured:
+        with around():
             for i, cache in enumerate(caches):
                 k, v, q = (step_census._random(s, mx.bfloat16, 10 * i + j) for j, s in enumerate(
                     ((1, 8, 1, 128), (1, 8, 1, 128), (1, 32, 1, 128))))
                 keys, values = cache.update_and_fetch(k, v)
-                attention(q, keys, values, cache=cache, scale=128 ** -0.5, mask=None)
+                outputs.append(attention(q, keys, values, cache=cache, scale=128 ** -0.5, mask=None))
+    return outputs
+
+
+def _decode_launches(method: str, baked: bool) -> list:
+    """(kernel, signature) of every decode launch of `_one_step`, emulated, nothing run."""
+    captured = []
+
+    @contextlib.contextmanager
+    def emulated():
+        with cuda_emulation.emulated_kernels(), cuda_emulation.signatures_only() as launches:
+            yield
+        captured.extend(launches)
+
+    _one_step(method, baked, emulated)
     return [(k, sig) for k, sig in captured if "_decode_partials_merged" in base_name(k.name)]
 
 
@@ -75,3 +94,19 @@ def test_the_split_launch_refuses_baked_constants(monkeypatch):
     with pytest.raises(QuantizerConfigError, match="fused launch only; MERGE_IN_KERNEL is off"):
         kernel.attend(mx.zeros((1, 4, 1, 8)), inputs=[], template=[], n_blocks=1, heads=1, value_dim=8,
                       baked=True)
+
+
+@cuda_test
+@pytest.mark.parametrize("method", WINDOW_METHODS)
+def test_a_baked_launch_gives_the_templated_launchs_output_on_the_gpu(method, monkeypatch):
+    # NVRTC compiles the baked source for real: the same program, so the same bits out.
+    launches = []
+    attend = fused_decode.PartialsKernel.attend
+    monkeypatch.setattr(fused_decode.PartialsKernel, "attend",
+                        lambda self, *a, **k: launches.append(k.get("baked")) or attend(self, *a, **k))
+    plain = _one_step(method, False)
+    baked = _one_step(method, True)
+    mx.eval(plain, baked)
+    assert launches.count(True) == launches.count(False) == (2 if method == "minicache" else 4)
+    for p, b in zip(plain, baked):
+        assert mx.array_equal(p, b).item(), mx.abs(p.astype(mx.float32) - b.astype(mx.float32)).max().item()
