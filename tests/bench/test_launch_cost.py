@@ -1,5 +1,7 @@
 """bench.launch_cost off CUDA: its built-in ops' cases run, and its decode-shaped kernel call has
 the counts it names (the CUDA cases run on the H200 only)."""
+import mlx.core as mx
+
 from veloxquant_mlx.bench import launch_cost
 
 
@@ -19,7 +21,13 @@ def test_the_padded_source_has_the_size_asked_and_ends_in_the_kernel():
 def test_the_builtin_cases_time_every_call(monkeypatch):
     monkeypatch.setattr(launch_cost, "CALLS", 20)
     cases = launch_cost.run()
-    assert set(cases) == {"add", "concatenate", "window_write", "meta_from_list"}
+    assert set(cases) == {"add", "add_compiled", "concatenate", "window_write", "meta_from_list"}
     for case in cases.values():
         assert case["build_us"] > 0 and case["eval_us"] >= 0
         assert case["build_us_range"][0] <= case["build_us"] <= case["build_us_range"][1]
+
+
+def test_a_compiled_call_gives_the_plain_calls_result():
+    a, b = mx.array([1.0, 2.0]), mx.array([3.0, 5.0])
+    plain, compiled = launch_cost._bound(mx.add, [a, b], False), launch_cost._bound(mx.add, [a, b], True)
+    assert compiled().tolist() == plain().tolist() == [4.0, 7.0]

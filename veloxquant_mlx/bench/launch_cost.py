@@ -15,7 +15,8 @@ constants): as is, with `init_value` (MLX fills every output first), with one ou
 the shared header of our decode kernels (MLX rebuilds the whole source string per call); then
 with one output and a decode launch's 24 inputs, its 27 template constants, its source's size,
 and all three (`cuda_kernel_decode_shaped`: the host cost of the call our decode steps make,
-for a kernel that does next to nothing). Medians of 5 rounds, the first untimed.
+for a kernel that does next to nothing), and that call through mx.compile (`_compiled`: MLX
+replays the traced call, as `add_compiled` does mx.add). Medians of 5 rounds, the first untimed.
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ def _padded_source(size: int) -> str:
 
 
 def _custom_call(*, outputs: int = 3, header: str = "", inputs: int = 12, template=None, source: str = _SOURCE,
-                 **launch):
+                 compiled: bool = False, **launch):
     """A call of the trivial kernel (`outputs` of its three; `header` prepended; `inputs` arrays;
-    `template` constants (None: _TEMPLATE); `source`: the kernel's, padded or not; `launch`:
-    more of the call's keywords, e.g. init_value)."""
+    `template` constants (None: _TEMPLATE); `source`: the kernel's, padded or not; `compiled`:
+    through mx.compile, the arrays its arguments; `launch`: more of the call's keywords, e.g.
+    init_value)."""
     names = ["out", "o2", "o3"][:outputs]
     template = _TEMPLATE if template is None else template
     kernel = mx.fast.cuda_kernel(name=f"vq_launch_cost_{outputs}_{len(header)}_{inputs}_{len(template)}_{len(source)}",
@@ -65,8 +67,18 @@ def _custom_call(*, outputs: int = 3, header: str = "", inputs: int = 12, templa
     xs = [mx.zeros((1024,), mx.float32) for _ in range(inputs)]
     mx.eval(xs)
     shapes = [(1024,), (8, 4), (8, 4)][:outputs]
-    return lambda: kernel(inputs=xs, template=template, grid=(1024, 1, 1), threadgroup=(256, 1, 1),
-                          output_shapes=shapes, output_dtypes=[mx.float32] * outputs, **launch)
+
+    def call(*arrays):
+        return kernel(inputs=list(arrays), template=template, grid=(1024, 1, 1), threadgroup=(256, 1, 1),
+                      output_shapes=shapes, output_dtypes=[mx.float32] * outputs, **launch)
+    return _bound(call, xs, compiled)
+
+
+def _bound(function, arrays: list, compiled: bool):
+    """`function` of `arrays`, as a call of no arguments; through mx.compile when `compiled`
+    (the traced graph replayed by MLX at each call: no Python builds the op again)."""
+    function = mx.compile(function) if compiled else function
+    return lambda: function(*arrays)
 
 
 def _window_write():
@@ -105,7 +117,8 @@ def run() -> dict:
     b = mx.zeros((1, 8, 1, 128), mx.bfloat16)
     window = mx.zeros((1, 8, 128, 128), mx.bfloat16)
     mx.eval(a, b, window)
-    cases = {"add": lambda: mx.add(a, b), "concatenate": lambda: mx.concatenate([window, b], axis=2),
+    cases = {"add": lambda: mx.add(a, b), "add_compiled": _bound(mx.add, [a, b], True),
+             "concatenate": lambda: mx.concatenate([window, b], axis=2),
              "window_write": _window_write(), "meta_from_list": lambda: mx.array([3, 128, 0, 7], dtype=mx.int32)}
     if mx.default_device() == mx.gpu and getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
         from veloxquant_mlx.cache.fused_decode import _HEADER
@@ -120,7 +133,10 @@ def run() -> dict:
                                                               source=_padded_source(DECODE_SOURCE_BYTES)),
                     "cuda_kernel_decode_shaped": _custom_call(outputs=1, header=_HEADER, inputs=DECODE_INPUTS,
                                                               template=DECODE_TEMPLATE,
-                                                              source=_padded_source(DECODE_SOURCE_BYTES))}
+                                                              source=_padded_source(DECODE_SOURCE_BYTES)),
+                    "cuda_kernel_decode_shaped_compiled": _custom_call(
+                        outputs=1, header=_HEADER, inputs=DECODE_INPUTS, template=DECODE_TEMPLATE,
+                        source=_padded_source(DECODE_SOURCE_BYTES), compiled=True)}
         for name, call in variants.items():
             mx.eval(call())  # its JIT compile, untimed
             cases[name] = call
