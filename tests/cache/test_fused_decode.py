@@ -292,8 +292,9 @@ def test_a_launch_plan_serves_the_steps_until_the_store_changes(monkeypatch):
     assert seen["launches"] == 1 and len(seen["steps"]) == 3
     queries, inputs, shape = seen["steps"][-1]
     state = shape.pop("state")
-    # baked: the cache's own baked_constants (unset: the module's BAKED_CONSTANTS decides)
-    assert queries is q_heads and inputs[0] is q_heads and shape == {"n_blocks": 3, "baked": None}
+    # baked: the cache's own baked_constants (unset: the module's BAKED_CONSTANTS decides);
+    # compiled: not as shipped (COMPILED_LAUNCH off)
+    assert queries is q_heads and inputs[0] is q_heads and shape == {"n_blocks": 3, "baked": None, "compiled": False}
     assert state is cache._fused_launch  # one FusedLaunchState per cache, across its plans
     assert mx.array_equal(inputs[7], cache.window_keys).item() and mx.array_equal(inputs[8], cache.window_values).item()
     assert inputs[1:7] == [f"input {i}" for i in range(1, 7)] and inputs[9:12] == [f"input {i}" for i in range(9, 12)]

@@ -84,6 +84,10 @@ TARGET_WARPS_TRIED = (1024, 2048, 4096, 8192)
 # (fused_decode.BAKED_CONSTANTS, off as shipped): MLX's host work per call without them.
 baked_constants = Marked("baked_constants", True)
 
+# The fused decode launch through mx.compile (fused_decode.COMPILED_LAUNCH, off as shipped: MLX
+# replays the traced kernel call), with the in-place window it needs.
+compiled_launch = Marked("compiled_launch", True, decode_window_in_place=True)
+
 # The methods whose decode steps append to the base's exact window (pyramidkv's update is its own).
 WINDOW_METHODS = ("kivi", "xquant", "turboquant_rvq", "minicache", "gear", "kvquant")
 
@@ -101,6 +105,8 @@ ABLATIONS: dict[str, tuple] = {
        for m in MMA_VALUES_METHODS},
     **{f"{m}-inplace": (in_place_window, m, f"{m}, decode window written in place") for m in WINDOW_METHODS},
     **{f"{m}-baked": (baked_constants, m, f"{m}, decode launch constants in the kernel source")
+       for m in WINDOW_METHODS},
+    **{f"{m}-compiled": (compiled_launch, m, f"{m}, decode launch through mx.compile, window in place")
        for m in WINDOW_METHODS},
     **{f"{m}-tw{n}": (Marked("decode_target_warps", n), m, f"{m}, decode launches for {n} target warps")
        for m in WINDOW_METHODS for n in TARGET_WARPS_TRIED},

@@ -45,6 +45,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from veloxquant_mlx.cache.compiled_launch import COUNTED_EPILOGUE, COUNTED_PROLOGUE, CompiledLaunch, window_count
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -1317,6 +1318,15 @@ _FUSED_EPILOGUE = r"""
 # `baked_constants` attribute) in gpu_speed --interleave.
 BAKED_CONSTANTS = False
 
+# Where set, a cache's fused decode launches go through mx.compile (cache/compiled_launch.py:
+# MLX replays the traced kernel call, none of the call's host work is done again), the window's
+# filled rows passed as data. Needs the in-place window (base.DECODE_WINDOW_IN_PLACE or a cache's
+# decode_window_in_place): a window concatenated each step changes shape each step, and each
+# new shape is a new trace. Off until the H200 times it: bench.launch_cost's
+# `cuda_kernel_decode_shaped_compiled` and the `<method>-compiled` ablations (a cache's own
+# `compiled_launch`) in gpu_speed --interleave.
+COMPILED_LAUNCH = False
+
 # MLX's CUDA type name per dtype (its dtype_to_cuda_type), for constants written into a source.
 _CUDA_TYPE_NAMES = {
     mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
@@ -1371,6 +1381,7 @@ class FusedLaunchState:
         self.counts = None
         self.scratch = None
         self.last_out = None
+        self.compiled = CompiledLaunch()  # the cache's compiled launch, where it has one
 
     def inputs(self, queries, scratch_size: int, counters: int) -> list:
         """[counts, scratch, after] for a launch whose partials take `scratch_size` floats and
@@ -1413,7 +1424,7 @@ class PartialsKernel:
 
     def __init__(self, name: str, input_names, source: str, header: str):
         self.name, self.input_names, self.source, self.header = name, list(input_names), source, header
-        self._split = self._fused = None
+        self._split = self._fused = self._counted = None
         self._baked = {}  # template constants (a tuple) -> the fused build with them in its source
 
     @property
@@ -1425,20 +1436,29 @@ class PartialsKernel:
                 output_names=["part_o", "part_m", "part_l"], source=self.source, header=self.header)
         return self._split
 
-    def _fused_build(self, suffix: str = "", constants: str = ""):
-        """The source with the merge fused in (`constants`: template lines written before it),
-        built under this kernel's name + "_merged" + `suffix`."""
+    def _fused_build(self, suffix: str = "", before: str = "", after: str = ""):
+        """The source with the merge fused in (`before` / `after`: lines written before and
+        after it: template constants, compiled_launch's counted window), built under this
+        kernel's name + "_merged" + `suffix`."""
         return build_kernel(
             mx.fast.cuda_kernel,
             name=self.name + "_merged" + suffix, input_names=[*self.input_names, *FUSED_EXTRA_INPUTS],
             output_names=["out"],
-            source=constants + _FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE, header=self.header)
+            source=before + _FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE + after, header=self.header)
 
     @property
     def fused(self):
         if self._fused is None:
             self._fused = self._fused_build()
         return self._fused
+
+    @property
+    def counted(self):
+        """The fused build reading the window's filled rows as data (wn[0], an int32 count:
+        compiled_launch.window_count) instead of wn's length: the compiled launch's kernel."""
+        if self._counted is None:
+            self._counted = self._fused_build("_counted", COUNTED_PROLOGUE, COUNTED_EPILOGUE)
+        return self._counted
 
     def baked(self, template):
         """The fused build with `template`'s constants written into its source (BAKED_CONSTANTS),
@@ -1455,17 +1475,26 @@ class PartialsKernel:
                             heads=heads, value_dim=value_dim)
 
     def attend(self, queries, *, inputs, template, n_blocks: int, heads: int, value_dim: int,
-               state: FusedLaunchState | None = None, baked: bool | None = None):
+               state: FusedLaunchState | None = None, baked: bool | None = None, compiled: bool = False):
         """The attention output (B, Hq, 1, DV) in the queries' dtype: one fused launch
         (MERGE_IN_KERNEL), else the split build and merge_partials. `state`: the cache's
         FusedLaunchState (None: one for this launch alone); `baked`: the fused launch's
-        constants written into its source (None: BAKED_CONSTANTS)."""
+        constants written into its source (None: BAKED_CONSTANTS); `compiled`: the counted
+        build through the state's CompiledLaunch (mx.compile), `inputs` holding the window's
+        count (compiled_launch.window_count) as wn."""
         in_source = BAKED_CONSTANTS if baked is None else baked
+        if in_source and compiled:
+            raise QuantizerConfigError(
+                "decode kernels: a compiled launch (COMPILED_LAUNCH or a cache's compiled_launch) "
+                "handles its template constants at its trace only; constants in the source "
+                "(BAKED_CONSTANTS or baked_constants) are for the uncompiled launch: set one of the two"
+            )
         if not MERGE_IN_KERNEL:
-            if in_source:
+            if in_source or compiled:
                 raise QuantizerConfigError(
                     "decode kernels: constants in the source (BAKED_CONSTANTS or a cache's "
-                    "baked_constants) apply to the fused launch only; MERGE_IN_KERNEL is off"
+                    "baked_constants) and compiled launches (COMPILED_LAUNCH or compiled_launch) "
+                    "apply to the fused launch only; MERGE_IN_KERNEL is off"
                 )
             return merge_partials(*self.partials(queries, inputs=inputs, template=template, n_blocks=n_blocks,
                                                  heads=heads, value_dim=value_dim), queries)
@@ -1473,13 +1502,15 @@ class PartialsKernel:
         rows = n_q_heads * B // heads
         state = FusedLaunchState() if state is None else state
         scratch_size = scratch_floats(heads, n_blocks, rows, value_dim)
-        kernel, constants = (self.baked(template), []) if in_source else (self.fused, template)
-        out = kernel(
-            inputs=[*inputs, *state.inputs(queries, scratch_size, merge_counters(heads, n_blocks))],
-            template=constants,
-            grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1), threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
-            output_shapes=[(B, n_q_heads, 1, value_dim)], output_dtypes=[queries.dtype],
-        )[0]
+        arrays = [*inputs, *state.inputs(queries, scratch_size, merge_counters(heads, n_blocks))]
+        launch = dict(grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1), threadgroup=(32 * WARPS_PER_BLOCK, 1, 1))
+        if compiled:
+            out = state.compiled(self.counted, arrays, template=template, output_shape=(B, n_q_heads, 1, value_dim),
+                                 output_dtype=queries.dtype, **launch)
+        else:
+            kernel, constants = (self.baked(template), []) if in_source else (self.fused, template)
+            out = kernel(inputs=arrays, template=constants, output_shapes=[(B, n_q_heads, 1, value_dim)],
+                         output_dtypes=[queries.dtype], **launch)[0]
         state.last_out = out
         return out
 
@@ -1899,16 +1930,35 @@ def window_rows(n: int) -> mx.array:
     return base[:n]
 
 
-def window_inputs(cache, dtype, held) -> tuple:
+def window_inputs(cache, dtype, held, counted: bool = False) -> tuple:
     """(keys, values, rows) for a decode kernel's wk, wv, wn: `held` = cache.window_buffers(),
     the window's buffers when the cache keeps them in place (window_buffer.py: rows beyond the
     filled ones are slack, so the kernel reads the buffers as they are, without the copy a
-    sliced view would cost), else None: the cache's window."""
+    sliced view would cost), else None: the cache's window. `counted`: the rows as data
+    (compiled_launch.window_count, for the counted build), else as a view's length."""
     keys, values, n = held if held is not None else (cache.window_keys, cache.window_values, cache.window_keys.shape[2])
     # astype makes a new array (a graph node) even to the same dtype: skipped when it is.
     keys = keys if keys.dtype == dtype else keys.astype(dtype)
     values = values if values.dtype == dtype else values.astype(dtype)
-    return keys, values, window_rows(n)
+    return keys, values, window_count(n) if counted else window_rows(n)
+
+
+def compiles_launches(cache) -> bool:
+    """Whether `cache`'s fused decode launches go through mx.compile: its own compiled_launch
+    where set, else COMPILED_LAUNCH; refused where its window is not written in place."""
+    own = cache.__dict__.get("compiled_launch")
+    if not (COMPILED_LAUNCH if own is None else own):
+        return False
+    from veloxquant_mlx.cache import base  # base imports this module
+
+    if not (base.DECODE_WINDOW_IN_PLACE or cache.decode_window_in_place):
+        raise QuantizerConfigError(
+            f"{type(cache).__name__}: a compiled decode launch (fused_decode.COMPILED_LAUNCH or the "
+            "cache's compiled_launch) needs the in-place window (base.DECODE_WINDOW_IN_PLACE or the "
+            "cache's decode_window_in_place): a window concatenated each step changes shape each "
+            "step, and mx.compile traces again for every new shape"
+        )
+    return True
 
 
 def planned_attend(cache, queries, scale: float, key, launch, kernel):
@@ -1951,9 +2001,13 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
     inputs, shape, (keys_slot, values_slot, rows_slot) = plan[1]
     inputs = list(inputs)
     inputs[0] = queries
-    inputs[keys_slot], inputs[values_slot], inputs[rows_slot] = window_inputs(cache, queries.dtype, held)
+    # Compiled where the window is the in-place buffers: a step whose window is not (the first
+    # token after a flush that emptied it) launches as shipped.
+    compiled = compiles_launches(cache) and buffered
+    inputs[keys_slot], inputs[values_slot], inputs[rows_slot] = window_inputs(cache, queries.dtype, held, compiled)
     state = cache.__dict__.setdefault("_fused_launch", FusedLaunchState())
-    return kernel().attend(queries, inputs=inputs, state=state, baked=cache.__dict__.get("baked_constants"), **shape)
+    return kernel().attend(queries, inputs=inputs, state=state, baked=cache.__dict__.get("baked_constants"),
+                           compiled=compiled, **shape)
 
 
 def affine_decode_attention(

@@ -1,0 +1,178 @@
+"""fused_decode.COMPILED_LAUNCH / a cache's `compiled_launch` (the `<method>-compiled`
+ablations): the fused decode launch traced once by mx.compile and replayed, the window's filled
+rows as data. Checked on the CPU: the replay itself (a traceable stand-in kernel and the step
+census's recorder), and the counted build's attention through the CUDA emulation, equal to the
+shipped build's for every window method."""
+
+import contextlib
+
+import mlx.core as mx
+import pytest
+
+from tests.cache import cuda_emulation
+from tests.cache.cuda_marks import cuda_test
+from veloxquant_mlx.bench import step_census
+from veloxquant_mlx.bench.ablations import WINDOW_METHODS
+from veloxquant_mlx.bench.layer_specs import parse_layer_spec
+from veloxquant_mlx.bench.tiny import random_llama
+from veloxquant_mlx.cache import compiled_launch, fused_decode
+from veloxquant_mlx.cache.compiled_launch import CompiledLaunch, window_count
+from veloxquant_mlx.cache.kernel_name import base_name
+from veloxquant_mlx.errors import QuantizerConfigError
+
+SHAPE = dict(kv_heads=8, heads=32, head_dim=128, dtype=mx.bfloat16)
+
+
+def test_the_window_count_is_one_int32_made_once_per_length():
+    count = window_count(37)
+    assert count.dtype == mx.int32 and count.shape == (1,) and count.item() == 37
+    assert window_count(37) is count
+
+
+def _scaling_kernel(calls: list):
+    """A stand-in with a kernel's call signature that MLX can trace: out = x * n[0] + T's
+    constant N, shaped as asked."""
+    def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        calls.append(dict(template))
+        x, n = inputs
+        return [(x * n[0] + dict(template)["N"]).astype(output_dtypes[0]).reshape(output_shapes[0])]
+    return kernel
+
+
+def test_a_launch_is_traced_once_and_replayed_with_each_calls_arrays():
+    calls, launch = [], CompiledLaunch()
+    kernel = _scaling_kernel(calls)
+    shape = dict(template=[("N", 1)], grid=(128, 8, 1), threadgroup=(128, 1, 1), output_shape=(1, 4),
+                 output_dtype=mx.float32)
+    x = mx.array([[1.0, 2.0, 3.0, 4.0]])
+    for n in (2, 3, 5):
+        out = launch(kernel, [x, window_count(n)], **shape)
+        assert out.tolist() == [[n * v + 1 for v in (1.0, 2.0, 3.0, 4.0)]]
+    assert launch.traces == len(calls) == 1  # the Python call ran at the trace only
+    # Another constant: another function, traced anew; other input shapes: MLX's own new trace.
+    assert launch(kernel, [x, window_count(2)], **{**shape, "template": [("N", 10)]}).tolist() == [[12.0, 14.0, 16.0, 18.0]]
+    assert launch.traces == 2
+    launch(kernel, [mx.ones((2, 2)), window_count(2)], **{**shape, "template": [("N", 10)]})
+    assert launch.traces == 3
+
+
+def assert_same_attention(expected: list, got: list) -> None:
+    """Equal outputs but for one bf16 rounding: two runs of one build are not always bit for bit
+    (kvquant's first decode step differed by up to 9.5e-7 between two emulated runs of the
+    shipped build, one ulp of its smallest outputs; a bf16 ulp is at most 2^-7 of the value)."""
+    assert len(expected) == len(got)
+    for e, g in zip(expected, got):
+        e, g = e.astype(mx.float32), g.astype(mx.float32)
+        assert mx.all(mx.abs(e - g) <= 2 ** -7 * mx.abs(e) + 1e-6).item(), mx.abs(e - g).max().item()
+
+
+def _steps(method: str, *, compiled: bool, steps: int, around=contextlib.nullcontext, ablation: str | None = None):
+    """The attention outputs of `steps` decode steps of a 4-layer model's caches of `method`
+    (1024 tokens prefilled on the portable path, the window written in place), each layer's
+    compiled_launch set; the steps run inside `around()` -> (outputs, caches)."""
+    model = random_llama(hidden=256, layers=4, intermediate=64, vocab=64, dtype=mx.bfloat16,
+                         **step_census.LLAMA_8B_ATTENTION)
+    outputs = []
+    with step_census.method_caches(method, model) as (caches, attention):
+        step_census.prefill(caches, attention, history=1024, chunk=512, seed=0, **SHAPE)
+        for cache in caches:
+            cache.decode_window_in_place, cache.compiled_launch = True, compiled
+        with around():
+            for s in range(steps):
+                for i, cache in enumerate(caches):
+                    k, v, q = (step_census._random(shape, mx.bfloat16, 100 * s + 10 * i + j) for j, shape in enumerate(
+                        ((1, 8, 1, 128), (1, 8, 1, 128), (1, 32, 1, 128))))
+                    keys, values = cache.update_and_fetch(k, v)
+                    outputs.append(attention(q, keys, values, cache=cache, scale=128 ** -0.5, mask=None))
+                mx.eval(outputs)
+    return outputs, caches
+
+
+def test_a_compiled_cache_launches_through_the_recorder_at_its_traces_only():
+    # The step census's stand-in launches are lazy nodes MLX can trace: 40 kivi steps (one flush
+    # of its 32-token blocks) record a launch per layer and step without compile, and only
+    # the traces with it, each cache's CompiledLaunch counting the same.
+    def decode_launches(compiled):
+        recorder = step_census.KernelRecorder()
+        _, caches = _steps("kivi", compiled=compiled, steps=40, around=lambda: step_census.cuda_path(recorder))
+        labels = [label for label, _ in recorder.launches if "_decode_partials" in label]
+        return labels, caches
+
+    plain, _ = decode_launches(False)
+    assert len(plain) == 4 * 40 and not any(label.endswith("_counted") for label in plain)
+    traced, caches = decode_launches(True)
+    traces = sum(c._fused_launch.compiled.traces for c in caches)
+    assert traces == len(traced) and all(label.endswith("_merged_counted") for label in traced)
+    assert 4 <= traces <= 4 * 3  # a trace per layer, and one per plan whose launch shape changed
+
+
+@pytest.fixture
+def eager_compile(monkeypatch):
+    """The CPU emulation runs kernels eagerly (numpy): the launch is called, not traced."""
+    monkeypatch.setattr(compiled_launch, "compile_function", lambda function: function)
+
+
+# Each method's emulated programs take ~30 s to build on 2 cores: kivi's in the CI subset.
+EMULATED_METHODS = [m if m == "kivi" else pytest.param(m, marks=pytest.mark.slow) for m in WINDOW_METHODS]
+
+
+@pytest.mark.parametrize("method", EMULATED_METHODS)
+def test_the_counted_build_gives_the_shipped_builds_attention(method, eager_compile):
+    # Emulated on the CPU: the counted build (wn[0] as the window's rows) against the shipped
+    # one (wn's length), window in place both ways, two decode steps of every layer.
+    made = []
+
+    @contextlib.contextmanager
+    def emulated():  # the decode steps only: the prefill takes the portable path both times
+        with cuda_emulation.emulated_kernels() as kernels:
+            yield
+        made.extend(kernels)
+
+    plain, _ = _steps(method, compiled=False, steps=2, around=emulated)
+    made.clear()
+    counted, caches = _steps(method, compiled=True, steps=2, around=emulated)
+    assert any(base_name(k.name).endswith("_merged_counted") for k in made)
+    # Eager, every launch is a call. The second step's are all compiled (minicache: its two
+    # paired layers launch); the first step's only where the window was already the in-place
+    # buffers (not gear's, whose prefill's last flush emptied it, nor minicache's pairs').
+    compiled = sum(c._fused_launch.compiled.traces for c in caches if "_fused_launch" in c.__dict__)
+    assert (2 if method == "minicache" else 4) <= compiled <= (4 if method == "minicache" else 8)
+    assert_same_attention(plain, counted)
+
+
+def test_a_compiled_launch_needs_the_in_place_window():
+    cache = parse_layer_spec("kivi").make(0, 1)
+    cache.compiled_launch = True
+    with pytest.raises(QuantizerConfigError, match="needs the in-place window"):
+        fused_decode.compiles_launches(cache)
+    cache.decode_window_in_place = True
+    assert fused_decode.compiles_launches(cache)
+    cache.compiled_launch = False
+    assert not fused_decode.compiles_launches(cache)
+
+
+def test_a_compiled_launch_refuses_baked_constants_and_the_split_launch(monkeypatch):
+    kernel = fused_decode.PartialsKernel("vq_test_partials", ["q"], "", "")
+    call = dict(inputs=[], template=[], n_blocks=1, heads=1, value_dim=8, compiled=True)
+    with pytest.raises(QuantizerConfigError, match="set one of the two"):
+        kernel.attend(mx.zeros((1, 4, 1, 8)), baked=True, **call)
+    monkeypatch.setattr(fused_decode, "MERGE_IN_KERNEL", False)
+    with pytest.raises(QuantizerConfigError, match="fused launch only; MERGE_IN_KERNEL is off"):
+        kernel.attend(mx.zeros((1, 4, 1, 8)), **call)
+
+
+def test_the_ablation_sets_the_switch_and_the_window_it_needs():
+    cache = parse_layer_spec("gear-compiled").make(0, 1)
+    assert cache.compiled_launch is True and cache.decode_window_in_place is True
+    assert fused_decode.COMPILED_LAUNCH is False  # the shipped default stays uncompiled
+
+
+@cuda_test
+@pytest.mark.parametrize("method", WINDOW_METHODS)
+def test_a_compiled_launch_gives_the_shipped_launchs_attention_on_the_gpu(method):
+    # NVRTC compiles the counted build, mx.compile traces and replays it: 40 steps (a flush of
+    # every method's blocks but gear's 256) the shipped launch's attention (assert_same_attention).
+    plain, _ = _steps(method, compiled=False, steps=40)
+    compiled, caches = _steps(method, compiled=True, steps=40)
+    assert sum(c._fused_launch.compiled.traces for c in caches if "_fused_launch" in c.__dict__) < 40
+    assert_same_attention(plain, compiled)
