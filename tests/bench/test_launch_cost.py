@@ -21,7 +21,8 @@ def test_the_padded_source_has_the_size_asked_and_ends_in_the_kernel():
 def test_the_builtin_cases_time_every_call(monkeypatch):
     monkeypatch.setattr(launch_cost, "CALLS", 20)
     cases = launch_cost.run()
-    assert set(cases) == {"add", "add_compiled", "concatenate", "window_write", "meta_from_list"}
+    assert set(cases) == {"add", "add_compiled", "concatenate_24_inputs", "concatenate_24_inputs_compiled", "concatenate",
+                          "window_write", "meta_from_list"}
     for case in cases.values():
         assert case["build_us"] > 0 and case["eval_us"] >= 0
         assert case["build_us_range"][0] <= case["build_us"] <= case["build_us_range"][1]

@@ -16,7 +16,9 @@ the shared header of our decode kernels (MLX rebuilds the whole source string pe
 with one output and a decode launch's 24 inputs, its 27 template constants, its source's size,
 and all three (`cuda_kernel_decode_shaped`: the host cost of the call our decode steps make,
 for a kernel that does next to nothing), and that call through mx.compile (`_compiled`: MLX
-replays the traced call, as `add_compiled` does mx.add). Medians of 5 rounds, the first untimed.
+replays the traced call, as `add_compiled` does mx.add and `concatenate_24_inputs_compiled` a
+one-node function of 24 inputs, the cost of a replay on any device). Medians of 5 rounds, the
+first untimed.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ def _bound(function, arrays: list, compiled: bool):
     return lambda: function(*arrays)
 
 
+def _concatenated(*arrays):
+    return mx.concatenate(list(arrays))
+
+
 def _window_write():
     """A one-token write at the next slot of a window buffer (mlx-lm KVCache's update): each
     call's node takes the last one's buffer, so MLX writes in place as in a decode."""
@@ -117,7 +123,13 @@ def run() -> dict:
     b = mx.zeros((1, 8, 1, 128), mx.bfloat16)
     window = mx.zeros((1, 8, 128, 128), mx.bfloat16)
     mx.eval(a, b, window)
+    many = [mx.zeros((4,), mx.float32) for _ in range(DECODE_INPUTS)]
+    mx.eval(many)
     cases = {"add": lambda: mx.add(a, b), "add_compiled": _bound(mx.add, [a, b], True),
+             # One node of a decode launch's 24 inputs, built and replayed: what a replay costs
+             # per input, on any device.
+             "concatenate_24_inputs": _bound(_concatenated, many, False),
+             "concatenate_24_inputs_compiled": _bound(_concatenated, many, True),
              "concatenate": lambda: mx.concatenate([window, b], axis=2),
              "window_write": _window_write(), "meta_from_list": lambda: mx.array([3, 128, 0, 7], dtype=mx.int32)}
     if mx.default_device() == mx.gpu and getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
