@@ -145,11 +145,13 @@ def test_a_compiled_launch_needs_the_in_place_window():
     cache = parse_layer_spec("kivi").make(0, 1)
     cache.compiled_launch = True
     with pytest.raises(QuantizerConfigError, match="needs the in-place window"):
-        fused_decode.compiles_launches(cache)
+        fused_decode.compiles_launches(cache, buffered=False)
     cache.decode_window_in_place = True
-    assert fused_decode.compiles_launches(cache)
+    assert fused_decode.compiles_launches(cache, buffered=True)
+    # A step whose window is not in place yet (the first token after a flush emptied it).
+    assert not fused_decode.compiles_launches(cache, buffered=False)
     cache.compiled_launch = False
-    assert not fused_decode.compiles_launches(cache)
+    assert not fused_decode.compiles_launches(cache, buffered=True)
 
 
 def test_a_compiled_launch_refuses_baked_constants_and_the_split_launch(monkeypatch):

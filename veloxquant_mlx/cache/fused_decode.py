@@ -1943,12 +1943,17 @@ def window_inputs(cache, dtype, held, counted: bool = False) -> tuple:
     return keys, values, window_count(n) if counted else window_rows(n)
 
 
-def compiles_launches(cache) -> bool:
-    """Whether `cache`'s fused decode launches go through mx.compile: its own compiled_launch
-    where set, else COMPILED_LAUNCH; refused where its window is not written in place."""
+def compiles_launches(cache, buffered: bool) -> bool:
+    """Whether this step's fused decode launch goes through mx.compile: where the cache's own
+    compiled_launch (else COMPILED_LAUNCH) asks for it and its window is the in-place buffers
+    (`buffered`). Refused where the cache never writes its window in place; a step whose window
+    is not in place though the cache writes it so (the first token after a flush emptied it)
+    launches as shipped."""
     own = cache.__dict__.get("compiled_launch")
     if not (COMPILED_LAUNCH if own is None else own):
         return False
+    if buffered:
+        return True
     from veloxquant_mlx.cache import base  # base imports this module
 
     if not (base.DECODE_WINDOW_IN_PLACE or cache.decode_window_in_place):
@@ -1958,7 +1963,7 @@ def compiles_launches(cache) -> bool:
             "cache's decode_window_in_place): a window concatenated each step changes shape each "
             "step, and mx.compile traces again for every new shape"
         )
-    return True
+    return False
 
 
 def planned_attend(cache, queries, scale: float, key, launch, kernel):
@@ -2001,11 +2006,11 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
     inputs, shape, (keys_slot, values_slot, rows_slot) = plan[1]
     inputs = list(inputs)
     inputs[0] = queries
-    # Compiled where the window is the in-place buffers: a step whose window is not (the first
-    # token after a flush that emptied it) launches as shipped.
-    compiled = compiles_launches(cache) and buffered
+    compiled = compiles_launches(cache, buffered)
     inputs[keys_slot], inputs[values_slot], inputs[rows_slot] = window_inputs(cache, queries.dtype, held, compiled)
-    state = cache.__dict__.setdefault("_fused_launch", FusedLaunchState())
+    state = cache.__dict__.get("_fused_launch")
+    if state is None:  # not setdefault: its argument, a new FusedLaunchState, was built every step
+        state = cache.__dict__["_fused_launch"] = FusedLaunchState()
     return kernel().attend(queries, inputs=inputs, state=state, baked=cache.__dict__.get("baked_constants"),
                            compiled=compiled, **shape)
 
