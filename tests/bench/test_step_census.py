@@ -121,3 +121,15 @@ def test_census_command_end_to_end(tmp_path):
 def test_unknown_method_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="unknown method"):
         step_census.run(step_census.parse_args(["--methods", "fp16,nope", "--out", str(tmp_path / "x.json")]))
+
+
+def test_a_marked_ablation_is_its_methods_caches_marked(tmp_path):
+    from veloxquant_mlx.bench.tiny import random_llama
+
+    assert step_census.method_list("fp16, kivi-compiled") == ["fp16", "kivi-compiled"]
+    with pytest.raises(ValueError, match=r"unknown method\(s\) \['gear-magnitude'\].*kivi-compiled"):
+        step_census.method_list("gear-magnitude")  # an ablation with a class of its own: not taken
+    model = random_llama(hidden=64, layers=2, intermediate=32, vocab=32)
+    with step_census.method_caches("kivi-compiled", model) as (caches, _):
+        assert [type(c).__name__ for c in caches] == ["KIVICache", "KIVICache"]
+        assert all(c.compiled_launch and c.decode_window_in_place for c in caches)

@@ -11,7 +11,12 @@ fp16 step is ~2.0-2.6 ms for 8 layers; every extra primitive per layer and step 
 (~5-10 us on CUDA) and host time to build the graph (MLX builds each step's graph in Python).
 This counts, on the CPU, what each method's decode step adds, taking the path it takes on CUDA.
 
-How (per method; fp16 is mlx-lm's KVCache with mlx-lm's attention):
+How (per method; fp16 is mlx-lm's KVCache with mlx-lm's attention; a marked ablation such as
+`kivi-compiled` or `kivi-inplace` is its method's caches with its attributes set, so
+`--methods fp16,kivi,kivi-compiled` sets a switch beside the shipped path; under the stand-ins a
+compiled launch calls the recorder at its traces only, and its replays count as the
+recorder's primitive, `Depends`, with their time in the build time, where a plain launch's
+stand-in time is taken out):
   * the caches come from `patch_model_kv_cache` on a random mlx-lm llama with the 8B attention
     shape (32 query / 8 KV heads, head_dim 128, bf16; a small hidden size and MLP, which the
     caches never see), so cross-layer methods pair up as they do in a model and the attention
@@ -267,12 +272,27 @@ def state_arrays(cache) -> list:
     return [a for a in arrays if isinstance(a, mx.array)]
 
 
+def marked_ablations() -> dict:
+    """The ablations that are a method's own caches with attributes set (ablations.Marked):
+    name -> (the marker, the method)."""
+    from veloxquant_mlx.bench.ablations import ABLATIONS, Marked
+
+    return {name: (build, method) for name, (build, method, _) in ABLATIONS.items() if isinstance(build, Marked)}
+
+
 @contextlib.contextmanager
 def method_caches(method: str, model):
-    """(cache list, the attention function the model's layers call) for `method`."""
+    """(cache list, the attention function the model's layers call) for `method`, a method or
+    a marked ablation (its method's caches, marked)."""
     from mlx_lm.models import base
     from mlx_lm.models.cache import make_prompt_cache
 
+    marked = marked_ablations().get(method)
+    if marked is not None:
+        marker, of_method = marked
+        with method_caches(of_method, model) as (caches, attention):
+            yield marker.mark(caches), attention
+        return
     if method == "fp16":
         yield make_prompt_cache(model), base.scaled_dot_product_attention
         return
@@ -482,12 +502,15 @@ def table(results: dict) -> str:
 
 # ---- command line ---------------------------------------------------------------------------
 def method_list(text: str) -> list[str]:
-    """A comma list of METHODS -> the names (chunk_census reads its --methods the same way);
-    ValueError naming the unknown ones and what is allowed."""
+    """A comma list of METHODS and marked ablations (`kivi-compiled`, `gear-inplace`, ...) -> the
+    names (chunk_census reads its --methods the same way); ValueError naming the unknown ones
+    and what is allowed."""
     methods = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in METHODS and m not in marked_ablations()]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}: allowed are {', '.join(METHODS)}")
+        raise ValueError(f"unknown method(s) {unknown}: allowed are {', '.join(METHODS)}, or a method's "
+                         "ablation that sets its caches' attributes (bench/ablations.py: "
+                         f"{', '.join(sorted(marked_ablations()))})")
     return methods
 
 
