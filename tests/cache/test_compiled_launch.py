@@ -88,23 +88,31 @@ def _steps(method: str, *, compiled: bool, steps: int, around=contextlib.nullcon
     return outputs, caches
 
 
-def test_a_compiled_cache_launches_through_the_recorder_at_its_traces_only():
+def test_a_compiled_cache_launches_through_the_recorder_at_its_traces_only(monkeypatch):
     # The step census's stand-in launches are lazy nodes MLX can trace: 40 kivi steps (one flush
-    # of its 32-token blocks) record a launch per layer and step without compile, and only
-    # the traces with it, each cache's CompiledLaunch counting the same.
+    # of its 32-token blocks) call the stand-in once per layer and step without compile, and
+    # only at the traces with it, each cache's CompiledLaunch counting the same; the census
+    # still records one launch per layer and step either way (each compiled call, its node the
+    # step's own).
+    calls = []
+    record = step_census.KernelRecorder.record
+    monkeypatch.setattr(step_census.KernelRecorder, "record",
+                        lambda self, label, *a: calls.append(label) or record(self, label, *a))
+
     def decode_launches(compiled):
         recorder = step_census.KernelRecorder()
+        calls.clear()
         _, caches = _steps("kivi", compiled=compiled, steps=40, around=lambda: step_census.cuda_path(recorder))
-        labels = [label for label, _ in recorder.launches if "_decode_partials" in label]
-        return labels, caches
+        recorded = [label for label, _ in recorder.launches if "_decode_partials" in label]
+        return [c for c in calls if "_decode_partials" in c], recorded, caches
 
-    plain, _ = decode_launches(False)
-    assert len(plain) == 4 * 40 and not any(label.endswith("_counted") for label in plain)
-    traced, caches = decode_launches(True)
+    called, recorded, _ = decode_launches(False)
+    assert len(called) == len(recorded) == 4 * 40 and not any(label.endswith("_counted") for label in called)
+    called, recorded, caches = decode_launches(True)
+    assert len(recorded) == 4 * 40 and all(label.endswith("_merged_counted") for label in recorded)
     traces = sum(c._fused_launch.compiled.traces for c in caches)
-    assert traces == len(traced) and all(label.endswith("_merged_counted") for label in traced)
     # One trace per layer: the flush's new launch plan kept the template, grid and shapes.
-    assert traces == 4
+    assert len(called) == traces == 4
 
 
 @pytest.fixture

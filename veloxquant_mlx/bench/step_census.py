@@ -14,9 +14,8 @@ This counts, on the CPU, what each method's decode step adds, taking the path it
 How (per method; fp16 is mlx-lm's KVCache with mlx-lm's attention; a marked ablation such as
 `kivi-compiled` or `kivi-inplace` is its method's caches with its attributes set, so
 `--methods fp16,kivi,kivi-compiled` sets a switch beside the shipped path; under the stand-ins a
-compiled launch calls the recorder at its traces only, and its replays count as the
-recorder's primitive, `Depends`, with their time in the build time, where a plain launch's
-stand-in time is taken out):
+compiled launch is recorded at each call, its replay's time left in the build time, where a
+plain launch's stand-in time is taken out):
   * the caches come from `patch_model_kv_cache` on a random mlx-lm llama with the 8B attention
     shape (32 query / 8 KV heads, head_dim 128, bf16; a small hidden size and MLP, which the
     caches never see), so cross-layer methods pair up as they do in a model and the attention
@@ -217,10 +216,22 @@ def cuda_path(recorder: KernelRecorder):
     """Within: the caches take the path they take on MLX's CUDA backend (kernels on, the GPU as
     the default device for their Python-side branches), kernels built by `recorder`."""
     from veloxquant_mlx.cache import fused_decode, fused_encode_affine
+    from veloxquant_mlx.cache.compiled_launch import CompiledLaunch
 
     factories = kernel_factories()
     saved = (mx.fast.cuda_kernel, mx.fast.scaled_dot_product_attention, mx.dequantize,
              mx.default_device, fused_decode.kernels_enabled, fused_encode_affine._kernels_enabled)
+    saved_compiled_call = CompiledLaunch.__call__
+
+    def compiled_call(self, kernel, arrays, **launch):
+        # A compiled launch calls the recorder at its trace only: each call is recorded here,
+        # its output the step's node (the trace's own record, of a node no step reaches, dropped).
+        # Its time stays in the build time: a replay is MLX's host work, as the real one is.
+        first = len(recorder.launches)
+        out = saved_compiled_call(self, kernel, arrays, **launch)
+        del recorder.launches[first:]
+        recorder.launches.append((f"{KERNEL}:{kernel.kernel_name}", out))
+        return out
     gpu = mx.Device(mx.gpu, 0)
     for f in factories:
         f.cache_clear()
@@ -229,11 +240,13 @@ def cuda_path(recorder: KernelRecorder):
     mx.dequantize = _dequantize_stand_in(recorder, saved[2])
     mx.default_device = lambda: gpu
     fused_decode.kernels_enabled = fused_encode_affine._kernels_enabled = lambda: True
+    CompiledLaunch.__call__ = compiled_call
     try:
         yield recorder
     finally:
         (mx.fast.cuda_kernel, mx.fast.scaled_dot_product_attention, mx.dequantize,
          mx.default_device, fused_decode.kernels_enabled, fused_encode_affine._kernels_enabled) = saved
+        CompiledLaunch.__call__ = saved_compiled_call
         for f in factories:
             f.cache_clear()
 
