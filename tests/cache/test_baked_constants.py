@@ -10,16 +10,12 @@ import pytest
 
 from tests.cache import cuda_emulation
 from tests.cache.cuda_marks import cuda_test
-from tests.cache.test_compiled_launch import assert_same_attention
-from veloxquant_mlx.bench import step_census
+from tests.cache.model_decode import assert_same_attention, decode_outputs
 from veloxquant_mlx.bench.ablations import WINDOW_METHODS
 from veloxquant_mlx.bench.layer_specs import parse_layer_spec
-from veloxquant_mlx.bench.tiny import random_llama
 from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.kernel_name import base_name
 from veloxquant_mlx.errors import QuantizerConfigError
-
-SHAPE = dict(kv_heads=8, heads=32, head_dim=128, dtype=mx.bfloat16)
 
 
 def test_constants_are_written_as_mlx_writes_them():
@@ -35,29 +31,9 @@ def test_a_constant_of_another_kind_is_refused_by_name():
         fused_decode.constants_source([("D", 128), ("X", 0.5)])
 
 
-def _one_step(method: str, baked: bool, around=contextlib.nullcontext) -> list:
-    """The attention outputs of one decode step of a 4-layer model's caches of `method` (1024
-    tokens prefilled on the portable path), the caches' baked_constants set (4 layers:
-    minicache merges the second half's pairs, its first half are plain caches); the step (not
-    the prefill) runs inside `around()`."""
-    model = random_llama(hidden=256, layers=4, intermediate=64, vocab=64, dtype=mx.bfloat16,
-                         **step_census.LLAMA_8B_ATTENTION)
-    outputs = []
-    with step_census.method_caches(method, model) as (caches, attention):
-        step_census.prefill(caches, attention, history=1024, chunk=512, seed=0, **SHAPE)
-        for cache in caches:
-            cache.baked_constants = baked  # on every cache: minicache's plain layers take it too
-        with around():
-            for i, cache in enumerate(caches):
-                k, v, q = (step_census._random(s, mx.bfloat16, 10 * i + j) for j, s in enumerate(
-                    ((1, 8, 1, 128), (1, 8, 1, 128), (1, 32, 1, 128))))
-                keys, values = cache.update_and_fetch(k, v)
-                outputs.append(attention(q, keys, values, cache=cache, scale=128 ** -0.5, mask=None))
-    return outputs
-
-
 def _decode_launches(method: str, baked: bool) -> list:
-    """(kernel, signature) of every decode launch of `_one_step`, emulated, nothing run."""
+    """(kernel, signature) of every decode launch of one step (model_decode.decode_outputs, the
+    caches' baked_constants set), emulated, nothing run."""
     captured = []
 
     @contextlib.contextmanager
@@ -66,7 +42,7 @@ def _decode_launches(method: str, baked: bool) -> list:
             yield
         captured.extend(launches)
 
-    _one_step(method, baked, emulated)
+    decode_outputs(method, {"baked_constants": baked}, around=emulated)
     return [(k, sig) for k, sig in captured if "_decode_partials_merged" in base_name(k.name)]
 
 
@@ -105,8 +81,7 @@ def test_a_baked_launch_gives_the_templated_launchs_output_on_the_gpu(method, mo
     attend = fused_decode.PartialsKernel.attend
     monkeypatch.setattr(fused_decode.PartialsKernel, "attend",
                         lambda self, *a, **k: launches.append(k.get("baked")) or attend(self, *a, **k))
-    plain = _one_step(method, False)
-    baked = _one_step(method, True)
-    mx.eval(plain, baked)
+    plain, _ = decode_outputs(method, {"baked_constants": False})
+    baked, _ = decode_outputs(method, {"baked_constants": True})
     assert launches.count(True) == launches.count(False) == (2 if method == "minicache" else 4)
     assert_same_attention(plain, baked)

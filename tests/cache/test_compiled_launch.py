@@ -11,16 +11,14 @@ import pytest
 
 from tests.cache import cuda_emulation
 from tests.cache.cuda_marks import cuda_test
+from tests.cache.model_decode import assert_same_attention, decode_outputs
 from veloxquant_mlx.bench import step_census
 from veloxquant_mlx.bench.ablations import WINDOW_METHODS
 from veloxquant_mlx.bench.layer_specs import parse_layer_spec
-from veloxquant_mlx.bench.tiny import random_llama
 from veloxquant_mlx.cache import compiled_launch, fused_decode
 from veloxquant_mlx.cache.compiled_launch import CompiledLaunch, window_count
 from veloxquant_mlx.cache.kernel_name import base_name
 from veloxquant_mlx.errors import QuantizerConfigError
-
-SHAPE = dict(kv_heads=8, heads=32, head_dim=128, dtype=mx.bfloat16)
 
 
 def test_the_window_count_is_one_int32_made_once_per_length():
@@ -56,36 +54,11 @@ def test_a_launch_is_traced_once_and_replayed_with_each_calls_arrays():
     assert launch.traces == 3
 
 
-def assert_same_attention(expected: list, got: list) -> None:
-    """Equal outputs but for one bf16 rounding: two runs of one build are not always bit for bit
-    (kvquant's first decode step differed by up to 9.5e-7 between two emulated runs of the
-    shipped build, one ulp of its smallest outputs; a bf16 ulp is at most 2^-7 of the value)."""
-    assert len(expected) == len(got)
-    for e, g in zip(expected, got):
-        e, g = e.astype(mx.float32), g.astype(mx.float32)
-        assert mx.all(mx.abs(e - g) <= 2 ** -7 * mx.abs(e) + 1e-6).item(), mx.abs(e - g).max().item()
-
-
-def _steps(method: str, *, compiled: bool, steps: int, around=contextlib.nullcontext, ablation: str | None = None):
-    """The attention outputs of `steps` decode steps of a 4-layer model's caches of `method`
-    (1024 tokens prefilled on the portable path, the window written in place), each layer's
-    compiled_launch set; the steps run inside `around()` -> (outputs, caches)."""
-    model = random_llama(hidden=256, layers=4, intermediate=64, vocab=64, dtype=mx.bfloat16,
-                         **step_census.LLAMA_8B_ATTENTION)
-    outputs = []
-    with step_census.method_caches(method, model) as (caches, attention):
-        step_census.prefill(caches, attention, history=1024, chunk=512, seed=0, **SHAPE)
-        for cache in caches:
-            cache.decode_window_in_place, cache.compiled_launch = True, compiled
-        with around():
-            for s in range(steps):
-                for i, cache in enumerate(caches):
-                    k, v, q = (step_census._random(shape, mx.bfloat16, 100 * s + 10 * i + j) for j, shape in enumerate(
-                        ((1, 8, 1, 128), (1, 8, 1, 128), (1, 32, 1, 128))))
-                    keys, values = cache.update_and_fetch(k, v)
-                    outputs.append(attention(q, keys, values, cache=cache, scale=128 ** -0.5, mask=None))
-                mx.eval(outputs)
-    return outputs, caches
+def _steps(method: str, *, compiled: bool, steps: int, around=contextlib.nullcontext):
+    """model_decode.decode_outputs with the window written in place and each cache's
+    compiled_launch set -> (outputs, caches)."""
+    return decode_outputs(method, {"decode_window_in_place": True, "compiled_launch": compiled}, steps=steps,
+                          around=around)
 
 
 def test_a_compiled_cache_launches_through_the_recorder_at_its_traces_only(monkeypatch):
