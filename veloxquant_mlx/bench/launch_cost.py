@@ -126,8 +126,8 @@ def run() -> dict:
     many = [mx.zeros((4,), mx.float32) for _ in range(DECODE_INPUTS)]
     mx.eval(many)
     cases = {"add": lambda: mx.add(a, b), "add_compiled": _bound(mx.add, [a, b], True),
-             # One node of a decode launch's 24 inputs, built and replayed: what a replay costs
-             # per input, on any device.
+             # One node of a decode launch's 24 inputs, built and replayed: what a replay of
+             # that many inputs costs per call, on any device.
              "concatenate_24_inputs": _bound(_concatenated, many, False),
              "concatenate_24_inputs_compiled": _bound(_concatenated, many, True),
              "concatenate": lambda: mx.concatenate([window, b], axis=2),
@@ -135,6 +135,8 @@ def run() -> dict:
     if mx.default_device() == mx.gpu and getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
         from veloxquant_mlx.cache.fused_decode import _HEADER
 
+        decode_shaped = dict(outputs=1, header=_HEADER, inputs=DECODE_INPUTS, template=DECODE_TEMPLATE,
+                             source=_padded_source(DECODE_SOURCE_BYTES))
         variants = {"cuda_kernel": _custom_call(), "cuda_kernel_init_value": _custom_call(init_value=0),
                     "cuda_kernel_one_output": _custom_call(outputs=1),
                     "cuda_kernel_decode_header": _custom_call(header=_HEADER),
@@ -142,13 +144,9 @@ def run() -> dict:
                     "cuda_kernel_24_inputs": _custom_call(outputs=1, inputs=DECODE_INPUTS),
                     "cuda_kernel_27_constants": _custom_call(outputs=1, template=DECODE_TEMPLATE),
                     "cuda_kernel_decode_source": _custom_call(outputs=1, header=_HEADER,
-                                                              source=_padded_source(DECODE_SOURCE_BYTES)),
-                    "cuda_kernel_decode_shaped": _custom_call(outputs=1, header=_HEADER, inputs=DECODE_INPUTS,
-                                                              template=DECODE_TEMPLATE,
-                                                              source=_padded_source(DECODE_SOURCE_BYTES)),
-                    "cuda_kernel_decode_shaped_compiled": _custom_call(
-                        outputs=1, header=_HEADER, inputs=DECODE_INPUTS, template=DECODE_TEMPLATE,
-                        source=_padded_source(DECODE_SOURCE_BYTES), compiled=True)}
+                                                              source=decode_shaped["source"]),
+                    "cuda_kernel_decode_shaped": _custom_call(**decode_shaped),
+                    "cuda_kernel_decode_shaped_compiled": _custom_call(**decode_shaped, compiled=True)}
         for name, call in variants.items():
             mx.eval(call())  # its JIT compile, untimed
             cases[name] = call

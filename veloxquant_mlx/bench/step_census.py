@@ -519,11 +519,11 @@ def method_list(text: str) -> list[str]:
     names (chunk_census reads its --methods the same way); ValueError naming the unknown ones
     and what is allowed."""
     methods = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS and m not in marked_ablations()]
+    marked = marked_ablations()
+    unknown = [m for m in methods if m not in METHODS and m not in marked]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}: allowed are {', '.join(METHODS)}, or a method's "
-                         "ablation that sets its caches' attributes (bench/ablations.py: "
-                         f"{', '.join(sorted(marked_ablations()))})")
+                         f"ablation that sets its caches' attributes (bench/ablations.py: {', '.join(sorted(marked))})")
     return methods
 
 
