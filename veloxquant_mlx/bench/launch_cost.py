@@ -132,8 +132,9 @@ def run() -> dict:
              "concatenate_24_inputs_compiled": _bound(_concatenated, many, True),
              "concatenate": lambda: mx.concatenate([window, b], axis=2),
              "window_write": _window_write(), "meta_from_list": lambda: mx.array([3, 128, 0, 7], dtype=mx.int32)}
-    if mx.default_device() == mx.gpu and getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
-        from veloxquant_mlx.cache.fused_decode import _HEADER
+    from veloxquant_mlx.cache.fused_decode import _HEADER, _on_cuda
+
+    if _on_cuda():
 
         decode_shaped = dict(outputs=1, header=_HEADER, inputs=DECODE_INPUTS, template=DECODE_TEMPLATE,
                              source=_padded_source(DECODE_SOURCE_BYTES))
