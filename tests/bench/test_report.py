@@ -47,3 +47,12 @@ def test_json_and_plots_are_written(tmp_path):
 
 def test_no_data_no_plot(tmp_path):
     assert report.plot_all({"cases": []}, tmp_path / "e.json") == []
+
+
+def test_a_default_runs_eleven_series_get_eleven_styles():
+    # A default bench run draws fp16, mlx-lm's three quantized caches and our seven methods:
+    # the default colour cycle of 10 gave the 11th line the 1st's colour.
+    styles = [report.series_style(i, 11) for i in range(11)]
+    assert len({color for color, _ in styles}) == 11
+    assert len({marker for _, marker in styles}) == 10  # markers cycle, beside the colours
+    assert report.series_style(3, 4)[0] != report.series_style(2, 4)[0]

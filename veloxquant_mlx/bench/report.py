@@ -177,6 +177,21 @@ def _plotted(case: dict, metric: str) -> dict:
     return {"median": fig.get("decode_tps"), "min": fig.get("decode_tps_min"), "max": fig.get("decode_tps_max")}
 
 
+# Markers cycled beside the colours: a series stays told apart where two lines cross or where
+# a printout loses the colours.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
+
+
+def series_style(index: int, count: int) -> tuple:
+    """(colour, marker) of series `index` of `count`: matplotlib's 10 default colours while they
+    suffice, else its 20-colour map (the default cycle would repeat a colour from the 11th line
+    on: a default bench run draws 11 specs)."""
+    import matplotlib
+
+    colors = matplotlib.colormaps["tab10" if count <= 10 else "tab20"].colors
+    return colors[index % len(colors)], _MARKERS[index % len(_MARKERS)]
+
+
 def plot_speed(result: dict, path: str | os.PathLike) -> Path | None:
     """Decode tokens/s (and prefill) against context, one line per spec, min-max bars (for
     gpu_speed results: its figures, gpu_speed_figures.py)."""
@@ -186,9 +201,10 @@ def plot_speed(result: dict, path: str | os.PathLike) -> Path | None:
         return None
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    specs = list(dict.fromkeys(c["spec"] for c in cases))
     for metric, ax, title in (("decode_tps", axes[0], "decode tokens/s"),
                               ("prefill_tps", axes[1], "prefill tokens/s")):
-        for spec in dict.fromkeys(c["spec"] for c in cases):
+        for index, spec in enumerate(specs):
             rows = sorted((c for c in cases if c["spec"] == spec), key=lambda c: c["context"])
             xs = [c["context"] for c in rows]
             stats = [_plotted(c, metric) for c in rows]
@@ -199,7 +215,8 @@ def plot_speed(result: dict, path: str | os.PathLike) -> Path | None:
                   for m, st in zip(med, stats)]
             med = [m if m is not None else float("nan") for m in med]
             style = "--" if rows[0].get("kind") in ("fp16", "mlx-quantized") else "-"
-            ax.errorbar(xs, med, yerr=[lo, hi], marker="o", linestyle=style, capsize=3,
+            color, marker = series_style(index, len(specs))
+            ax.errorbar(xs, med, yerr=[lo, hi], marker=marker, color=color, linestyle=style, capsize=3,
                         label=rows[0].get("label", spec))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
