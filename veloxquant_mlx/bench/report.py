@@ -242,13 +242,13 @@ def plot_quality(result: dict, path: str | os.PathLike) -> Path | None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, ylabel, log in ((axes[0], "kl_mean", "mean KL(ref || cache)", True),
                                  (axes[1], "top1_agreement", "top-1 agreement with fp16", False)):
-        for r in rows:
+        for index, r in enumerate(rows):
             x = r["bytes_ratio_vs_fp16"]
             y = r[key]
             if log:
                 y = max(y, 1e-6)  # KL of the reference itself is 0: keep it on the log axis
             marker = "s" if r.get("kind") in ("fp16", "mlx-quantized") else "o"
-            ax.scatter([x], [y], marker=marker, s=50)
+            ax.scatter([x], [y], marker=marker, s=50, color=series_style(index, len(rows))[0])
             ax.annotate(r.get("label", r["spec"]), (x, y), fontsize=7, xytext=(4, 4),
                         textcoords="offset points")
         if log:
