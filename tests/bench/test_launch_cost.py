@@ -18,6 +18,11 @@ def test_the_padded_source_has_the_size_asked_and_ends_in_the_kernel():
     assert source.count("\n") == 1  # one comment line, then the kernel
 
 
+def test_the_compact_case_has_gears_decode_source_at_its_compacted_size():
+    # GEAR's fused decode source is ~41 KB as written; compacted, ~22 KB (session 36).
+    assert 15_000 < launch_cost._compact_decode_source_bytes() < 0.67 * launch_cost.DECODE_SOURCE_BYTES
+
+
 def test_the_builtin_cases_time_every_call(monkeypatch):
     monkeypatch.setattr(launch_cost, "CALLS", 20)
     cases = launch_cost.run()

@@ -19,9 +19,10 @@ def test_build_kernel_passes_the_keyed_name_and_everything_else():
         seen.update(arguments)
         return "built"
 
+    # The source as handed over: compacted (kernel_text), one line ending in its break.
     assert build_kernel(factory, name="vq_k", input_names=["x"], output_names=["y"], source="s") == "built"
-    assert seen == {"name": source_keyed_name("vq_k", "s"), "input_names": ["x"], "output_names": ["y"],
-                    "source": "s", "header": ""}
+    assert seen == {"name": source_keyed_name("vq_k", "s\n"), "input_names": ["x"], "output_names": ["y"],
+                    "source": "s\n", "header": ""}
 
 
 def test_a_source_built_from_arguments_gets_a_name_per_source():

@@ -88,6 +88,11 @@ baked_constants = Marked("baked_constants", True)
 # replays the traced kernel call), with the in-place window it needs.
 compiled_launch = Marked("compiled_launch", True, decode_window_in_place=True)
 
+# The fused decode launch built from its header and source as written, comments and
+# indentation in, as before session 36 (cache/kernel_text.py compacts them as shipped): what the
+# smaller text saves of MLX's host work per call, paired with the shipped launch in one run.
+text_as_written = Marked("kernel_text_as_written", True)
+
 # The methods whose decode steps append to the base's exact window (pyramidkv's update is its own).
 WINDOW_METHODS = ("kivi", "xquant", "turboquant_rvq", "minicache", "gear", "kvquant")
 
@@ -107,6 +112,8 @@ ABLATIONS: dict[str, tuple] = {
     **{f"{m}-baked": (baked_constants, m, f"{m}, decode launch constants in the kernel source")
        for m in WINDOW_METHODS},
     **{f"{m}-compiled": (compiled_launch, m, f"{m}, decode launch through mx.compile, window in place")
+       for m in WINDOW_METHODS},
+    **{f"{m}-verbatim": (text_as_written, m, f"{m}, decode launch from its kernel text as written")
        for m in WINDOW_METHODS},
     **{f"{m}-tw{n}": (Marked("decode_target_warps", n), m, f"{m}, decode launches for {n} target warps")
        for m in WINDOW_METHODS for n in TARGET_WARPS_TRIED},

@@ -17,8 +17,10 @@ with one output and a decode launch's 24 inputs, its 27 template constants, its 
 and all three (`cuda_kernel_decode_shaped`: the host cost of the call our decode steps make,
 for a kernel that does next to nothing), and that call through mx.compile (`_compiled`: MLX
 replays the traced call, as `add_compiled` does mx.add and `concatenate_24_inputs_compiled` a
-one-node function of 24 inputs, the cost of a replay on any device). Medians of 5 rounds, the
-first untimed.
+one-node function of 24 inputs, the cost of a replay on any device). `_compact` cases: the same
+call with the header and source at the sizes cache/kernel_text leaves (comments and indentation
+gone), the text our decode launches hand MLX since session 36. Medians of 5 rounds, the first
+untimed.
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ _TEMPLATE = [("N", 3), ("D", 128), ("R", 4), ("G", 32), ("KB", 2), ("VB", 2), ("
 DECODE_INPUTS = 24
 DECODE_TEMPLATE = _TEMPLATE + [(f"C{i}", i) for i in range(15)] + [("IT", mx.uint16), ("JT", mx.uint16), ("B", 1)]
 DECODE_SOURCE_BYTES = 41_000
+
+
+def _compact_decode_source_bytes() -> int:
+    """The size of GEAR's fused decode source as build_kernel hands it to MLX (compacted)."""
+    from veloxquant_mlx.cache import fused_decode, fused_decode_gear
+    from veloxquant_mlx.cache.kernel_text import compact_kernel_text
+
+    partials = fused_decode_gear._partials_kernel()
+    return len(compact_kernel_text(fused_decode._FUSED_PROLOGUE + partials.source + fused_decode._FUSED_EPILOGUE))
 
 
 def _padded_source(size: int) -> str:
@@ -136,8 +147,12 @@ def run() -> dict:
 
     if _on_cuda():
 
+        from veloxquant_mlx.cache.kernel_text import compact_kernel_text
+
         decode_shaped = dict(outputs=1, header=_HEADER, inputs=DECODE_INPUTS, template=DECODE_TEMPLATE,
                              source=_padded_source(DECODE_SOURCE_BYTES))
+        compact = dict(decode_shaped, header=compact_kernel_text(_HEADER),
+                       source=_padded_source(_compact_decode_source_bytes()))
         variants = {"cuda_kernel": _custom_call(), "cuda_kernel_init_value": _custom_call(init_value=0),
                     "cuda_kernel_one_output": _custom_call(outputs=1),
                     "cuda_kernel_decode_header": _custom_call(header=_HEADER),
@@ -147,7 +162,9 @@ def run() -> dict:
                     "cuda_kernel_decode_source": _custom_call(outputs=1, header=_HEADER,
                                                               source=decode_shaped["source"]),
                     "cuda_kernel_decode_shaped": _custom_call(**decode_shaped),
-                    "cuda_kernel_decode_shaped_compiled": _custom_call(**decode_shaped, compiled=True)}
+                    "cuda_kernel_decode_shaped_compiled": _custom_call(**decode_shaped, compiled=True),
+                    "cuda_kernel_decode_shaped_compact": _custom_call(**compact),
+                    "cuda_kernel_decode_shaped_compact_compiled": _custom_call(**compact, compiled=True)}
         for name, call in variants.items():
             mx.eval(call())  # its JIT compile, untimed
             cases[name] = call

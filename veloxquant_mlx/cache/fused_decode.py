@@ -1424,7 +1424,7 @@ class PartialsKernel:
 
     def __init__(self, name: str, input_names, source: str, header: str):
         self.name, self.input_names, self.source, self.header = name, list(input_names), source, header
-        self._split = self._fused = self._counted = None
+        self._split = self._fused = self._counted = self._verbatim = None
         self._baked = {}  # template constants (a tuple) -> the fused build with them in its source
 
     @property
@@ -1436,21 +1436,30 @@ class PartialsKernel:
                 output_names=["part_o", "part_m", "part_l"], source=self.source, header=self.header)
         return self._split
 
-    def _fused_build(self, suffix: str = "", before: str = "", after: str = ""):
+    def _fused_build(self, suffix: str = "", before: str = "", after: str = "", compact: bool = True):
         """The source with the merge fused in (`before` / `after`: lines written before and
         after it: template constants, compiled_launch's counted window), built under this
-        kernel's name + "_merged" + `suffix`."""
+        kernel's name + "_merged" + `suffix`; `compact`: build_kernel's."""
         return build_kernel(
             mx.fast.cuda_kernel,
             name=self.name + "_merged" + suffix, input_names=[*self.input_names, *FUSED_EXTRA_INPUTS],
             output_names=["out"],
-            source=before + _FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE + after, header=self.header)
+            source=before + _FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE + after, header=self.header,
+            compact=compact)
 
     @property
     def fused(self):
         if self._fused is None:
             self._fused = self._fused_build()
         return self._fused
+
+    @property
+    def verbatim(self):
+        """The fused build with its header and source as written, comments and indentation in
+        (kernel_text): the `<method>-verbatim` ablations' launch, for what compacting is worth."""
+        if self._verbatim is None:
+            self._verbatim = self._fused_build("_verbatim", compact=False)
+        return self._verbatim
 
     @property
     def counted(self):
@@ -1475,14 +1484,23 @@ class PartialsKernel:
                             heads=heads, value_dim=value_dim)
 
     def attend(self, queries, *, inputs, template, n_blocks: int, heads: int, value_dim: int,
-               state: FusedLaunchState | None = None, baked: bool | None = None, compiled: bool = False):
+               state: FusedLaunchState | None = None, baked: bool | None = None, compiled: bool = False,
+               verbatim: bool = False):
         """The attention output (B, Hq, 1, DV) in the queries' dtype: one fused launch
         (MERGE_IN_KERNEL), else the split build and merge_partials. `state`: the cache's
         FusedLaunchState (None: one for this launch alone); `baked`: the fused launch's
         constants written into its source (None: BAKED_CONSTANTS); `compiled`: the counted
         build through the state's CompiledLaunch (mx.compile), `inputs` holding the window's
-        count (compiled_launch.window_count) as wn."""
+        count (compiled_launch.window_count) as wn; `verbatim`: the fused build with its text
+        as written (PartialsKernel.verbatim), for the bench's ablation."""
         in_source = BAKED_CONSTANTS if baked is None else baked
+        if verbatim and (in_source or compiled or not MERGE_IN_KERNEL):
+            raise QuantizerConfigError(
+                "decode kernels: the text-as-written build (a cache's kernel_text_as_written) is "
+                "the plain fused launch's; it takes no constants in the source (BAKED_CONSTANTS or "
+                "baked_constants), no compiled launch (COMPILED_LAUNCH or compiled_launch) and "
+                "needs MERGE_IN_KERNEL: set one of them"
+            )
         if in_source and compiled:
             raise QuantizerConfigError(
                 "decode kernels: a compiled launch (COMPILED_LAUNCH or a cache's compiled_launch) "
@@ -1508,7 +1526,8 @@ class PartialsKernel:
             out = state.compiled(self.counted, arrays, template=template, output_shape=(B, n_q_heads, 1, value_dim),
                                  output_dtype=queries.dtype, **launch)
         else:
-            kernel, constants = (self.baked(template), []) if in_source else (self.fused, template)
+            kernel, constants = (self.baked(template), []) if in_source else (
+                self.verbatim if verbatim else self.fused, template)
             out = kernel(inputs=arrays, template=constants, output_shapes=[(B, n_q_heads, 1, value_dim)],
                          output_dtypes=[queries.dtype], **launch)[0]
         state.last_out = out
@@ -2012,7 +2031,8 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
     if state is None:  # not setdefault: its argument, a new FusedLaunchState, was built every step
         state = cache.__dict__["_fused_launch"] = FusedLaunchState()
     return kernel().attend(queries, inputs=inputs, state=state, baked=cache.__dict__.get("baked_constants"),
-                           compiled=compiled, **shape)
+                           compiled=compiled, verbatim=cache.__dict__.get("kernel_text_as_written", False),
+                           **shape)
 
 
 def affine_decode_attention(

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 
+from .kernel_text import compact_kernel_text
+
 # Between the name given and the digest; base_name() cuts there.
 DIGEST_MARK = "__src"
 
@@ -27,7 +29,11 @@ def base_name(name: str) -> str:
     return name.split(DIGEST_MARK, 1)[0]
 
 
-def build_kernel(factory, *, name: str, source: str, header: str = "", **arguments):
-    """factory (mx.fast.cuda_kernel, or a test's stand-in for it) called under the
-    source-keyed name; the other arguments pass through."""
+def build_kernel(factory, *, name: str, source: str, header: str = "", compact: bool = True, **arguments):
+    """factory (mx.fast.cuda_kernel, or a test's stand-in for it) called with the source and
+    header compacted (kernel_text: MLX copies them at every launch; `compact` False: as written,
+    for the bench's paired ablation) under a name keyed by the text handed over, what nvrtc
+    compiles; the other arguments pass through."""
+    if compact:
+        source, header = compact_kernel_text(source), compact_kernel_text(header)
     return factory(name=source_keyed_name(name, source, header), source=source, header=header, **arguments)
