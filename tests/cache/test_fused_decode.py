@@ -293,8 +293,10 @@ def test_a_launch_plan_serves_the_steps_until_the_store_changes(monkeypatch):
     queries, inputs, shape = seen["steps"][-1]
     state = shape.pop("state")
     # baked: the cache's own baked_constants (unset: the module's BAKED_CONSTANTS decides);
-    # compiled: not as shipped (COMPILED_LAUNCH off)
-    assert queries is q_heads and inputs[0] is q_heads and shape == {"n_blocks": 3, "baked": None, "compiled": False}
+    # compiled: not here, the window concatenated (the kernels are stubbed, not enabled, when
+    # the steps' tokens are written); verbatim: the text as shipped (compacted)
+    assert queries is q_heads and inputs[0] is q_heads
+    assert shape == {"n_blocks": 3, "baked": None, "compiled": False, "verbatim": False}
     assert state is cache._fused_launch  # one FusedLaunchState per cache, across its plans
     assert mx.array_equal(inputs[7], cache.window_keys).item() and mx.array_equal(inputs[8], cache.window_values).item()
     assert inputs[1:7] == [f"input {i}" for i in range(1, 7)] and inputs[9:12] == [f"input {i}" for i in range(9, 12)]
