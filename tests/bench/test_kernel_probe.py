@@ -5,7 +5,7 @@ import pytest
 
 from tests.cache import cuda_emulation
 from veloxquant_mlx.bench import kernel_probe
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import compiled_launch, fused_decode
 
 
 def test_variants_cut_one_half_of_the_shipped_kernel():
@@ -117,6 +117,8 @@ def test_the_step_probe_times_whole_steps_and_kivis_pieces(monkeypatch):
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_emulation.cuda_kernel)
     monkeypatch.setattr(fused_decode, "_on_cuda", lambda: True)
+    # The emulation runs eagerly and cannot be traced (the compiled launch as shipped on CUDA).
+    monkeypatch.setattr(compiled_launch, "compile_function", lambda function: function)
     real = kernel_probe.per_call_ms
     monkeypatch.setattr(kernel_probe, "per_call_ms",
                         lambda fn, calls=30, batches=5, build_untimed=False: real(fn, 2, 1, build_untimed))

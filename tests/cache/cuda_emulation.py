@@ -712,7 +712,7 @@ def emulated_kernels(enabled=None):
     emulation (the module's `cuda_kernel`, looked up at build time so a test may wrap it); the
     kernel factories are emptied before and after, so no emulated kernel outlives the block.
     Yields the list of kernels built inside (a test checks which ran)."""
-    from veloxquant_mlx.cache import fused_decode
+    from veloxquant_mlx.cache import compiled_launch, fused_decode
 
     made = []
 
@@ -721,14 +721,17 @@ def emulated_kernels(enabled=None):
         return made[-1]
 
     builders = kernel_builders()
-    saved = mx.fast.cuda_kernel, fused_decode.kernels_enabled
+    saved = mx.fast.cuda_kernel, fused_decode.kernels_enabled, compiled_launch.compile_function
     for built in builders:
         built.cache_clear()
+    # The emulation runs eagerly through numpy and cannot be traced: a compiled launch (as
+    # shipped on CUDA) calls its function as it is, the counted build and all.
     mx.fast.cuda_kernel, fused_decode.kernels_enabled = build, (enabled or (lambda: True))
+    compiled_launch.compile_function = lambda function: function
     try:
         yield made
     finally:
-        mx.fast.cuda_kernel, fused_decode.kernels_enabled = saved
+        mx.fast.cuda_kernel, fused_decode.kernels_enabled, compiled_launch.compile_function = saved
         for built in builders:
             built.cache_clear()
 

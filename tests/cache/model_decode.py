@@ -44,3 +44,21 @@ def assert_same_attention(expected: list, got: list) -> None:
     for e, g in zip(expected, got):
         e, g = e.astype(mx.float32), g.astype(mx.float32)
         assert mx.all(mx.abs(e - g) <= 2 ** -7 * mx.abs(e) + 1e-6).item(), mx.abs(e - g).max().item()
+
+
+def emulated_decode_launches(method: str, settings: dict) -> list:
+    """(kernel, signature) of every fused decode launch of one step (decode_outputs with
+    `settings`), the kernels emulated and not run: what a test of a launch's build compares."""
+    from tests.cache import cuda_emulation
+    from veloxquant_mlx.cache.kernel_name import base_name
+
+    captured = []
+
+    @contextlib.contextmanager
+    def emulated():
+        with cuda_emulation.emulated_kernels(), cuda_emulation.signatures_only() as launches:
+            yield
+        captured.extend(launches)
+
+    decode_outputs(method, settings, around=emulated)
+    return [(k, sig) for k, sig in captured if "_decode_partials_merged" in base_name(k.name)]

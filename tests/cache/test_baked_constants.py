@@ -3,14 +3,11 @@ a decode launch's template constants written into its kernel's source, as the li
 for them, so the kernel compiled is the one the template gives. Checked without compiling: the
 emulation's program text of each method's decode launch, both ways, from one model's caches."""
 
-import contextlib
-
 import mlx.core as mx
 import pytest
 
-from tests.cache import cuda_emulation
 from tests.cache.cuda_marks import cuda_test
-from tests.cache.model_decode import assert_same_attention, decode_outputs
+from tests.cache.model_decode import assert_same_attention, decode_outputs, emulated_decode_launches
 from veloxquant_mlx.bench.ablations import WINDOW_METHODS
 from veloxquant_mlx.bench.layer_specs import parse_layer_spec
 from veloxquant_mlx.cache import fused_decode
@@ -32,18 +29,9 @@ def test_a_constant_of_another_kind_is_refused_by_name():
 
 
 def _decode_launches(method: str, baked: bool) -> list:
-    """(kernel, signature) of every decode launch of one step (model_decode.decode_outputs, the
-    caches' baked_constants set), emulated, nothing run."""
-    captured = []
-
-    @contextlib.contextmanager
-    def emulated():
-        with cuda_emulation.emulated_kernels(), cuda_emulation.signatures_only() as launches:
-            yield
-        captured.extend(launches)
-
-    decode_outputs(method, {"baked_constants": baked}, around=emulated)
-    return [(k, sig) for k, sig in captured if "_decode_partials_merged" in base_name(k.name)]
+    """Every decode launch of one step, emulated, the caches' baked_constants set (uncompiled:
+    a compiled launch takes its constants at its trace)."""
+    return emulated_decode_launches(method, {"baked_constants": baked, "compiled_launch": False})
 
 
 @pytest.mark.parametrize("method", WINDOW_METHODS)
@@ -81,7 +69,7 @@ def test_a_baked_launch_gives_the_templated_launchs_output_on_the_gpu(method, mo
     attend = fused_decode.PartialsKernel.attend
     monkeypatch.setattr(fused_decode.PartialsKernel, "attend",
                         lambda self, *a, **k: launches.append(k.get("baked")) or attend(self, *a, **k))
-    plain, _ = decode_outputs(method, {"baked_constants": False})
-    baked, _ = decode_outputs(method, {"baked_constants": True})
+    plain, _ = decode_outputs(method, {"baked_constants": False, "compiled_launch": False})
+    baked, _ = decode_outputs(method, {"baked_constants": True, "compiled_launch": False})
     assert launches.count(True) == launches.count(False) == (2 if method == "minicache" else 4)
     assert_same_attention(plain, baked)

@@ -122,17 +122,33 @@ def test_the_counted_build_gives_the_shipped_builds_attention(method, eager_comp
     assert_same_attention(plain, counted)
 
 
-def test_a_compiled_launch_needs_the_in_place_window():
+def test_a_compiled_launch_writes_the_window_in_place_where_the_kernels_run(monkeypatch):
     cache = parse_layer_spec("kivi").make(0, 1)
-    cache.compiled_launch = True
-    with pytest.raises(QuantizerConfigError, match="needs the in-place window"):
-        fused_decode.compiles_launches(cache, buffered=False)
-    cache.decode_window_in_place = True
+    assert fused_decode.wants_compiled_launch(cache)  # as shipped
+    # Off the kernels (this CPU) the window grows by concatenation as before.
+    assert not fused_decode.writes_window_in_place(cache)
+    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
+    assert fused_decode.writes_window_in_place(cache)
     assert fused_decode.compiles_launches(cache, buffered=True)
     # A step whose window is not in place yet (the first token after a flush emptied it).
     assert not fused_decode.compiles_launches(cache, buffered=False)
     cache.compiled_launch = False
+    assert not fused_decode.writes_window_in_place(cache)
     assert not fused_decode.compiles_launches(cache, buffered=True)
+
+
+def test_a_decode_step_on_the_kernels_writes_the_window_in_place(monkeypatch):
+    cache = parse_layer_spec("kivi").make(0, 1)
+    monkeypatch.setattr(fused_decode, "kernels_enabled", lambda: True)
+    token = mx.zeros((1, 2, 1, 64), mx.float16)
+    cache.update_and_fetch(mx.zeros((1, 2, 3, 64), mx.float16), mx.zeros((1, 2, 3, 64), mx.float16))
+    cache.update_and_fetch(token, token)
+    held = cache.window_buffers()
+    assert held is not None and held[2] == 4
+    uncompiled = parse_layer_spec("kivi-uncompiled").make(0, 1)
+    uncompiled.update_and_fetch(mx.zeros((1, 2, 3, 64), mx.float16), mx.zeros((1, 2, 3, 64), mx.float16))
+    uncompiled.update_and_fetch(token, token)
+    assert uncompiled.window_buffers() is None and uncompiled.window_keys.shape[2] == 4
 
 
 def test_a_compiled_launch_refuses_baked_constants_and_the_split_launch(monkeypatch):
@@ -148,7 +164,8 @@ def test_a_compiled_launch_refuses_baked_constants_and_the_split_launch(monkeypa
 def test_the_ablation_sets_the_switch_and_the_window_it_needs():
     cache = parse_layer_spec("gear-compiled").make(0, 1)
     assert cache.compiled_launch is True and cache.decode_window_in_place is True
-    assert fused_decode.COMPILED_LAUNCH is False  # the shipped default stays uncompiled
+    assert fused_decode.COMPILED_LAUNCH is True  # compiled as shipped since session 36
+    assert parse_layer_spec("gear-uncompiled").make(0, 1).compiled_launch is False
 
 
 @cuda_test

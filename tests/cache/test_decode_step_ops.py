@@ -145,12 +145,29 @@ def cuda_step_counts(caches, steps=2):
 
 
 def test_census_recorder_runs_the_cuda_path_of_xquant():
-    """On the CUDA path the follower's step is the leader's: one kernel (the merge fused in) and
-    two concatenations (the window's append); the key codes' reshape is the launch plan's, made
-    once per flush. The leader's step is the process's first at its window length (the views
-    forgotten first): its graph also holds the kernel's window-rows view (fused_decode.
-    window_rows; a slice: a view, no launch), evaluated with the step rather than by an mx.eval
-    of its own (session 24: a host sync); the follower's step, at the same length, reuses it."""
+    """On the CUDA path as shipped (fused_decode.COMPILED_LAUNCH) a step of the leader and of
+    the follower is one kernel, the counted build with the merge fused in, and the window's
+    token written in place: two slice writes into its buffers and the two views of their filled
+    rows (slices: views, no launch); the window's count is data made once per length
+    (compiled_launch.window_count), no node of the step. The key codes' reshape is the launch
+    plan's, made once per flush."""
+    config = KVCacheConfig(method="xquant", xquant_residual_length=8)
+    caches = XQuantCache.build_layers(config, 2)
+    run_steps(caches, [64, 1])
+    leader, follower = cuda_step_counts(caches)
+    shipped = {"SliceUpdate": 2, "Slice": 2, "CustomKernel:vq_affine_decode_partials_merged_counted": 1}
+    assert leader == shipped, leader
+    assert follower == shipped, follower
+
+
+def test_census_recorder_runs_the_uncompiled_cuda_path_of_xquant(monkeypatch):
+    """Uncompiled (the `-uncompiled` ablations), the follower's step is the leader's: one kernel
+    (the merge fused in) and two concatenations (the window's append). The leader's step is the
+    process's first at its window length (the views forgotten first): its graph also holds the
+    kernel's window-rows view (fused_decode.window_rows; a slice: a view, no launch), evaluated
+    with the step rather than by an mx.eval of its own (session 24: a host sync); the
+    follower's step, at the same length, reuses it."""
+    monkeypatch.setattr(fused_decode, "COMPILED_LAUNCH", False)
     config = KVCacheConfig(method="xquant", xquant_residual_length=8)
     caches = XQuantCache.build_layers(config, 2)
     run_steps(caches, [64, 1])

@@ -343,6 +343,9 @@ def test_the_kernels_read_a_window_written_in_place(monkeypatch, kind):
     # slack rows (cache/window_buffer.py); the kernels get the buffers whole and the filled
     # rows as wn's length, and each step's output is the portable attention's.
     monkeypatch.setattr(base, "DECODE_WINDOW_IN_PLACE", 1)
+    # The uncompiled launch reading the buffers (wn's length the filled rows); the compiled one
+    # (as shipped, the count as data) is tests/cache/test_compiled_launch.py's.
+    monkeypatch.setattr(fused_decode, "COMPILED_LAUNCH", False)
     cache = _kivi(bit_width_inlier=2)() if kind == "kivi" else _rotated(4)
     q_heads = _filled(cache, 700 if kind == "kivi" else 300, B=1, H=2, rep=4, D=128, dtype=mx.float32)
     recorded = []

@@ -213,6 +213,9 @@ def test_the_kernel_reads_a_window_written_in_place(monkeypatch):
     # base.DECODE_WINDOW_IN_PLACE: the window is a buffer with slack rows (cache/window_buffer.py);
     # the kernel gets it whole and the filled rows as wn's length, at each of a few steps.
     monkeypatch.setattr(base, "DECODE_WINDOW_IN_PLACE", 1)
+    # The uncompiled launch reading the buffers (wn's length the filled rows); the compiled one
+    # (as shipped, the count as data) is tests/cache/test_compiled_launch.py's.
+    monkeypatch.setattr(fused_decode, "COMPILED_LAUNCH", False)
     cache = _kvquant()()
     q_heads = _filled(cache, 700, B=1, H=2, rep=4, D=128, dtype=mx.float32)
     for step in range(2):

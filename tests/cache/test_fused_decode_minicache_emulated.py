@@ -156,6 +156,9 @@ def test_the_kernel_reads_a_window_written_in_place(monkeypatch):
     # slack rows (cache/window_buffer.py); the kernel gets them whole and the filled rows as
     # wn's length.
     monkeypatch.setattr(base, "DECODE_WINDOW_IN_PLACE", 1)
+    # The uncompiled launch reading the buffers (wn's length the filled rows); the compiled one
+    # (as shipped, the count as data) is tests/cache/test_compiled_launch.py's.
+    monkeypatch.setattr(fused_decode, "COMPILED_LAUNCH", False)
     lower, upper, queries = _pair(700, B=1, H=2, rep=4, D=128, dtype=mx.float32)
     for cache, q_heads in ((lower, queries[0]), (upper, queries[1])):
         buf_k, _, n = cache.window_buffers()

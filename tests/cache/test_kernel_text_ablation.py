@@ -8,9 +8,8 @@ import contextlib
 import mlx.core as mx
 import pytest
 
-from tests.cache import cuda_emulation
 from tests.cache.cuda_marks import cuda_test
-from tests.cache.model_decode import assert_same_attention, decode_outputs
+from tests.cache.model_decode import assert_same_attention, decode_outputs, emulated_decode_launches
 from veloxquant_mlx.bench.ablations import WINDOW_METHODS
 from veloxquant_mlx.bench.layer_specs import parse_layer_spec
 from veloxquant_mlx.cache import fused_decode
@@ -20,17 +19,9 @@ from veloxquant_mlx.errors import QuantizerConfigError
 
 
 def _decode_launches(method: str, verbatim: bool) -> list:
-    """(kernel, signature) of every decode launch of one step, emulated, nothing run."""
-    captured = []
-
-    @contextlib.contextmanager
-    def emulated():
-        with cuda_emulation.emulated_kernels(), cuda_emulation.signatures_only() as launches:
-            yield
-        captured.extend(launches)
-
-    decode_outputs(method, {"kernel_text_as_written": verbatim}, around=emulated)
-    return [(k, sig) for k, sig in captured if "_decode_partials_merged" in base_name(k.name)]
+    """Every decode launch of one step, emulated, the caches' text switch set (uncompiled: the
+    verbatim build is the plain launch's)."""
+    return emulated_decode_launches(method, {"kernel_text_as_written": verbatim, "compiled_launch": False})
 
 
 @pytest.mark.parametrize("method", WINDOW_METHODS)
@@ -50,7 +41,8 @@ def test_the_verbatim_launch_compiles_the_shipped_program_with_its_comments(meth
 
 def test_the_ablation_sets_the_caches_switch():
     spec = parse_layer_spec("kivi-verbatim")
-    assert spec.kind == "ablation" and spec.make(0, 1).kernel_text_as_written is True
+    cache = spec.make(0, 1)
+    assert spec.kind == "ablation" and cache.kernel_text_as_written is True and cache.compiled_launch is False
 
 
 @pytest.mark.parametrize("other", [{"baked": True}, {"compiled": True}])
@@ -77,7 +69,8 @@ def test_the_verbatim_launch_gives_the_shipped_launchs_output_on_the_gpu(method,
         yield
         stepping.clear()
 
-    shipped, _ = decode_outputs(method, {"kernel_text_as_written": False}, around=steps)
-    verbatim, _ = decode_outputs(method, {"kernel_text_as_written": True}, around=steps)
+    # Both uncompiled (the verbatim build is the plain launch's); the text is what differs.
+    shipped, _ = decode_outputs(method, {"kernel_text_as_written": False, "compiled_launch": False}, around=steps)
+    verbatim, _ = decode_outputs(method, {"kernel_text_as_written": True, "compiled_launch": False}, around=steps)
     assert launches.count(True) == launches.count(False) == (2 if method == "minicache" else 4)
     assert_same_attention(shipped, verbatim)

@@ -81,17 +81,20 @@ TARGET_WARPS_TRIED = (1024, 2048, 4096, 8192)
 
 
 # The fused decode launch with its template constants written into the kernel's source
-# (fused_decode.BAKED_CONSTANTS, off as shipped): MLX's host work per call without them.
-baked_constants = Marked("baked_constants", True)
+# (fused_decode.BAKED_CONSTANTS, off as shipped): MLX's host work per call without them. The
+# launch uncompiled: a compiled one handles its constants at its trace only.
+baked_constants = Marked("baked_constants", True, compiled_launch=False)
 
-# The fused decode launch through mx.compile (fused_decode.COMPILED_LAUNCH, off as shipped: MLX
-# replays the traced kernel call), with the in-place window it needs.
+# The fused decode launch through mx.compile (fused_decode.COMPILED_LAUNCH, on as shipped since
+# session 36: MLX replays the traced kernel call), with the in-place window it needs; and the
+# uncompiled launch of the window concatenated each step, as shipped before, for the A/B.
 compiled_launch = Marked("compiled_launch", True, decode_window_in_place=True)
+uncompiled_launch = Marked("compiled_launch", False)
 
 # The fused decode launch built from its header and source as written, comments and
 # indentation in, as before session 36 (cache/kernel_text.py compacts them as shipped): what the
 # smaller text saves of MLX's host work per call, paired with the shipped launch in one run.
-text_as_written = Marked("kernel_text_as_written", True)
+text_as_written = Marked("kernel_text_as_written", True, compiled_launch=False)
 
 # The methods whose decode steps append to the base's exact window (pyramidkv's update is its own).
 WINDOW_METHODS = ("kivi", "xquant", "turboquant_rvq", "minicache", "gear", "kvquant")
@@ -112,6 +115,8 @@ ABLATIONS: dict[str, tuple] = {
     **{f"{m}-baked": (baked_constants, m, f"{m}, decode launch constants in the kernel source")
        for m in WINDOW_METHODS},
     **{f"{m}-compiled": (compiled_launch, m, f"{m}, decode launch through mx.compile, window in place")
+       for m in WINDOW_METHODS},
+    **{f"{m}-uncompiled": (uncompiled_launch, m, f"{m}, decode launch uncompiled, window concatenated")
        for m in WINDOW_METHODS},
     **{f"{m}-verbatim": (text_as_written, m, f"{m}, decode launch from its kernel text as written")
        for m in WINDOW_METHODS},

@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_lm_cache
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
 
-from veloxquant_mlx.cache import window_buffer
+from veloxquant_mlx.cache import fused_decode, window_buffer
 from veloxquant_mlx.config.kv_cache_config import KVCacheConfig
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -99,7 +99,9 @@ GROW_WITH_WRITE = 1
 # run of session 21 found it no faster (results/gpu_speed_h200_s21_32k_inplace.json: per round,
 # the plain interval over the in-place one 0.984-1.000 by method, the steps waiting on the host,
 # where the buffers' bookkeeping costs what the two launches save); kept for a GPU-bound
-# machine's A/B (the `<method>-inplace` bench ablations set it per cache).
+# machine's A/B (the `<method>-inplace` bench ablations set it per cache). Where a cache's decode
+# kernels run with their launches compiled (fused_decode.COMPILED_LAUNCH, on since session 36)
+# the window is written in place whatever this says: fused_decode.writes_window_in_place.
 DECODE_WINDOW_IN_PLACE = 0
 
 # The growth's slack past the written blocks (capacity is whole 256-token tiles; a cache keeping
@@ -212,7 +214,8 @@ class CompressedKVCache(_BaseCache):
         self._flush()
         if self.window_keys is None:
             self.window_keys, self.window_values = keys, values
-        elif (DECODE_WINDOW_IN_PLACE or self.decode_window_in_place) and keys.shape[2] == 1:
+        elif keys.shape[2] == 1 and (DECODE_WINDOW_IN_PLACE or self.decode_window_in_place
+                                     or fused_decode.writes_window_in_place(self)):
             window_buffer.append_token(self, keys, values)
         else:
             self.window_keys = mx.concatenate([self.window_keys, keys], axis=2)

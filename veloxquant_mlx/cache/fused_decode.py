@@ -1318,14 +1318,16 @@ _FUSED_EPILOGUE = r"""
 # `baked_constants` attribute) in gpu_speed --interleave.
 BAKED_CONSTANTS = False
 
-# Where set, a cache's fused decode launches go through mx.compile (cache/compiled_launch.py:
-# MLX replays the traced kernel call, none of the call's host work is done again), the window's
-# filled rows passed as data. Needs the in-place window (base.DECODE_WINDOW_IN_PLACE or a cache's
-# decode_window_in_place): a window concatenated each step changes shape each step, and each
-# new shape is a new trace. Off until the H200 times it: bench.launch_cost's
-# `cuda_kernel_decode_shaped_compiled` and the `<method>-compiled` ablations (a cache's own
-# `compiled_launch`) in gpu_speed --interleave.
-COMPILED_LAUNCH = False
+# Where set (as shipped since session 36), a cache's fused decode launches go through mx.compile
+# (cache/compiled_launch.py: MLX replays the traced kernel call, none of the call's host work is
+# done again), the window's filled rows passed as data; a cache whose decode kernels run then
+# writes its decode window in place (base.py, window_buffer.py): a window concatenated each step
+# changes shape each step, and each new shape is a new trace. Why on: the H200's decode step
+# waits on the host, and in one interleaved 32K run (results/gpu_speed_h200_s36_32k_compact_
+# compiled.json) the compiled launch's paired ratio to fp16 was 0.89-0.93 against 0.87-0.89
+# for the uncompiled one, per method (0-0.04 in session 35's two runs). A cache's own
+# `compiled_launch` decides instead where set (the `<method>-uncompiled` ablations: False).
+COMPILED_LAUNCH = True
 
 # MLX's CUDA type name per dtype (its dtype_to_cuda_type), for constants written into a source.
 _CUDA_TYPE_NAMES = {
@@ -1962,27 +1964,26 @@ def window_inputs(cache, dtype, held, counted: bool = False) -> tuple:
     return keys, values, window_count(n) if counted else window_rows(n)
 
 
-def compiles_launches(cache, buffered: bool) -> bool:
-    """Whether this step's fused decode launch goes through mx.compile: where the cache's own
-    compiled_launch (else COMPILED_LAUNCH) asks for it and its window is the in-place buffers
-    (`buffered`). Refused where the cache never writes its window in place; a step whose window
-    is not in place though the cache writes it so (the first token after a flush emptied it)
-    launches as shipped."""
+def wants_compiled_launch(cache) -> bool:
+    """Whether the cache's fused decode launches go through mx.compile where its kernels run:
+    its own compiled_launch where set, else COMPILED_LAUNCH."""
     own = cache.__dict__.get("compiled_launch")
-    if not (COMPILED_LAUNCH if own is None else own):
-        return False
-    if buffered:
-        return True
-    from veloxquant_mlx.cache import base  # base imports this module
+    return COMPILED_LAUNCH if own is None else own
 
-    if not (base.DECODE_WINDOW_IN_PLACE or cache.decode_window_in_place):
-        raise QuantizerConfigError(
-            f"{type(cache).__name__}: a compiled decode launch (fused_decode.COMPILED_LAUNCH or the "
-            "cache's compiled_launch) needs the in-place window (base.DECODE_WINDOW_IN_PLACE or the "
-            "cache's decode_window_in_place): a window concatenated each step changes shape each "
-            "step, and mx.compile traces again for every new shape"
-        )
-    return False
+
+def writes_window_in_place(cache) -> bool:
+    """Whether a decode step writes the cache's window into its buffers in place because its
+    launches are compiled (base.update_and_fetch): where its decode kernels run and it wants the
+    compiled launch. Off the kernels (the CPU) the window grows by concatenation as shipped."""
+    return wants_compiled_launch(cache) and kernels_enabled()
+
+
+def compiles_launches(cache, buffered: bool) -> bool:
+    """Whether this step's fused decode launch goes through mx.compile: where the cache wants it
+    (wants_compiled_launch) and its window is the in-place buffers (`buffered`); a step whose
+    window is not in place (the first token after a flush emptied it, or a prefill chunk's
+    concatenation) launches uncompiled."""
+    return buffered and wants_compiled_launch(cache)
 
 
 def planned_attend(cache, queries, scale: float, key, launch, kernel):
