@@ -53,11 +53,10 @@ DECODE_SOURCE_BYTES = 41_000
 
 def _compact_decode_source_bytes() -> int:
     """The size of GEAR's fused decode source as build_kernel hands it to MLX (compacted)."""
-    from veloxquant_mlx.cache import fused_decode, fused_decode_gear
+    from veloxquant_mlx.cache import fused_decode_gear
     from veloxquant_mlx.cache.kernel_text import compact_kernel_text
 
-    partials = fused_decode_gear._partials_kernel()
-    return len(compact_kernel_text(fused_decode._FUSED_PROLOGUE + partials.source + fused_decode._FUSED_EPILOGUE))
+    return len(compact_kernel_text(fused_decode_gear._partials_kernel().fused_source()))
 
 
 def _padded_source(size: int) -> str:

@@ -1438,15 +1438,18 @@ class PartialsKernel:
                 output_names=["part_o", "part_m", "part_l"], source=self.source, header=self.header)
         return self._split
 
+    def fused_source(self, before: str = "", after: str = "") -> str:
+        """The source with the merge fused in, as written (`before` / `after`: lines written
+        before and after it: template constants, compiled_launch's counted window)."""
+        return before + _FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE + after
+
     def _fused_build(self, suffix: str = "", before: str = "", after: str = "", compact: bool = True):
-        """The source with the merge fused in (`before` / `after`: lines written before and
-        after it: template constants, compiled_launch's counted window), built under this
-        kernel's name + "_merged" + `suffix`; `compact`: build_kernel's."""
+        """fused_source(before, after) built under this kernel's name + "_merged" + `suffix`;
+        `compact`: build_kernel's."""
         return build_kernel(
             mx.fast.cuda_kernel,
             name=self.name + "_merged" + suffix, input_names=[*self.input_names, *FUSED_EXTRA_INPUTS],
-            output_names=["out"],
-            source=before + _FUSED_PROLOGUE + self.source + _FUSED_EPILOGUE + after, header=self.header,
+            output_names=["out"], source=self.fused_source(before, after), header=self.header,
             compact=compact)
 
     @property
