@@ -23,8 +23,10 @@ plain launch's stand-in time is taken out):
     `cache.update_and_fetch(k, v)` then the module's `scaled_dot_product_attention(q, k, v,
     cache=cache, scale=..., mask=None)` (mlx-lm's mask at a one-token step);
   * the history (`--history` tokens) is prefilled in chunks with the portable path (real values);
-  * the decode steps run with CUDA's Python-side choices: `fused_decode.kernels_enabled` (and the
-    affine encoder's switch) on, `mx.default_device()` answering the GPU to the caches' branches,
+  * the decode steps run with CUDA's Python-side choices: the kernels' switch is its own
+    function (`fused_decode.kernels_enabled`, VELOXQUANT_CUDA_KERNELS as set, its host time in
+    the step's) finding MLX's CUDA backend (`fused_decode._cuda_available` answers True) and
+    `mx.default_device()` answering the GPU, to it and to the caches' branches,
     and `mx.fast.cuda_kernel` replaced by a recorder: each launch becomes one lazy
     `mx.depends(placeholders, inputs)` node (placeholders of the output shapes, made once), so
     the step's graph is the one CUDA would get, with one node per kernel launch, and evaluating
@@ -215,12 +217,12 @@ def kernel_factories() -> list:
 def cuda_path(recorder: KernelRecorder):
     """Within: the caches take the path they take on MLX's CUDA backend (kernels on, the GPU as
     the default device for their Python-side branches), kernels built by `recorder`."""
-    from veloxquant_mlx.cache import fused_decode, fused_encode_affine
+    from veloxquant_mlx.cache import fused_decode
     from veloxquant_mlx.cache.compiled_launch import CompiledLaunch
 
     factories = kernel_factories()
     saved = (mx.fast.cuda_kernel, mx.fast.scaled_dot_product_attention, mx.dequantize,
-             mx.default_device, fused_decode.kernels_enabled, fused_encode_affine._kernels_enabled)
+             mx.default_device, fused_decode._cuda_available)
     saved_compiled_call = CompiledLaunch.__call__
 
     def compiled_call(self, kernel, arrays, **launch):
@@ -239,13 +241,15 @@ def cuda_path(recorder: KernelRecorder):
     mx.fast.scaled_dot_product_attention = _fast_sdpa_stand_in(recorder, saved[1])
     mx.dequantize = _dequantize_stand_in(recorder, saved[2])
     mx.default_device = lambda: gpu
-    fused_decode.kernels_enabled = fused_encode_affine._kernels_enabled = lambda: True
+    # The switch's own function runs (its host time is the step's, as on CUDA): it finds the
+    # CUDA backend and the GPU as the default device.
+    fused_decode._cuda_available = lambda: True
     CompiledLaunch.__call__ = compiled_call
     try:
         yield recorder
     finally:
         (mx.fast.cuda_kernel, mx.fast.scaled_dot_product_attention, mx.dequantize,
-         mx.default_device, fused_decode.kernels_enabled, fused_encode_affine._kernels_enabled) = saved
+         mx.default_device, fused_decode._cuda_available) = saved
         CompiledLaunch.__call__ = saved_compiled_call
         for f in factories:
             f.cache_clear()
