@@ -38,13 +38,13 @@ against it on the CPU.
 from __future__ import annotations
 
 import contextvars
-import os
 import re
 from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 
+from veloxquant_mlx.cache import environment_switch
 from veloxquant_mlx.cache.compiled_launch import COUNTED_EPILOGUE, COUNTED_PROLOGUE, CompiledLaunch, window_count
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
@@ -1554,8 +1554,9 @@ def split_launch(kernel, queries, *, inputs, template, n_blocks: int, heads: int
 
 def kernels_enabled() -> bool:
     """True when the CUDA kernel should run: MLX's CUDA backend is the default GPU device and
-    VELOXQUANT_CUDA_KERNELS is not 0."""
-    switch = os.environ.get(ENV_SWITCH, "1")
+    VELOXQUANT_CUDA_KERNELS is not 0. The variable is read at every call (environment_switch:
+    the switch may be set while the process runs)."""
+    switch = environment_switch.value(ENV_SWITCH, "1")
     if switch not in ("0", "1"):
         raise QuantizerConfigError(
             f"environment variable {ENV_SWITCH}={switch!r} is invalid: allowed is 0 (portable "
