@@ -9,7 +9,10 @@ step costs 2 launches, and the decode kernels read the buffer as it is: its fill
 a separate input (fused_decode.window_rows), so no contiguous copy of a sliced view is made.
 
 The buffers live in cache.__dict__["_window_buffers"] as (keys buffer, values buffer, keys view,
-values view), the views being what the cache's window_keys / window_values hold. They are
+values view, filled rows, capacity, keys dtype, values dtype), the views being what the cache's
+window_keys / window_values hold; the numbers and dtypes are kept as Python values because
+reading an array's shape or dtype is a call into MLX (~0.15 us each, at every layer and step
+of a host-bound decode). They are
 current only while those attributes are still these very views: whatever else assigns the
 window (a flush's remainder, a trim, a state load, a prefill chunk's concatenation) makes them
 stale, and the next decode step builds new ones from the window as it then is. Capacity: the
@@ -28,20 +31,23 @@ def current(cache):
     held = cache.__dict__.get("_window_buffers")
     if held is None or held[2] is not cache.window_keys or held[3] is not cache.window_values:
         return None
-    return held[0], held[1], held[2].shape[2]
+    return held[0], held[1], held[4]
 
 
 def append_token(cache, keys: mx.array, values: mx.array) -> None:
     """Write one step's keys / values (B, H, 1, D) after the window's filled rows, in the
     buffers (built or grown first where they are stale or full); the window becomes the view of
     the filled rows."""
-    held = current(cache)
-    n = cache.window_keys.shape[2]
-    if held is None or n + 1 > held[0].shape[2] or held[0].dtype != keys.dtype or held[1].dtype != values.dtype:
-        buf_k, buf_v = buffers_holding(keys, values, max(n + 1, cache.residual_length + cache.block_size),
-                                       (cache.window_keys, cache.window_values))
+    held = cache.__dict__.get("_window_buffers")
+    if held is None or held[2] is not cache.window_keys or held[3] is not cache.window_values:
+        n = cache.window_keys.shape[2]
+        buf_k, buf_v, capacity = _new_buffers(cache, keys, values, n)
     else:
-        buf_k, buf_v = held[0], held[1]
+        n, capacity = held[4], held[5]
+        if n + 1 > capacity or held[6] != keys.dtype or held[7] != values.dtype:
+            buf_k, buf_v, capacity = _new_buffers(cache, keys, values, n)
+        else:
+            buf_k, buf_v = held[0], held[1]
     # MLX writes a slice in place only into a buffer nothing else holds (else it copies the
     # whole buffer first): every view of ours goes before the write.
     held = None
@@ -51,7 +57,15 @@ def append_token(cache, keys: mx.array, values: mx.array) -> None:
     buf_v[:, :, n : n + 1] = values
     view_k, view_v = buf_k[:, :, : n + 1], buf_v[:, :, : n + 1]
     cache.window_keys, cache.window_values = view_k, view_v
-    cache.__dict__["_window_buffers"] = (buf_k, buf_v, view_k, view_v)
+    cache.__dict__["_window_buffers"] = (buf_k, buf_v, view_k, view_v, n + 1, capacity, buf_k.dtype, buf_v.dtype)
+
+
+def _new_buffers(cache, keys: mx.array, values: mx.array, n: int):
+    """(keys buffer, values buffer, capacity) holding the cache's window of n rows, typed as the
+    step's token, with room for the residual and one block."""
+    capacity = max(n + 1, cache.residual_length + cache.block_size)
+    buf_k, buf_v = buffers_holding(keys, values, capacity, (cache.window_keys, cache.window_values))
+    return buf_k, buf_v, capacity
 
 
 def buffers_holding(keys: mx.array, values: mx.array, capacity: int, rows=None):
