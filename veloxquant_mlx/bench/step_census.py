@@ -55,6 +55,9 @@ Transpose, ...; a Reshape that must copy does launch, so the figure is a lower b
 `host_syncs` counts mx.eval / mx.async_eval calls made inside the step (each drains the GPU
 queue); an `.item()` inside the step would not be counted: none of the decode paths has one.
 
+On this 2-core VM run it pinned to one core (`taskset -c 1 python -m ...`): unpinned, whole
+processes ran ~2x slower at random (session 37), which the medians of one run do not show.
+
 What it cannot tell: GPU time, the real kernel's per-launch cost, how MLX's CUDA backend
 batches the launches it is handed (the census counts them before that). Figures of host build time
 come from this machine's CPU and Python, not the H200's host; read them as ratios to fp16.
