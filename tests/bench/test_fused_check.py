@@ -2,6 +2,8 @@
 with the kernels emulated on the CPU and switched by VELOXQUANT_CUDA_KERNELS as on CUDA), refuses
 what it cannot check, and off CUDA refuses instead of comparing the portable path with itself."""
 
+import os
+
 import pytest
 
 from tests.cache import cuda_emulation
@@ -17,7 +19,7 @@ def test_each_step_compares_the_emulated_kernel_with_the_portable_path(monkeypat
     monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
     # As on CUDA: the switch decides (the check flips it between the two calls of a step).
     with cuda_emulation.emulated_kernels(
-            enabled=lambda: fused_decode.os.environ.get(fused_decode.ENV_SWITCH, "1") == "1") as made:
+            enabled=lambda: os.environ.get(fused_decode.ENV_SWITCH, "1") == "1") as made:
         differences = fused_check.max_step_differences("kivi", steps=2)
     assert len(differences) == 2
     assert max(differences) < 2e-2  # bf16 outputs of two summation orders
