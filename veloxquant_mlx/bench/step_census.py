@@ -226,16 +226,16 @@ def cuda_path(recorder: KernelRecorder):
     factories = kernel_factories()
     saved = (mx.fast.cuda_kernel, mx.fast.scaled_dot_product_attention, mx.dequantize,
              mx.default_device, fused_decode._cuda_available)
-    saved_compiled_call = CompiledLaunch.__call__
+    saved_replay = CompiledLaunch.replay
 
-    def compiled_call(self, kernel, arrays, **launch):
-        # A compiled launch calls the recorder at its trace only: each call is recorded here,
+    def replay(self, arrays):
+        # A compiled launch calls the recorder at its trace only: each replay is recorded here,
         # its output the step's node (the trace's own record, of a node no step reaches, dropped).
         # Its time stays in the build time: a replay is MLX's host work, as the real one is.
         first = len(recorder.launches)
-        out = saved_compiled_call(self, kernel, arrays, **launch)
+        out = saved_replay(self, arrays)
         del recorder.launches[first:]
-        recorder.launches.append((f"{KERNEL}:{kernel.kernel_name}", out))
+        recorder.launches.append((f"{KERNEL}:{self.key[0].kernel_name}", out))
         return out
     gpu = mx.Device(mx.gpu, 0)
     for f in factories:
@@ -247,13 +247,13 @@ def cuda_path(recorder: KernelRecorder):
     # The switch's own function runs (its host time is the step's, as on CUDA): it finds the
     # CUDA backend and the GPU as the default device.
     fused_decode._cuda_available = lambda: True
-    CompiledLaunch.__call__ = compiled_call
+    CompiledLaunch.replay = replay
     try:
         yield recorder
     finally:
         (mx.fast.cuda_kernel, mx.fast.scaled_dot_product_attention, mx.dequantize,
          mx.default_device, fused_decode._cuda_available) = saved
-        CompiledLaunch.__call__ = saved_compiled_call
+        CompiledLaunch.replay = saved_replay
         for f in factories:
             f.cache_clear()
 

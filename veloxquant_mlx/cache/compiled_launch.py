@@ -66,6 +66,11 @@ class CompiledLaunch:
         last_kernel, last_template, last_shape = self._last
         if kernel is not last_kernel or template is not last_template or launch_shape != last_shape:
             self._renew(kernel, template, launch_shape)
+        return self.replay(arrays)
+
+    def replay(self, arrays: list):
+        """The traced function of the last call's kernel, template and launch shape on these
+        arrays (replay_step.ReplayStep calls it directly once a plan's launch is known)."""
         return self.function(*arrays)
 
     def _renew(self, kernel, template, launch_shape) -> None:

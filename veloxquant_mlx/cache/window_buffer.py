@@ -28,10 +28,18 @@ import mlx.core as mx
 def current(cache):
     """(keys buffer, values buffer, filled rows) while the cache's window is the buffers' view,
     else None."""
-    held = cache.__dict__.get("_window_buffers")
-    if held is None or held[2] is not cache.window_keys or held[3] is not cache.window_values:
+    entry = held(cache)
+    return None if entry is None else (entry[0], entry[1], entry[4])
+
+
+def held(cache):
+    """The buffers' whole tuple (keys buffer, values buffer, keys view, values view, filled
+    rows, capacity, keys dtype, values dtype) while the cache's window is the buffers' view, else
+    None: a decode step's launch reads the rows and dtypes from it without calls into MLX."""
+    entry = cache.__dict__.get("_window_buffers")
+    if entry is None or entry[2] is not cache.window_keys or entry[3] is not cache.window_values:
         return None
-    return held[0], held[1], held[4]
+    return entry
 
 
 def append_token(cache, keys: mx.array, values: mx.array) -> None:
