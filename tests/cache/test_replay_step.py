@@ -93,7 +93,13 @@ def test_a_plans_later_steps_skip_the_full_path_and_still_launch_each_step():
     launched = [label for label, _ in recorder.launches if "_decode_partials" in label]
     assert len(launched) == 4 * 40 and all(label.endswith("_merged_counted") for label in launched)
     assert 4 <= len(attends) <= 4 * 3  # a plan's first step (and a step whose window was not in place)
-    assert all(isinstance(c.__dict__.get("_fused_replay"), ReplayStep) for c in caches)
+    assert all(c.__dict__["_fused_replay"].plan is c.__dict__["_fused_plan"] for c in caches)
+    # A new plan drops the old one's replay (and the store arrays it holds) at once: here a
+    # plan for another caller key, whose launch the kernels do not take (the portable path).
+    cache = caches[0]
+    queries = mx.zeros((1, 32, 1, 128), mx.bfloat16)
+    assert fused_decode.planned_attend(cache, queries, 0.1, "another key", lambda: None, None) is None
+    assert "_fused_replay" not in cache.__dict__
 
 
 def test_a_switch_set_between_steps_is_refused_not_replayed():

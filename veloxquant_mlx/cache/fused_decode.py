@@ -2030,6 +2030,8 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
             built = (inputs, shape, slots)
         plan = (key, built)
         cache.__dict__["_fused_plan"] = plan
+        # The old plan's replay holds its store arrays: they go with it, not a step later.
+        cache.__dict__.pop("_fused_replay", None)
     if plan[1] is None:
         return None
     state = cache.__dict__.get("_fused_launch")
