@@ -4,13 +4,17 @@ full path (PartialsKernel.attend), which also refuses what a compiled launch can
 attention a replay gives is the shipped launch's: test_compiled_launch's emulated comparison
 runs its second step through it."""
 
+import contextlib
+
 import mlx.core as mx
 import pytest
 
-from tests.cache.model_decode import SHAPE
+from tests.cache import cuda_emulation
+from tests.cache.model_decode import SHAPE, assert_same_attention, decode_outputs
 from veloxquant_mlx.bench import step_census
+from veloxquant_mlx.bench.ablations import WINDOW_METHODS
 from veloxquant_mlx.bench.tiny import random_llama
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import compiled_launch, fused_decode
 from veloxquant_mlx.cache.compiled_launch import window_count
 from veloxquant_mlx.cache.replay_step import ReplayStep
 from veloxquant_mlx.errors import QuantizerConfigError
@@ -109,3 +113,37 @@ def test_a_switch_set_between_steps_is_refused_not_replayed():
 
     with pytest.raises(QuantizerConfigError, match="set one of the two"):
         _kivi_steps(3, between=bake)
+
+
+# Each method's emulated programs take ~30 s to build on 2 cores and four steps run eagerly:
+# all slow (~8 min for the six). The CI subset replays kivi's second step in
+# test_compiled_launch's counted-build comparison.
+EMULATED_METHODS = [pytest.param(m, marks=pytest.mark.slow) for m in WINDOW_METHODS]
+
+
+@pytest.mark.skipif(cuda_emulation.COMPILER is None,
+                    reason="needs g++ with C++20 std::barrier and _Float16 for the kernels' CPU emulation")
+@pytest.mark.parametrize("method", EMULATED_METHODS)
+def test_replayed_steps_give_the_uncompiled_launchs_attention(method, monkeypatch):
+    # Emulated on the CPU (eager: the launch is called, not traced): 4 decode steps of every
+    # layer, so that every method's plans see later steps with the window in place (gear's and
+    # minicache's first step after the prefill is not), against the plain launch's attention.
+    monkeypatch.setattr(compiled_launch, "compile_function", lambda function: function)
+    attends = []
+    attend = fused_decode.PartialsKernel.attend
+
+    @contextlib.contextmanager
+    def emulated():
+        with cuda_emulation.emulated_kernels(), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fused_decode.PartialsKernel, "attend",
+                          lambda self, *a, **k: attends.append(1) or attend(self, *a, **k))
+            yield
+
+    settings = {"decode_window_in_place": True}
+    plain, _ = decode_outputs(method, {**settings, "compiled_launch": False}, steps=4, around=emulated)
+    full = len(attends)
+    attends.clear()
+    replayed, caches = decode_outputs(method, {**settings, "compiled_launch": True}, steps=4, around=emulated)
+    assert any("_fused_replay" in c.__dict__ for c in caches)
+    assert len(attends) < full  # some steps replayed instead of the full path
+    assert_same_attention(plain, replayed)
