@@ -2,7 +2,7 @@
 
 Why: on a host-bound H200 a decode step of ours waits on the Python each layer runs before its
 launch. Once a launch plan's first compiled step has run (fused_decode.planned_attend), every
-later step of the plan launches the same traced function on the same arrays but four: the
+later step of the plan launches the same traced function on the same arrays but five: the
 queries, the window's keys and values and its filled rows, and the previous launch's output it
 follows. Rebuilding the input list, the window's inputs, the merge's scratch and counters and
 the launch's key through PartialsKernel.attend and CompiledLaunch.__call__ took ~3.8 us per
