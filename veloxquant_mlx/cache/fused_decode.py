@@ -1395,10 +1395,13 @@ class FusedLaunchState:
             self.counts = mx.zeros((counters,), dtype=mx.int32)
         if self.scratch is None or self.scratch.shape[0] < scratch_size:
             self.scratch = mx.zeros((-(-scratch_size // SCRATCH_STEP) * SCRATCH_STEP,), dtype=mx.float32)
+        return [self.counts, self.scratch, self.after(queries)]
+
+    def after(self, queries):
+        """What the next launch follows: the last launch's output where it has the queries'
+        dtype, else the queries (nothing to follow: an input already there, of the same dtype)."""
         after = self.last_out
-        if after is None or after.dtype != queries.dtype:
-            after = queries  # nothing to follow: an input already there, of the same dtype
-        return [self.counts, self.scratch, after]
+        return queries if after is None or after.dtype != queries.dtype else after
 
 
 def group_partials(n_blocks: int) -> int:

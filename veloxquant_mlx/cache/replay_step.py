@@ -48,9 +48,7 @@ class ReplayStep:
         arrays[0] = queries
         arrays[self.keys_slot], arrays[self.values_slot] = held[0], held[1]
         arrays[self.rows_slot] = window_count(held[4])
-        after = state.last_out
-        # As FusedLaunchState.inputs: follow the last launch where it has the queries' dtype.
-        arrays[-1] = queries if after is None or after.dtype != self.dtype else after
+        arrays[-1] = state.after(queries)
         out = state.compiled.replay(arrays)
         state.last_out = out
         return out

@@ -46,19 +46,19 @@ def append_token(cache, keys: mx.array, values: mx.array) -> None:
     """Write one step's keys / values (B, H, 1, D) after the window's filled rows, in the
     buffers (built or grown first where they are stale or full); the window becomes the view of
     the filled rows."""
-    held = cache.__dict__.get("_window_buffers")
-    if held is None or held[2] is not cache.window_keys or held[3] is not cache.window_values:
+    entry = held(cache)
+    if entry is None:
         n = cache.window_keys.shape[2]
         buf_k, buf_v, capacity = _new_buffers(cache, keys, values, n)
     else:
-        n, capacity = held[4], held[5]
-        if n + 1 > capacity or held[6] != keys.dtype or held[7] != values.dtype:
+        n, capacity = entry[4], entry[5]
+        if n + 1 > capacity or entry[6] != keys.dtype or entry[7] != values.dtype:
             buf_k, buf_v, capacity = _new_buffers(cache, keys, values, n)
         else:
-            buf_k, buf_v = held[0], held[1]
+            buf_k, buf_v = entry[0], entry[1]
     # MLX writes a slice in place only into a buffer nothing else holds (else it copies the
     # whole buffer first): every view of ours goes before the write.
-    held = None
+    entry = None
     cache.__dict__.pop("_window_buffers", None)
     cache.window_keys = cache.window_values = None
     buf_k[:, :, n : n + 1] = keys
@@ -93,9 +93,9 @@ def buffers_holding(keys: mx.array, values: mx.array, capacity: int, rows=None):
 def nbytes(cache) -> int:
     """The window's bytes: its buffers whole while they are current (slack included), else the
     window's arrays."""
-    held = current(cache)
-    if held is not None:
-        return held[0].nbytes + held[1].nbytes
+    buffers = current(cache)
+    if buffers is not None:
+        return buffers[0].nbytes + buffers[1].nbytes
     if cache.window_keys is None:
         return 0
     return cache.window_keys.nbytes + cache.window_values.nbytes
