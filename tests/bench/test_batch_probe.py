@@ -59,31 +59,34 @@ def test_variants_keep_the_named_ones():
 def test_launch_variants_patch_the_fused_launch_and_every_kernel_header_then_restore(monkeypatch):
     import mlx.core as mx
 
-    from veloxquant_mlx.cache import fused_decode, fused_decode_gear
+    from veloxquant_mlx.cache import fused_decode, fused_decode_gear, kernel_header, partials_merge_source
 
     built = []  # a stand-in for mx.fast.cuda_kernel (absent off CUDA): the headers kernels get
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: built.append(kw["header"]), raising=False)
 
-    shipped = (fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE, fused_decode._HEADER, fused_decode_gear._HEADER)
-    group = f"constexpr int VQ_MERGE_GROUP = {fused_decode.MERGE_GROUP};"
+    shipped = (partials_merge_source.FUSED_PROLOGUE, partials_merge_source.FUSED_EPILOGUE, fused_decode._HEADER,
+               fused_decode_gear._HEADER)
+    group = f"constexpr int VQ_MERGE_GROUP = {kernel_header.MERGE_GROUP};"
     with batch_probe.launch_variant("nomerge"):
-        assert "vq_merge_if_last" not in fused_decode._FUSED_EPILOGUE and "#undef part_o" in fused_decode._FUSED_EPILOGUE
-        assert fused_decode._FUSED_PROLOGUE == shipped[0]
+        epilogue = partials_merge_source.FUSED_EPILOGUE
+        assert "vq_merge_if_last" not in epilogue and "#undef part_o" in epilogue
+        assert partials_merge_source.FUSED_PROLOGUE == shipped[0]
     with batch_probe.launch_variant("empty"):
-        assert fused_decode._FUSED_PROLOGUE.startswith(shipped[0]) and "return;" in fused_decode._FUSED_PROLOGUE
-        assert "vq_merge_if_last" not in fused_decode._FUSED_EPILOGUE
+        prologue = partials_merge_source.FUSED_PROLOGUE
+        assert prologue.startswith(shipped[0]) and "return;" in prologue
+        assert "vq_merge_if_last" not in partials_merge_source.FUSED_EPILOGUE
     with batch_probe.launch_variant("onelevel"):
         for header in (fused_decode._HEADER, fused_decode_gear._HEADER):
             assert group not in header and f"VQ_MERGE_GROUP = {1 << 30};" in header
-        assert fused_decode._FUSED_EPILOGUE == shipped[1]
+        assert partials_merge_source.FUSED_EPILOGUE == shipped[1]
         fused_decode._kernels()[0].fused  # built within the variant, with its header ...
         assert f"VQ_MERGE_GROUP = {1 << 30};" in built[-1]
     assert fused_decode._kernels.cache_info().currsize == 0  # ... and not kept after it
     with batch_probe.launch_variant("group8"):  # the kernel's groups and the launch's sizes agree
-        assert "VQ_MERGE_GROUP = 8;" in fused_decode._HEADER and fused_decode.MERGE_GROUP == 8
+        assert "VQ_MERGE_GROUP = 8;" in fused_decode._HEADER and kernel_header.MERGE_GROUP == 8
         assert fused_decode.merge_counters(2, 17) == 2 * (1 + 3)
-    assert fused_decode.MERGE_GROUP == 16 and fused_decode.merge_counters(2, 17) == 2 * (1 + 2)
-    assert (fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE, fused_decode._HEADER,
+    assert kernel_header.MERGE_GROUP == 16 and fused_decode.merge_counters(2, 17) == 2 * (1 + 2)
+    assert (partials_merge_source.FUSED_PROLOGUE, partials_merge_source.FUSED_EPILOGUE, fused_decode._HEADER,
             fused_decode_gear._HEADER) == shipped
 
 

@@ -16,7 +16,7 @@ import pytest
 from tests.cache.cuda_emulation import emulated_kernels
 from tests.cache.split_softmax_reference import merge_with_window, reference_partials
 from veloxquant_mlx import KVCacheConfig, QuantizerConfigError
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, partials_merge_source
 from veloxquant_mlx.cache.kivi import KIVICache
 from veloxquant_mlx.cache.xquant import XQuantCache
 from tests.cache.cuda_marks import cuda_test as cuda_only
@@ -386,7 +386,7 @@ def test_history_blocks_split_and_their_limit(monkeypatch):
     assert fused_decode.history_blocks(1100, 2, "k", fused_decode.affine_tokens_per_block) == (512, 3, 4)
     # another kernel's split (e.g. 32-token tiles) is honoured
     assert fused_decode.history_blocks(1100, 2, "k", lambda n, h: 128) == (128, 9, 10)
-    monkeypatch.setattr(fused_decode, "MAX_BLOCKS", 3)
+    monkeypatch.setattr(partials_merge_source, "MAX_BLOCKS", 3)
     with pytest.raises(QuantizerConfigError, match="k: 1100 history tokens need 4 blocks, more than the merge kernel's 3"):
         fused_decode.history_blocks(1100, 2, "k")
 

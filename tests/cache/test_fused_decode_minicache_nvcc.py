@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from veloxquant_mlx.cache import fused_decode, fused_decode_merged
+from veloxquant_mlx.cache import fused_decode_merged, partials_merge_source
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (CUDA toolkit) to compile the kernel for sm_90")
@@ -31,7 +31,7 @@ def _program(D, DV, R, S, DB, QT, RT, PV=1, fused=False) -> str:
                   rk=RT, rv=RT, pk="i32", pv="i32", wk=QT, wv=QT, meta="i32", wn="u8")
     source = fused_decode_merged._PARTIALS
     if fused:  # the merge fused in (fused_decode.MERGE_IN_KERNEL): outputs the attention
-        source = fused_decode._FUSED_PROLOGUE + source + fused_decode._FUSED_EPILOGUE
+        source = partials_merge_source.FUSED_PROLOGUE + source + partials_merge_source.FUSED_EPILOGUE
     params = []
     for name in fused_decode_merged._INPUTS:
         params.append(f"const {_C_TYPES[dtypes[name]]}* {name}")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.cache import cuda_emulation
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 
 pytestmark = pytest.mark.skipif(
     cuda_emulation.COMPILER is None, reason="needs g++ with C++20 std::barrier and _Float16 for the kernels' CPU emulation"
@@ -50,15 +50,15 @@ def test_the_last_block_merges_every_blocks_partial(heads, n_blocks, R, DV, empt
     part_m = rng.normal(scale=3.0, size=(heads, n_blocks, R)).astype(np.float32)
     part_m[:, 1::9] = -np.inf  # empty blocks
     if empty_group:  # every block of the second group empty: its group partial is too
-        part_m[:, fused_decode.MERGE_GROUP:2 * fused_decode.MERGE_GROUP] = -np.inf
+        part_m[:, kernel_header.MERGE_GROUP:2 * kernel_header.MERGE_GROUP] = -np.inf
     part_l = rng.uniform(0.5, 4.0, size=(heads, n_blocks, R)).astype(np.float32)
     part_l[np.isneginf(part_m)] = 0.0
     part_o = rng.normal(size=(heads, n_blocks, R, DV)).astype(np.float32)
     kernel = cuda_emulation.cuda_kernel(
         name="vq_test_fused_merge", input_names=["part_o", "part_m", "part_l", "groups", "counts"],
-        output_names=["out"], source=_SOURCE, header=fused_decode._HEADER)
+        output_names=["out"], source=_SOURCE, header=kernel_header.HEADER)
     groups_floats = fused_decode.scratch_floats(heads, n_blocks, R, DV) - heads * n_blocks * R * (DV + 2)
-    assert (groups_floats > 0) == (n_blocks > fused_decode.MERGE_GROUP)
+    assert (groups_floats > 0) == (n_blocks > kernel_header.MERGE_GROUP)
     counts = mx.zeros((fused_decode.merge_counters(heads, n_blocks),), dtype=mx.int32)
     (out,) = kernel(
         inputs=[mx.array(part_o), mx.array(part_m), mx.array(part_l), mx.zeros((max(groups_floats, 1),)), counts],

@@ -22,7 +22,7 @@ import pytest
 from tests.cache import cuda_emulation
 from tests.cache.cuda_marks import cuda_test
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.cache import fused_decode, fused_prefill_affine
+from veloxquant_mlx.cache import fused_decode, fused_prefill_affine, kernel_header
 from veloxquant_mlx.cache.kivi import KIVICache
 from veloxquant_mlx.cache.xquant import XQuantCache
 
@@ -249,7 +249,7 @@ MUTATIONS = [
      "const int w = bit >> 5, sh = (bit + 1) & 31;\n  const uint2 word", 2),
     ("key 3-bit straddle ignored", "if (32 % KB != 0 && sh + KB > 32) {", "if (false) {", 2),
     ("key pair's second scale", "dequant(sc.y, zp.y, c1 & KMASK)", "dequant(sc.x, zp.y, c1 & KMASK)", 2),
-    # The value codes are read by the shared header's vq_code_pair (fused_decode._HEADER).
+    # The value codes are read by the shared header's vq_code_pair (kernel_header.HEADER).
     ("value pair's second code", "c1 = word >> ((bit & 31) + BITS);", "c1 = word >> (bit & 31);", 2),
     ("value 3-bit straddle ignored", "if ((b1 & 31) + BITS > 32) c1", "if (false) c1", 3),
     ("one rounding (fma) instead of two",
@@ -262,12 +262,12 @@ MUTATIONS = [
 def _mutate(patch, old, new):
     """Replace `old` by `new` in the kernel's own source, or in the shared header where the
     kernel's device functions live (vq_code_pair)."""
-    for module, name in ((fused_prefill_affine, "_SOURCE"), (fused_decode, "_HEADER")):
+    for module, name in ((fused_prefill_affine, "_SOURCE"), (kernel_header, "HEADER")):
         text = getattr(module, name)
         if old in text:
             patch.setattr(module, name, text.replace(old, new, 1))
             return
-    raise AssertionError(f"neither fused_prefill_affine._SOURCE nor fused_decode._HEADER contains {old!r}: "
+    raise AssertionError(f"neither fused_prefill_affine._SOURCE nor kernel_header.HEADER contains {old!r}: "
                          "pick a new mutation")
 
 

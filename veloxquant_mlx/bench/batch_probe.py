@@ -42,7 +42,7 @@ per_call_ms), once per variant of its kernel:
     `empty`, every thread returns at once (the chained call's floor: its launch and MLX's work
     per call); `onelevel`, the merge in one level at any block count (the merge before session
     32); `group8` / `group32`, the merge's first level in groups of 8 / 32 blocks instead of 16
-    (fused_decode.MERGE_GROUP and every kernel header's VQ_MERGE_GROUP set together, so that
+    (kernel_header.MERGE_GROUP and every kernel header's VQ_MERGE_GROUP set together, so that
     the counters and the scratch are sized for the kernel's groups).
 A variant that cuts work computes a wrong attention: it says what the cut part costs, nothing
 else. The cuts are exact source spans (VARIANTS): a change to a kernel that moves one fails here
@@ -143,11 +143,11 @@ def launch_variant_sources(name: str, prologue: str, epilogue: str, headers: dic
     """(prologue, epilogue, {module: header}) of launch variant `name` from the shipped ones (its
     merge group, where it has one of its own, is _VARIANT_GROUPS'); a part the variant needs
     and no longer finds raises (as variant_source's cuts do)."""
-    from veloxquant_mlx.cache import fused_decode
+    from veloxquant_mlx.cache import kernel_header
     from veloxquant_mlx.errors import QuantizerConfigError
 
     no_merge = _MERGE_CALL.sub("", epilogue)
-    group = f"constexpr int VQ_MERGE_GROUP = {fused_decode.MERGE_GROUP};"
+    group = f"constexpr int VQ_MERGE_GROUP = {kernel_header.MERGE_GROUP};"
     if no_merge == epilogue or any(group not in h for h in headers.values()):
         raise QuantizerConfigError(f"{MODULE}: the fused epilogue or a kernel header no longer holds the merge "
                                    "a launch variant patches: update LAUNCH_VARIANTS")
@@ -168,25 +168,26 @@ def launch_variant(name: str):
     import importlib
 
     from veloxquant_mlx.bench.step_census import kernel_factories
-    from veloxquant_mlx.cache import fused_decode
+    from veloxquant_mlx.cache import kernel_header, partials_merge_source
 
     modules = [importlib.import_module(f"veloxquant_mlx.cache.{m}") for m in HEADER_MODULES]
-    shipped = (fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE, {m: m._HEADER for m in modules})
+    shipped = (partials_merge_source.FUSED_PROLOGUE, partials_merge_source.FUSED_EPILOGUE,
+               {m: m._HEADER for m in modules})
     prologue, epilogue, headers = launch_variant_sources(name, *shipped)
-    group = fused_decode.MERGE_GROUP
+    group = kernel_header.MERGE_GROUP
     factories = kernel_factories()
     try:
         # the launch's counters and scratch are sized by MERGE_GROUP: the kernel's groups
-        fused_decode.MERGE_GROUP = _VARIANT_GROUPS.get(name, group)
-        fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE = prologue, epilogue
+        kernel_header.MERGE_GROUP = _VARIANT_GROUPS.get(name, group)
+        partials_merge_source.FUSED_PROLOGUE, partials_merge_source.FUSED_EPILOGUE = prologue, epilogue
         for m, header in headers.items():
             m._HEADER = header
         for f in factories:
             f.cache_clear()
         yield
     finally:
-        fused_decode.MERGE_GROUP = group
-        fused_decode._FUSED_PROLOGUE, fused_decode._FUSED_EPILOGUE = shipped[:2]
+        kernel_header.MERGE_GROUP = group
+        partials_merge_source.FUSED_PROLOGUE, partials_merge_source.FUSED_EPILOGUE = shipped[:2]
         for m, header in shipped[2].items():
             m._HEADER = header
         for f in factories:

@@ -142,23 +142,24 @@ def run() -> dict:
              "concatenate_24_inputs_compiled": _bound(_concatenated, many, True),
              "concatenate": lambda: mx.concatenate([window, b], axis=2),
              "window_write": _window_write(), "meta_from_list": lambda: mx.array([3, 128, 0, 7], dtype=mx.int32)}
-    from veloxquant_mlx.cache.fused_decode import _HEADER, _on_cuda
+    from veloxquant_mlx.cache.fused_decode import _on_cuda
+    from veloxquant_mlx.cache.kernel_header import HEADER
 
     if _on_cuda():
 
         from veloxquant_mlx.cache.kernel_text import compact_kernel_text
 
-        decode_shaped = dict(outputs=1, header=_HEADER, inputs=DECODE_INPUTS, template=DECODE_TEMPLATE,
+        decode_shaped = dict(outputs=1, header=HEADER, inputs=DECODE_INPUTS, template=DECODE_TEMPLATE,
                              source=_padded_source(DECODE_SOURCE_BYTES))
-        compact = dict(decode_shaped, header=compact_kernel_text(_HEADER),
+        compact = dict(decode_shaped, header=compact_kernel_text(HEADER),
                        source=_padded_source(_compact_decode_source_bytes()))
         variants = {"cuda_kernel": _custom_call(), "cuda_kernel_init_value": _custom_call(init_value=0),
                     "cuda_kernel_one_output": _custom_call(outputs=1),
-                    "cuda_kernel_decode_header": _custom_call(header=_HEADER),
+                    "cuda_kernel_decode_header": _custom_call(header=HEADER),
                     # One output from here on, as the fused decode launch has.
                     "cuda_kernel_24_inputs": _custom_call(outputs=1, inputs=DECODE_INPUTS),
                     "cuda_kernel_27_constants": _custom_call(outputs=1, template=DECODE_TEMPLATE),
-                    "cuda_kernel_decode_source": _custom_call(outputs=1, header=_HEADER,
+                    "cuda_kernel_decode_source": _custom_call(outputs=1, header=HEADER,
                                                               source=decode_shaped["source"]),
                     "cuda_kernel_decode_shaped": _custom_call(**decode_shaped),
                     "cuda_kernel_decode_shaped_compiled": _custom_call(**decode_shaped, compiled=True),

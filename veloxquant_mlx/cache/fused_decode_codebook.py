@@ -110,11 +110,11 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache import fused_decode
 from veloxquant_mlx.cache.fused_decode import (
-    _HEADER,
     PartialsKernel,
     WARPS_PER_BLOCK,
     FusedDecodeMeta,
 )
+from veloxquant_mlx.cache.kernel_header import HEADER as _HEADER
 from veloxquant_mlx.errors import QuantizerConfigError
 
 SUPPORTED_BITS = (2, 3, 4)

@@ -99,7 +99,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import affine_partials_source, fused_decode, kernel_header
 
 MAX_RANK = 8
 MAX_ROWS = 8
@@ -154,8 +154,8 @@ _DECLARE = r"""
   const auto key_slot = [&](int t, int r) { return KSL ? r * SLOTS + tile_slot(t) : tile_slot(t) * R + r; };
 """
 
-# GEAR's helper beside fused_decode's header: the sparse entries of a tile (both scans).
-_HEADER = fused_decode._HEADER + r"""
+# GEAR's helper beside the shared header (kernel_header.py): the sparse entries of a tile (both scans).
+_HEADER = kernel_header.HEADER + r"""
 // The sparse entries (index = token_in_block * DIM + channel, value) of one block of BLK
 // tokens that fall in the TILE tokens at offset toff: add(t, c, value, plain) for each, t in the
 // tile. SORTED (the encoder stores a block's entries in ascending index): the tile's entries are
@@ -368,7 +368,7 @@ _PARTIAL = r"""
   }
 """
 
-PARTIALS_SOURCE = fused_decode.partials_source({
+PARTIALS_SOURCE = affine_partials_source.partials_source({
     hook: text.lstrip("\n") for hook, text in (
         ("declare", _DECLARE), ("tile", _TILE), ("score_init", _SCORE_INIT),
         ("rescaled", _RESCALED), ("probs", _PROBS), ("partial", _PARTIAL),

@@ -80,7 +80,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 from veloxquant_mlx.errors import QuantizerConfigError
 
 TILE = 32  # tokens per warp tile = MiniCache's block of 32 (its retained slots are per block)
@@ -100,7 +100,7 @@ DIRECTION_BITS = (2, 4, 8)  # minicache_bits whose codes never straddle a 32-bit
 PREFETCH_FIRST_VALUES = True
 PREFETCH_MAX_ROWS = 4  # 8 rows spill with it (1128 bytes at float32, 16 slots; 604 without)
 
-_HEADER = fused_decode._HEADER + r"""
+_HEADER = kernel_header.HEADER + r"""
 // 16 bytes, loaded as one 128-bit access (a plain struct: CUDA's uint4 is not needed).
 struct __align__(16) vq_u32x4 { unsigned x, y, z, w; };
 

@@ -125,7 +125,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 
 TILE = 32  # tokens per warp tile: one per lane when scoring
 WARPS_PER_BLOCK = 4
@@ -203,7 +203,7 @@ def _header(max_value_sums: int) -> str:
     only, not on the header, so without it a second budget in one process would reuse the
     first one's module. This namespace-scope copy serves launches without that argument
     (tests/cache/cuda_emulation.py's older interface of this kernel)."""
-    return fused_decode._HEADER + f"""
+    return kernel_header.HEADER + f"""
 // The lane's R x CPL value sums stay under this many registers (channels_per_lane in Python).
 constexpr int VQ_MAX_VALUE_SUMS = {max_value_sums};
 """ + _HELPERS

@@ -90,7 +90,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -116,7 +116,7 @@ OUTPUTS = ("key_codes", "key_scales", "key_biases", "value_codes", "value_scales
 # the CPU emulation in tests/cache/cuda_emulation.py, whose shim has no __fdiv_rn and no *_rn
 # conversions, they are defined as what they compute: the IEEE division (g++ without fast math)
 # and the shim's round-to-nearest-even conversions.
-_HEADER = fused_decode._HEADER + r"""
+_HEADER = kernel_header.HEADER + r"""
 #ifndef __CUDACC__
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline __half __float2half_rn(float x) { return __float2half(x); }

@@ -67,7 +67,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -89,7 +89,7 @@ FOLLOWER_OUTPUTS = ("k_scale", "k_zero", "v_scale", "v_zero")
 # Where the source is compiled as plain C++ (the CPU emulation, tests/cache/cuda_emulation.py,
 # whose shim has none of these intrinsics) they are what they compute: IEEE operations with
 # round to nearest (g++ without fast math, and without -mfma does not contract).
-_HEADER = fused_decode._HEADER + r"""
+_HEADER = kernel_header.HEADER + r"""
 #ifndef __CUDACC__
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }

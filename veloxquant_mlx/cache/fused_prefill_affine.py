@@ -78,7 +78,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -225,7 +225,7 @@ def _kernel_for(factory):
         input_names=list(INPUTS),
         output_names=["keys", "values"],
         source=_SOURCE,
-        header=fused_decode._HEADER,
+        header=kernel_header.HEADER,
     )
 
 

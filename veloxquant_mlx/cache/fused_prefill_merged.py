@@ -63,7 +63,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -74,7 +74,7 @@ MAX_SLOTS = 16  # minicache_retain_slots allows 0..16
 
 INPUTS = ("dk", "dv", "dks", "dkb", "dvs", "dvb", "mk", "mv", "rk", "rv", "pk", "pv", "wk", "wv", "meta")
 
-_HEADER = fused_decode._HEADER + r"""
+_HEADER = kernel_header.HEADER + r"""
 // A direction row's channels c, c + 1 (c even) as floats: fp16 directions (DB = 0) or codes of
 // DB bits dequantized as mx.dequantize does in float16 (the product, then the sum, each rounded
 // to float16). Only the specialization a launch uses is instantiated (DT is uint32_t for codes).

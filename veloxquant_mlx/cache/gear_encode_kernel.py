@@ -56,7 +56,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -256,7 +256,7 @@ def _sparse_kernel():
         input_names=["blocks", "approx", "low", "tokens", "channels", "index"],
         output_names=["values", "positions"],
         source=_SPARSE_SOURCE,
-        header=fused_decode._HEADER + _ROUNDING,
+        header=kernel_header.HEADER + _ROUNDING,
     )
 
 

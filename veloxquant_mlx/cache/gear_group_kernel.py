@@ -34,7 +34,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 from veloxquant_mlx.cache.gear_encode_kernel import _ROUNDING
 from veloxquant_mlx.cache.kernel_name import build_kernel
 
@@ -159,7 +159,7 @@ def _kernel(part: str):
         input_names=inputs,
         output_names=outputs,
         source=globals()[f"_{part.upper()}_SOURCE"],
-        header=fused_decode._HEADER + _ROUNDING,
+        header=kernel_header.HEADER + _ROUNDING,
     )
 
 

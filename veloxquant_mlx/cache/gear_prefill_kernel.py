@@ -78,7 +78,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 from veloxquant_mlx.cache.kernel_name import build_kernel
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -393,7 +393,7 @@ def _kernel_for(factory, sparse_blocks_from: str):
         input_names=list(INPUTS),
         output_names=["keys", "values"],
         source=kernel_source(sparse_blocks_from),
-        header=fused_decode._HEADER,
+        header=kernel_header.HEADER,
     )
 
 

@@ -53,7 +53,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 from veloxquant_mlx.cache.kernel_name import build_kernel
 
 # False: the MLX ops instead, whatever the backend (for an A/B on the GPU: the measurement
@@ -172,7 +172,7 @@ def _masked_kernel():
         input_names=["blocks", "ranking"],
         output_names=["masked"],
         source=_MASKED_SOURCE,
-        header=fused_decode._HEADER + _ROUNDING,
+        header=kernel_header.HEADER + _ROUNDING,
     )
 
 
@@ -187,7 +187,7 @@ def _encode_kernel(min_scale: float):
         input_names=["blocks", "ranking", "kept", "codebook", "meta"],
         output_names=["codes", "zero", "scale", "positions", "exact"],
         source=constant + _ENCODE_SOURCE,
-        header=fused_decode._HEADER + _ROUNDING,
+        header=kernel_header.HEADER + _ROUNDING,
     )
 
 

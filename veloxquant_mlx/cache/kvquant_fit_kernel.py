@@ -34,7 +34,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.cache.kvquant_encode_kernel import _ROUNDING
 
@@ -113,7 +113,7 @@ def _product_kernel():
         input_names=["x", "levels", "meta"],
         output_names=["product"],
         source=_PRODUCT,
-        header=fused_decode._HEADER + _ROUNDING,
+        header=kernel_header.HEADER + _ROUNDING,
     )
 
 
@@ -125,7 +125,7 @@ def _update_kernel():
         input_names=["x", "levels", "sums", "meta"],
         output_names=["out"],
         source=_UPDATE,
-        header=fused_decode._HEADER + _ROUNDING,
+        header=kernel_header.HEADER + _ROUNDING,
     )
 
 

@@ -40,7 +40,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -143,7 +143,7 @@ def _kernel():
         input_names=["codes", "scale", "zero", "codebook", "positions", "exact", "sink", "window", "meta"],
         output_names=["out"],
         source=_SOURCE,
-        header=fused_decode._HEADER + _ROUNDING,
+        header=kernel_header.HEADER + _ROUNDING,
     )
 
 

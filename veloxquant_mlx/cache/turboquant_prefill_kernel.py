@@ -99,7 +99,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, kernel_header
 from veloxquant_mlx.cache.fused_decode_rotated import store_arrays
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
@@ -309,7 +309,7 @@ def _kernel_for(factory):
         input_names=list(INPUTS),
         output_names=["keys", "values"],
         source=_SOURCE,
-        header=fused_decode._HEADER + _HELPERS,
+        header=kernel_header.HEADER + _HELPERS,
     )
 
 
