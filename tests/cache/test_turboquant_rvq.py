@@ -4,6 +4,7 @@ import mlx.core as mx
 import pytest
 
 from veloxquant_mlx import KVCacheConfig, QuantizerConfigError
+from veloxquant_mlx.cache import unpacked_products
 from veloxquant_mlx.cache.hadamard import random_signs, rotate, unrotate
 from veloxquant_mlx.cache.turboquant_rvq import TurboQuantRVQCache
 
@@ -208,8 +209,12 @@ def _refuse_one_bit(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("unpacked", [False, True])
 @pytest.mark.parametrize("bits", [1, 4])
-def test_no_one_bit_affine_op_in_decode_prefill_or_state(monkeypatch, bits):
+def test_no_one_bit_affine_op_in_decode_prefill_or_state(monkeypatch, bits, unpacked):
+    # unpacked False: the path of a GPU backend without our kernels (Metal), the products
+    # through MLX's affine kernels; True: the CPU's (cache/unpacked_products.py).
+    monkeypatch.setattr(unpacked_products, "applies", lambda: unpacked)
     calls = _refuse_one_bit(monkeypatch)
     cache = TurboQuantRVQCache(_config(bit_width_inlier=bits))
     k, v = _keys_values(400)
@@ -233,7 +238,10 @@ def test_no_one_bit_affine_op_in_decode_prefill_or_state(monkeypatch, bits):
     # sum) and the uniform stage, if any, at its own width.
     assert all(b != 1 for _, b in calls)
     qmm_bits = {b for name, b in calls if name == "quantized_matmul"}
-    assert qmm_bits == ({2, 4} if bits == 1 else {2, 3, 4})
+    if unpacked:  # the CPU's products unpack the codes themselves: no affine kernel at all
+        assert qmm_bits == set()
+    else:
+        assert qmm_bits == ({2, 4} if bits == 1 else {2, 3, 4})
 
 
 def test_first_token_is_read_back_exactly_and_survives_save_load(tmp_path):

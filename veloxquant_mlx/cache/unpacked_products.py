@@ -1,0 +1,187 @@
+"""On the CPU, a decode step's products with per-token affine codes and sign planes as float
+matmuls: the codes unpacked (and scaled) in one compiled pass, then one BLAS product.
+
+Why: MLX's CPU affine kernels are slow at the shapes a decode step makes (a few query rows
+against thousands of tokens): TurboQuantRVQCache, the policy's default, decoded at 0.40x the fp16
+cache's speed on this project's CPU at 2048 tokens (README, "Speed on the CPU"), its two stages
+(3-bit codes and a 1-bit sign plane, read 2 or 4 bits wide) each through mx.quantized_matmul:
+at one layer of SmolLM2's shape and 2048 tokens its scores took 2293 us and its weighted values
+2245 us, against 229 / 62 us for the float32 products of the same K / V and 980 / 306 us for
+mlx-lm's 4-bit pair (same run, below; MLX's 3-bit weighted sum is its slowest). Unpacked, the
+cache's two products (`python -m veloxquant_mlx.bench.ops --methods turboquant_rvq --baseline
+4948944 ...`, this project's 2-core VM, OpenBLAS, one core, medians of 9 interleaved rounds):
+at SmolLM2's shape (3 KV heads x 3 rows, d 64), 2048 tokens, float32, scores 2293 -> 1484 us
+and weighted values 2245 -> 1235 us (results/ops_cpu_s38_unpacked_2048.json); at the 8B
+attention shape (8 KV heads x 4 rows, d 128), 8192 tokens, bf16 queries, 60.5 -> 38.8 ms and
+59.4 -> 32.7 ms (results/ops_cpu_s38_unpacked_8192_8b.json). The dequantized values are
+mx.dequantize's bit for bit (the same scale * code + bias in float32;
+tests/cache/test_unpacked_products.py); only the products' summation order differs from MLX's
+kernels (largest difference of the outputs 1.6e-7 of their largest value in float32).
+
+Where: the CPU only (`applies`). On Metal MLX's affine kernels are the fast path and on CUDA the
+fused decode kernels run; neither is routed here. The transient is the unpacked tokens in
+float32: the token axis is taken in chunks of at most CHUNK_BYTES of them, each product
+evaluated before the next chunk is unpacked where there are several (on the CPU a sync costs
+nothing a GPU would wait for), so it stops growing with the context.
+
+Layouts (MLX's mx.quantize stream, as the caches store it): `words` (..., T, W) uint32 codes of T
+rows, each quantized along its last axis in groups of `group_size` with `scales` / `biases`
+(..., T, d / group_size); `bits` 2, 4, 8 pack 32 / bits codes per word from the low bits up, 3
+packs 8 codes per 3 bytes (a little-endian 24-bit field). A sign plane's words (..., T, d / 32)
+hold one bit per coordinate (bit j of word w is coordinate 32w + j) and `mags` (..., T, 1) its
+magnitude a: the row reads back as a * (2b - 1) (cache/sign_plane.py).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from veloxquant_mlx.errors import QuantizerConfigError
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+# Float32 bytes of unpacked tokens one product holds at a time (4096 tokens of 8 KV heads x d 128).
+CHUNK_BYTES = 16 << 20
+
+
+def applies() -> bool:
+    """Whether this path serves the products: MLX's default device is the CPU."""
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def _codes(words: mx.array, bits: int, shifts: mx.array) -> mx.array:
+    """The affine codes of `words` as float32 (..., T, d)."""
+    if bits == 3:
+        # 8 codes per 3 bytes: each byte triple read as one 24-bit field, low bits first.
+        triples = words.view(mx.uint8).astype(mx.uint32).reshape(*words.shape[:-1], -1, 3)
+        fields = triples[..., 0] | mx.left_shift(triples[..., 1], 8) | mx.left_shift(triples[..., 2], 16)
+    else:
+        fields = words
+    codes = mx.right_shift(fields[..., None], shifts) & ((1 << bits) - 1)
+    return codes.reshape(*words.shape[:-1], -1).astype(mx.float32)
+
+
+@lru_cache(maxsize=None)
+def _dequantize_function(bits: int, group_size: int):
+    per_field = 8 if bits == 3 else 32 // bits
+    shifts = mx.array([bits * i for i in range(per_field)], dtype=mx.uint32)  # Python data: see _signs_function
+
+    def dequantize(words, scales, biases):
+        codes = _codes(words, bits, shifts)
+        grouped = codes.reshape(*codes.shape[:-1], -1, group_size)
+        values = grouped * scales.astype(mx.float32)[..., None] + biases.astype(mx.float32)[..., None]
+        return values.reshape(codes.shape)
+
+    return mx.compile(dequantize)
+
+
+def dequantized(words: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int) -> mx.array:
+    """(..., T, d) float32: scale * code + bias per group, as mx.dequantize gives it."""
+    if bits not in SUPPORTED_BITS:
+        raise QuantizerConfigError(
+            f"unpacked_products: bits={bits!r}; allowed are {', '.join(map(str, SUPPORTED_BITS))}"
+        )
+    d = words.shape[-1] * 32 // bits
+    if d % group_size or scales.shape[-1] != d // group_size:
+        raise QuantizerConfigError(
+            f"unpacked_products: rows of {d} codes in groups of {group_size} with {scales.shape[-1]} "
+            "scales per row; allowed is one scale and bias per group"
+        )
+    return _dequantize_function(bits, group_size)(words, scales, biases)
+
+
+@lru_cache(maxsize=None)
+def _signs_function():
+    # Made from Python data, so already there: a lazy constant (mx.arange) would belong to the
+    # stream of the thread that first built this function, and another thread's evaluation of
+    # it fails (the demo runs its two generations in two threads, each in its own stream).
+    bit = mx.array(list(range(32)), dtype=mx.uint32)
+
+    def signs(words):
+        ones = mx.right_shift(words[..., None], bit) & 1
+        return ones.reshape(*words.shape[:-1], -1).astype(mx.float32) * 2 - 1
+
+    return mx.compile(signs)
+
+
+def signs(words: mx.array) -> mx.array:
+    """A sign plane's words (..., T, d / 32) as +-1 float32 (..., T, d)."""
+    return _signs_function()(words)
+
+
+def token_chunks(tokens: int, row_floats: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of the token axis whose unpacked float32 rows (`row_floats` floats per
+    token, over every leading axis) fit CHUNK_BYTES (one range where they all do)."""
+    size = max(1, CHUNK_BYTES // max(4 * row_floats, 1))
+    return [(start, min(tokens, start + size)) for start in range(0, tokens, size)]
+
+
+def _rows(words: mx.array, d: int) -> int:
+    """Float32 values per token of `words` (..., T, W) unpacked to d per row, over the leading axes."""
+    lead = 1
+    for n in words.shape[:-2]:
+        lead *= n
+    return lead * d
+
+
+def affine_scores(x, words, scales, biases, *, group_size: int, bits: int) -> mx.array:
+    """x (..., R, d) against the rows (..., T, W) -> (..., R, T) float32: x @ dequantized^T (what
+    mx.quantized_matmul(transpose=True) gives)."""
+    d = words.shape[-1] * 32 // bits
+    x = x.astype(mx.float32)
+    chunks = token_chunks(words.shape[-2], _rows(words, d))
+    parts = []
+    for start, stop in chunks:
+        rows = dequantized(words[..., start:stop, :], scales[..., start:stop, :], biases[..., start:stop, :],
+                           group_size=group_size, bits=bits)
+        parts.append(_evaluated(x @ rows.swapaxes(-1, -2), len(chunks)))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
+def affine_weighted_sum(p, words, scales, biases, *, group_size: int, bits: int) -> mx.array:
+    """p (..., R, T) times the rows (..., T, W) -> (..., R, d) float32: p @ dequantized (what
+    mx.quantized_matmul(transpose=False) gives)."""
+    d = words.shape[-1] * 32 // bits
+    p = p.astype(mx.float32)
+    chunks = token_chunks(words.shape[-2], _rows(words, d))
+    out = None
+    for start, stop in chunks:
+        rows = dequantized(words[..., start:stop, :], scales[..., start:stop, :], biases[..., start:stop, :],
+                           group_size=group_size, bits=bits)
+        part = _evaluated(p[..., start:stop] @ rows, len(chunks))
+        out = part if out is None else out + part
+    return out
+
+
+def sign_scores(x, words, mags) -> mx.array:
+    """x (..., R, d) against a sign plane (words (..., T, d / 32), mags (..., T, 1)) -> (..., R, T)
+    float32: (x . (2b - 1)) * a per token, the magnitude applied to the product."""
+    x = x.astype(mx.float32)
+    chunks = token_chunks(words.shape[-2], _rows(words, words.shape[-1] * 32))
+    parts = []
+    for start, stop in chunks:
+        product = x @ signs(words[..., start:stop, :]).swapaxes(-1, -2)
+        parts.append(_evaluated(product * mags[..., start:stop, 0].astype(mx.float32)[..., None, :], len(chunks)))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
+def sign_weighted_sum(p, words, mags) -> mx.array:
+    """p (..., R, T) times a sign plane's rows -> (..., R, d) float32: sum_t p_t a_t (2b_t - 1),
+    each magnitude folded into its probability."""
+    p = p.astype(mx.float32)
+    chunks = token_chunks(words.shape[-2], _rows(words, words.shape[-1] * 32))
+    out = None
+    for start, stop in chunks:
+        weights = p[..., start:stop] * mags[..., start:stop, 0].astype(mx.float32)[..., None, :]
+        part = _evaluated(weights @ signs(words[..., start:stop, :]), len(chunks))
+        out = part if out is None else out + part
+    return out
+
+
+def _evaluated(part: mx.array, n_chunks: int) -> mx.array:
+    """`part`, evaluated where the product has several chunks (its unpacked rows are freed
+    before the next chunk's are made; lazily, every chunk's could be allocated at once)."""
+    if n_chunks > 1:
+        mx.eval(part)
+    return part
