@@ -96,6 +96,12 @@ uncompiled_launch = Marked("compiled_launch", False)
 # smaller text saves of MLX's host work per call, paired with the shipped launch in one run.
 text_as_written = Marked("kernel_text_as_written", True, compiled_launch=False)
 
+# KVQuant's portable decode readers (kvquant_attention.py: what Metal, the CPU and CUDA with
+# VELOXQUANT_CUDA_KERNELS=0 run) taking the history in chunks of N tokens, whatever the
+# device's default (KVQuantCache.decode_chunk_tokens): each chunk is ~30 more primitives per
+# layer and step, a larger chunk a larger float32 transient.
+KVQUANT_CHUNKS_TRIED = (1024, 4096, 16384)
+
 # The methods whose decode steps append to the base's exact window (pyramidkv's update is its own).
 WINDOW_METHODS = ("kivi", "xquant", "turboquant_rvq", "minicache", "gear", "kvquant")
 
@@ -122,4 +128,6 @@ ABLATIONS: dict[str, tuple] = {
        for m in WINDOW_METHODS},
     **{f"{m}-tw{n}": (Marked("decode_target_warps", n), m, f"{m}, decode launches for {n} target warps")
        for m in WINDOW_METHODS for n in TARGET_WARPS_TRIED},
+    **{f"kvquant-chunk{n}": (Marked("decode_chunk_tokens", n), "kvquant", f"kvquant, portable decode in {n}-token chunks")
+       for n in KVQUANT_CHUNKS_TRIED},
 }

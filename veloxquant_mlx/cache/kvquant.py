@@ -127,7 +127,17 @@ from veloxquant_mlx.errors import QuantizerConfigError
 
 MIN_HEAD_DIM = 8
 CPU_CHUNK_TOKENS = 1024
-GPU_CHUNK_TOKENS = 4096
+# Off the CPU (Metal; CUDA with VELOXQUANT_CUDA_KERNELS=0) a chunk costs launches, not cache
+# misses: the portable readers' graph per layer and step at 16K tokens of history (8 KV heads x
+# 128, bf16; `python -m veloxquant_mlx.bench.step_census --stand-ins off --methods
+# fp16,kvquant-chunk1024,kvquant-chunk4096,kvquant-chunk16384 --history 16384 --chunk 2048
+# --layers 2 --steps 16`, results/step_census_cpu_s38_kvquant_chunks.json) holds 386 ops / 201
+# launches with 4096-token chunks (the setting until session 38) and 197 / 102 with 16384 (two
+# chunks per part: the history and its slack), where fp16's holds 16 / 6; every chunk more adds
+# ~25 launches per part. Its float32 transient, one chunk's codebook levels per
+# part: 16384 x head_dim x 4 bytes per KV head (64 MiB at 8 x 128). Not yet timed on Metal or
+# with the CUDA kernels off (gpu_speed's `kvquant-chunk4096` is the A/B).
+GPU_CHUNK_TOKENS = 16384
 # Smallest stored scale (the smallest normal fp16): keeps (outlier - zero) / scale finite.
 MIN_SCALE = 2.0**-14
 
@@ -139,7 +149,7 @@ class KVQuantCache(CompressedKVCache):
     # the CPU, where a chunk that stays in cache between the lookup and its product was
     # ~15-25% faster than 4096 (one layer, 8 KV heads x 128, 8K tokens: medians 91 / 92 ms
     # for 512 / 1024 against 123 ms for 4096, 2 shared cores under load 8), else
-    # GPU_CHUNK_TOKENS (fewer, larger kernels; not yet measured on a GPU). An int overrides.
+    # GPU_CHUNK_TOKENS (fewer, larger kernels, above). An int overrides.
     decode_chunk_tokens: int | None = None
     # Where the prefill's history is decoded in pieces off the CPU (a GPU without our CUDA
     # kernel: VELOXQUANT_CUDA_KERNELS=0, or another backend) they run as eager ops (no fused
@@ -148,7 +158,7 @@ class KVQuantCache(CompressedKVCache):
     prefill_compiled_off_cpu: bool = False
     # Tokens of history one prefill piece decodes (rounded down to whole blocks; the pieces'
     # path only, not the CUDA kernel's, which decodes the whole history at once). None: the
-    # attention's chunk (`_chunk_blocks`: 1024 on the CPU, 4096 elsewhere). Larger pieces mean
+    # attention's chunk (`_chunk_blocks`: 1024 on the CPU, 16384 elsewhere). Larger pieces mean
     # fewer launches per prompt chunk on a GPU (~14 eager ops per piece) and a larger float32
     # transient (one piece's). On the CPU (16K history, 8 x 128, 5 runs under load ~60)
     # medians float32 1143 / 912 / 1168 ms, bf16 861 / 1111 / 1190 ms for 1024 / 4096 /
