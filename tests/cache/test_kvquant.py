@@ -122,6 +122,22 @@ def test_attention_with_small_decode_chunks_matches():
     assert mx.allclose(whole, chunked, atol=1e-5).item()
 
 
+def test_decode_chunks_by_device_and_the_chunk_ablations(monkeypatch):
+    # The CPU reads 1024-token chunks (cache locality); a GPU backend's portable path 16384 (each
+    # chunk is ~25 launches per part there); a cache's own decode_chunk_tokens, which the
+    # bench's kvquant-chunk<N> ablations set, wins on both.
+    from veloxquant_mlx.bench.ablations import ABLATIONS
+    from veloxquant_mlx.cache import kvquant
+
+    cache, _, _ = _filled(64)
+    group = cache.group_size
+    assert cache._chunk_blocks() == kvquant.CPU_CHUNK_TOKENS // group
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu, 0))
+    assert cache._chunk_blocks() == kvquant.GPU_CHUNK_TOKENS // group == 16384 // group
+    marker, method, _ = ABLATIONS["kvquant-chunk4096"]
+    assert method == "kvquant" and marker.mark([cache])[0]._chunk_blocks() == 4096 // group
+
+
 def test_state_round_trip():
     cache, k, v = _filled(200)
     restored = KVQuantCache.from_state(cache.state)
