@@ -68,6 +68,15 @@ def test_chunks_cover_the_tokens_within_the_bytes(monkeypatch):
     assert unpacked_products.token_chunks(2500, 10) == [(0, 1000), (1000, 2000), (2000, 2500)]
     assert unpacked_products.token_chunks(999, 10) == [(0, 999)]
     assert unpacked_products.token_chunks(3, 10 ** 9) == [(0, 1), (1, 2), (2, 3)]  # one token at least
+    assert unpacked_products.token_chunks(0, 10) == [(0, 0)]
+
+
+def test_no_tokens_give_empty_products():
+    _, words, scales, biases = _quantized(3, 32, tokens=0)
+    x = mx.ones((1, 3, 4, 64))
+    assert unpacked_products.affine_scores(x, words, scales, biases, group_size=32, bits=3).shape == (1, 3, 4, 0)
+    out = unpacked_products.affine_weighted_sum(mx.ones((1, 3, 4, 0)), words, scales, biases, group_size=32, bits=3)
+    assert out.shape == (1, 3, 4, 64) and not mx.any(out).item()
 
 
 def test_unsupported_widths_and_groups_are_refused():

@@ -52,14 +52,15 @@ def applies() -> bool:
 
 def _codes(words: mx.array, bits: int, shifts: mx.array) -> mx.array:
     """The affine codes of `words` as float32 (..., T, d)."""
+    # Sizes spelled out, not -1: a reshape cannot infer an axis of an empty array (no tokens).
     if bits == 3:
         # 8 codes per 3 bytes: each byte triple read as one 24-bit field, low bits first.
-        triples = words.view(mx.uint8).astype(mx.uint32).reshape(*words.shape[:-1], -1, 3)
+        triples = words.view(mx.uint8).astype(mx.uint32).reshape(*words.shape[:-1], words.shape[-1] * 4 // 3, 3)
         fields = triples[..., 0] | mx.left_shift(triples[..., 1], 8) | mx.left_shift(triples[..., 2], 16)
     else:
         fields = words
     codes = mx.right_shift(fields[..., None], shifts) & ((1 << bits) - 1)
-    return codes.reshape(*words.shape[:-1], -1).astype(mx.float32)
+    return codes.reshape(*words.shape[:-1], words.shape[-1] * 32 // bits).astype(mx.float32)
 
 
 @lru_cache(maxsize=None)
@@ -69,7 +70,7 @@ def _dequantize_function(bits: int, group_size: int):
 
     def dequantize(words, scales, biases):
         codes = _codes(words, bits, shifts)
-        grouped = codes.reshape(*codes.shape[:-1], -1, group_size)
+        grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // group_size, group_size)
         values = grouped * scales.astype(mx.float32)[..., None] + biases.astype(mx.float32)[..., None]
         return values.reshape(codes.shape)
 
@@ -100,7 +101,7 @@ def _signs_function():
 
     def signs(words):
         ones = mx.right_shift(words[..., None], bit) & 1
-        return ones.reshape(*words.shape[:-1], -1).astype(mx.float32) * 2 - 1
+        return ones.reshape(*words.shape[:-1], words.shape[-1] * 32).astype(mx.float32) * 2 - 1
 
     return mx.compile(signs)
 
@@ -114,7 +115,8 @@ def token_chunks(tokens: int, row_floats: int) -> list[tuple[int, int]]:
     """[start, stop) ranges of the token axis whose unpacked float32 rows (`row_floats` floats per
     token, over every leading axis) fit CHUNK_BYTES (one range where they all do)."""
     size = max(1, CHUNK_BYTES // max(4 * row_floats, 1))
-    return [(start, min(tokens, start + size)) for start in range(0, tokens, size)]
+    # An empty axis is one empty range, so that a product of no tokens is an empty array.
+    return [(start, min(tokens, start + size)) for start in range(0, max(tokens, 1), size)]
 
 
 def _rows(words: mx.array, d: int) -> int:
