@@ -124,7 +124,7 @@ Deviations from the paper:
   * (implementation, not the paper) the sign plane is stored 1 bit per coordinate but read at 2
     or 4 bits by the affine kernels of a GPU backend's portable path (MLX's CUDA backend has no
     1-bit kernels; on the CPU since session 38 the plane is unpacked to +-1 floats in chunks of
-    at most 16 MiB instead, cache/unpacked_products.py): each attention call widens one layer's
+    at most 4 MiB instead, cache/unpacked_products.py): each attention call widens one layer's
     sign words, a transient of 2 + 4 bits per compressed element (keys, values) freed with the
     call, never a float copy of the history (4 MiB + 8 MiB for 16K tokens x 8 kv heads x d 128,
     ~2x that while the compiled widening runs; that layer's store is 20 MiB, its fp16 K/V 64

@@ -12,15 +12,16 @@ cache's two products (`python -m veloxquant_mlx.bench.ops --methods turboquant_r
 4948944 ...`, this project's 2-core VM, OpenBLAS, one core, medians of 9 interleaved rounds):
 at SmolLM2's shape (3 KV heads x 3 rows, d 64), 2048 tokens, float32, scores 2293 -> 1484 us
 and weighted values 2245 -> 1235 us (results/ops_cpu_s38_unpacked_2048.json); at the 8B
-attention shape (8 KV heads x 4 rows, d 128), 8192 tokens, bf16 queries, 60.5 -> 38.8 ms and
-59.4 -> 32.7 ms (results/ops_cpu_s38_unpacked_8192_8b.json). The dequantized values are
-mx.dequantize's bit for bit (the same scale * code + bias in float32;
+attention shape (8 KV heads x 4 rows, d 128), 8192 tokens, bf16 queries, 60.1 -> 28.8 ms and
+58.8 -> 24.9 ms with the 4 MiB chunks below (results/ops_cpu_s38_unpacked4mib_8192_8b.json;
+60.5 -> 38.8 and 59.4 -> 32.7 ms with 16 MiB ones, results/ops_cpu_s38_unpacked_8192_8b.json).
+The dequantized values are mx.dequantize's bit for bit (the same scale * code + bias in float32;
 tests/cache/test_unpacked_products.py); only the products' summation order differs from MLX's
 kernels (largest difference of the outputs 1.6e-7 of their largest value in float32).
 
 Where: the CPU only (`applies`). On Metal MLX's affine kernels are the fast path and on CUDA the
 fused decode kernels run; neither is routed here. The transient is the unpacked tokens in
-float32: the token axis is taken in chunks of at most CHUNK_BYTES of them, each product
+float32: the token axis is taken in chunks of at most CHUNK_BYTES of them (4 MiB), each product
 evaluated before the next chunk is unpacked where there are several (on the CPU a sync costs
 nothing a GPU would wait for), so it stops growing with the context.
 
@@ -41,8 +42,15 @@ import mlx.core as mx
 from veloxquant_mlx.errors import QuantizerConfigError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
-# Float32 bytes of unpacked tokens one product holds at a time (4096 tokens of 8 KV heads x d 128).
-CHUNK_BYTES = 16 << 20
+# Float32 bytes of unpacked tokens one product holds at a time (1024 tokens of 8 KV heads x d 128).
+# Why 4 MiB: a chunk the CPU's caches still hold between its unpacking and its product. The
+# cache's two products at the 8B attention shape, 8192 tokens (this project's VM, one core, ms,
+# medians of 7; a session script): 1 / 2 / 4 / 8 MiB chunks 28.2 / 29.1 / 28.2 / 29.9 (scores)
+# and 27.7 / 25.7 / 24.5 / 27.4 (values), 16 MiB 36.2 / 30.9, one 64 MiB chunk 70.4 / 66.1; at
+# SmolLM2's shape and 2048 tokens (1.5 MiB in all) one chunk is the fastest. The A/B against
+# 16 MiB through the bench (results/ops_cpu_s38_chunk4mib_8192_8b.json, interleaved rounds):
+# scores 31.6 -> 28.4 ms, values 31.0 -> 25.5 ms.
+CHUNK_BYTES = 4 << 20
 
 
 def applies() -> bool:
