@@ -868,7 +868,7 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
     plan_inputs, shape, slots = plan[1]
     inputs = list(plan_inputs)
     inputs[0] = queries
-    held = None if whole is None else (whole[0], whole[1], whole[4])
+    held = window_buffer.buffers_of(whole)
     inputs[slots[0]], inputs[slots[1]], inputs[slots[2]] = window_inputs(cache, queries.dtype, held, compiled)
     out = partials.attend(queries, inputs=inputs, state=state, baked=cache.__dict__.get("baked_constants"),
                           compiled=compiled, verbatim=cache.__dict__.get("kernel_text_as_written", False), **shape)

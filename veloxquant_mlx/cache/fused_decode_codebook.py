@@ -109,13 +109,12 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import codebook_partials_source, fused_decode
+from veloxquant_mlx.cache import codebook_partials_source, fused_decode, kernel_header
 from veloxquant_mlx.cache.fused_decode import (
     PartialsKernel,
     WARPS_PER_BLOCK,
     FusedDecodeMeta,
 )
-from veloxquant_mlx.cache.kernel_header import HEADER as _HEADER
 from veloxquant_mlx.errors import QuantizerConfigError
 
 SUPPORTED_BITS = (2, 3, 4)
@@ -157,8 +156,10 @@ MAX_ROWS = 8  # GQA rows per KV head
 MAX_HEAD_DIM = 256
 SHARED_BYTES = 48 * 1024
 
-# This module's kernel text (codebook_partials_source.py), under the names every decode kernel
-# module gives its own (the emulated tests' mutations and bench.batch_probe's variants patch them here).
+# This module's kernel text (codebook_partials_source.py, on the shared kernel_header.py), under
+# the names every decode kernel module gives its own (the emulated tests' mutations and
+# bench.batch_probe's variants patch them here).
+_HEADER = kernel_header.HEADER
 _PARTIALS = codebook_partials_source.PARTIALS
 _WINDOW = codebook_partials_source.WINDOW
 

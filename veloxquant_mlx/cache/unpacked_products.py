@@ -138,54 +138,70 @@ def _rows(words: mx.array, d: int) -> int:
 def affine_scores(x, words, scales, biases, *, group_size: int, bits: int) -> mx.array:
     """x (..., R, d) against the rows (..., T, W) -> (..., R, T) float32: x @ dequantized^T (what
     mx.quantized_matmul(transpose=True) gives)."""
-    d = words.shape[-1] * 32 // bits
     x = x.astype(mx.float32)
-    chunks = token_chunks(words.shape[-2], _rows(words, d))
-    parts = []
-    for start, stop in chunks:
+
+    def part(start, stop):
         rows = dequantized(words[..., start:stop, :], scales[..., start:stop, :], biases[..., start:stop, :],
                            group_size=group_size, bits=bits)
-        parts.append(_evaluated(x @ rows.swapaxes(-1, -2), len(chunks)))
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+        return x @ rows.swapaxes(-1, -2)
+
+    return _over_chunks(words, words.shape[-1] * 32 // bits, part, _joined_scores)
 
 
 def affine_weighted_sum(p, words, scales, biases, *, group_size: int, bits: int) -> mx.array:
     """p (..., R, T) times the rows (..., T, W) -> (..., R, d) float32: p @ dequantized (what
     mx.quantized_matmul(transpose=False) gives)."""
-    d = words.shape[-1] * 32 // bits
     p = p.astype(mx.float32)
-    chunks = token_chunks(words.shape[-2], _rows(words, d))
-    out = None
-    for start, stop in chunks:
+
+    def part(start, stop):
         rows = dequantized(words[..., start:stop, :], scales[..., start:stop, :], biases[..., start:stop, :],
                            group_size=group_size, bits=bits)
-        part = _evaluated(p[..., start:stop] @ rows, len(chunks))
-        out = part if out is None else out + part
-    return out
+        return p[..., start:stop] @ rows
+
+    return _over_chunks(words, words.shape[-1] * 32 // bits, part, _summed)
 
 
 def sign_scores(x, words, mags) -> mx.array:
     """x (..., R, d) against a sign plane (words (..., T, d / 32), mags (..., T, 1)) -> (..., R, T)
     float32: (x . (2b - 1)) * a per token, the magnitude applied to the product."""
     x = x.astype(mx.float32)
-    chunks = token_chunks(words.shape[-2], _rows(words, words.shape[-1] * 32))
-    parts = []
-    for start, stop in chunks:
+
+    def part(start, stop):
         product = x @ signs(words[..., start:stop, :]).swapaxes(-1, -2)
-        parts.append(_evaluated(product * mags[..., start:stop, 0].astype(mx.float32)[..., None, :], len(chunks)))
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+        return product * mags[..., start:stop, 0].astype(mx.float32)[..., None, :]
+
+    return _over_chunks(words, words.shape[-1] * 32, part, _joined_scores)
 
 
 def sign_weighted_sum(p, words, mags) -> mx.array:
     """p (..., R, T) times a sign plane's rows -> (..., R, d) float32: sum_t p_t a_t (2b_t - 1),
     each magnitude folded into its probability."""
     p = p.astype(mx.float32)
-    chunks = token_chunks(words.shape[-2], _rows(words, words.shape[-1] * 32))
-    out = None
-    for start, stop in chunks:
+
+    def part(start, stop):
         weights = p[..., start:stop] * mags[..., start:stop, 0].astype(mx.float32)[..., None, :]
-        part = _evaluated(weights @ signs(words[..., start:stop, :]), len(chunks))
-        out = part if out is None else out + part
+        return weights @ signs(words[..., start:stop, :])
+
+    return _over_chunks(words, words.shape[-1] * 32, part, _summed)
+
+
+def _over_chunks(words: mx.array, d: int, part, join) -> mx.array:
+    """join([part(start, stop) for each token chunk of `words` unpacked to d floats per row]),
+    each part evaluated where there are several (_evaluated)."""
+    chunks = token_chunks(words.shape[-2], _rows(words, d))
+    return join([_evaluated(part(start, stop), len(chunks)) for start, stop in chunks])
+
+
+def _joined_scores(parts: list) -> mx.array:
+    """Chunks' scores side by side along the token axis."""
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
+def _summed(parts: list) -> mx.array:
+    """Chunks' partial weighted sums added up, in chunk order."""
+    out = parts[0]
+    for part in parts[1:]:
+        out = out + part
     return out
 
 

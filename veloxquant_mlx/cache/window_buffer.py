@@ -28,7 +28,11 @@ import mlx.core as mx
 def current(cache):
     """(keys buffer, values buffer, filled rows) while the cache's window is the buffers' view,
     else None."""
-    entry = held(cache)
+    return buffers_of(held(cache))
+
+
+def buffers_of(entry):
+    """(keys buffer, values buffer, filled rows) of held()'s tuple, or None for None."""
     return None if entry is None else (entry[0], entry[1], entry[4])
 
 
