@@ -44,12 +44,11 @@ from veloxquant_mlx.errors import QuantizerConfigError
 SUPPORTED_BITS = (2, 3, 4, 8)
 # Float32 bytes of unpacked tokens one product holds at a time (1024 tokens of 8 KV heads x d 128).
 # Why 4 MiB: a chunk the CPU's caches still hold between its unpacking and its product. The
-# cache's two products at the 8B attention shape, 8192 tokens (this project's VM, one core, ms,
-# medians of 7; a session script): 1 / 2 / 4 / 8 MiB chunks 28.2 / 29.1 / 28.2 / 29.9 (scores)
-# and 27.7 / 25.7 / 24.5 / 27.4 (values), 16 MiB 36.2 / 30.9, one 64 MiB chunk 70.4 / 66.1; at
-# SmolLM2's shape and 2048 tokens (1.5 MiB in all) one chunk is the fastest. The A/B against
-# 16 MiB through the bench (results/ops_cpu_s38_chunk4mib_8192_8b.json, interleaved rounds):
-# scores 31.6 -> 28.4 ms, values 31.0 -> 25.5 ms.
+# A/B against 16 MiB through the bench, the cache's two products at the 8B attention shape and
+# 8192 tokens on this project's VM (results/ops_cpu_s38_chunk4mib_8192_8b.json, interleaved
+# rounds): scores 31.6 -> 28.4 ms, values 31.0 -> 25.5 ms. In a session script not kept, 1-8 MiB
+# chunks ran alike and one 64 MiB chunk about twice as slow as 4 MiB ones; at SmolLM2's shape and
+# 2048 tokens (1.5 MiB in all) the products are one chunk either way.
 CHUNK_BYTES = 4 << 20
 
 
