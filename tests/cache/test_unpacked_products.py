@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant_mlx.cache import sign_plane, unpacked_products
+from veloxquant_mlx.cache import code_planes, sign_plane, unpacked_products
 from veloxquant_mlx.errors import QuantizerConfigError
 
 
@@ -17,15 +17,20 @@ def _quantized(bits: int, group: int, dim: int = 64, tokens: int = 300, scale_dt
     return rows, words, scales.astype(scale_dtype), biases.astype(scale_dtype)
 
 
-@pytest.mark.parametrize("bits", unpacked_products.SUPPORTED_BITS)
-@pytest.mark.parametrize("group", [32, 64])
-@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.bfloat16, mx.float32])
-def test_dequantized_is_mx_dequantize_bit_for_bit(bits, group, scale_dtype):
-    _, words, scales, biases = _quantized(bits, group, scale_dtype=scale_dtype)
-    ours = unpacked_products.dequantized(words, scales, biases, group_size=group, bits=bits)
-    theirs = mx.dequantize(words, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group, bits=bits)
-    assert ours.dtype == mx.float32 and ours.shape == (1, 3, 300, 64)
-    assert np.array_equal(np.array(ours), np.array(theirs))
+@pytest.mark.parametrize("bits", code_planes.SUPPORTED_BITS)
+def test_planes_hold_the_codes_mx_dequantize_reads(bits):
+    # Plane j's column u is the row's coordinate k u + j: interleaved, the planes are the codes
+    # mx.dequantize reads back with unit scales and zero biases.
+    words = mx.random.randint(0, 1 << 30, (1, 3, 300, 64 * bits // 32), key=mx.random.key(bits)).astype(mx.uint32)
+    words = words | mx.left_shift(words, 2)  # the top bits set too
+    group = 64
+    ones = mx.ones((1, 3, 300, 1))
+    theirs = (mx.dequantize(words, ones, ones * 0, group_size=group, bits=bits) if bits != 1
+              else sign_plane.sign_values(words, ones.astype(mx.float16)) * 0.5 + 0.5)
+    planes = code_planes.planes(words, bits)
+    assert len(planes) == code_planes.per_unit(bits) and planes[0].dtype == mx.float32
+    ours = mx.stack(planes, axis=-1).reshape(1, 3, 300, 64)
+    assert np.array_equal(np.array(ours), np.array(theirs.astype(mx.float32)))
 
 
 def _close(ours, theirs):
@@ -59,8 +64,6 @@ def test_sign_plane_products_are_sign_planes(monkeypatch, chunk_bytes):
     p = mx.softmax(mx.random.normal((1, 2, 3, 200), key=mx.random.key(6)), axis=-1)
     _close(unpacked_products.sign_scores(x, words, mags), sign_plane.sign_scores(x, words, mags))
     _close(unpacked_products.sign_weighted_sum(p, words, mags), sign_plane.sign_weighted_sum(p, words, mags))
-    assert np.array_equal(np.array(unpacked_products.signs(words) * mags.astype(mx.float32)),
-                          np.array(sign_plane.sign_values(words, mags)))
 
 
 def test_chunks_cover_the_tokens_within_the_bytes(monkeypatch):
@@ -82,9 +85,9 @@ def test_no_tokens_give_empty_products():
 def test_unsupported_widths_and_groups_are_refused():
     _, words, scales, biases = _quantized(4, 32)
     with pytest.raises(QuantizerConfigError, match="bits=5; allowed are 2, 3, 4, 8"):
-        unpacked_products.dequantized(words, scales, biases, group_size=32, bits=5)
+        unpacked_products.affine_scores(mx.ones((1, 3, 4, 64)), words, scales, biases, group_size=32, bits=5)
     with pytest.raises(QuantizerConfigError, match="rows of 64 codes in groups of 64 with 2 scales per row"):
-        unpacked_products.dequantized(words, scales, biases, group_size=64, bits=4)
+        unpacked_products.affine_weighted_sum(mx.ones((1, 3, 4, 300)), words, scales, biases, group_size=64, bits=4)
 
 
 def test_it_serves_the_cpu_only(monkeypatch):
@@ -95,22 +98,33 @@ def test_it_serves_the_cpu_only(monkeypatch):
 
 def test_functions_first_built_in_another_threads_stream_serve_this_thread():
     # The demo runs its two generations in two threads, each with its own stream: a constant a
-    # compiled function holds must not belong to the stream of the thread that built it.
+    # compiled function or a mask holds must not belong to the stream of the thread that built it.
     import threading
 
-    unpacked_products._signs_function.cache_clear()
-    unpacked_products._dequantize_function.cache_clear()
+    code_planes._planes_function.cache_clear()
+    unpacked_products._group_mask.cache_clear()
     _, words, scales, biases = _quantized(3, 32)
-    signs_words = mx.random.randint(0, 1 << 30, (1, 2, 8, 4), key=mx.random.key(7)).astype(mx.uint32)
-    mx.eval(words, scales, biases, signs_words)
+    signs_words = mx.random.randint(0, 1 << 30, (1, 3, 8, 2), key=mx.random.key(7)).astype(mx.uint32)
+    mags = mx.ones((1, 3, 8, 1), dtype=mx.float16)
+    x = mx.ones((1, 3, 4, 64))
+    mx.eval(words, scales, biases, signs_words, mags, x)
+    failures = []
+
+    def products():
+        return (unpacked_products.sign_scores(x, signs_words, mags),
+                unpacked_products.affine_scores(x, words, scales, biases, group_size=32, bits=3),
+                unpacked_products.affine_weighted_sum(mx.ones((1, 3, 4, 300)), words, scales, biases,
+                                                      group_size=32, bits=3))
 
     def build():
-        with mx.stream(mx.new_stream(mx.cpu)):
-            mx.eval(unpacked_products.signs(signs_words),
-                    unpacked_products.dequantized(words, scales, biases, group_size=32, bits=3))
+        try:
+            with mx.stream(mx.new_stream(mx.cpu)):
+                mx.eval(products())
+        except Exception as error:  # a thread's exception would only be a warning
+            failures.append(error)
 
     thread = threading.Thread(target=build)
     thread.start()
     thread.join()
-    mx.eval(unpacked_products.signs(signs_words),
-            unpacked_products.dequantized(words, scales, biases, group_size=32, bits=3))
+    assert not failures
+    mx.eval(products())

@@ -39,6 +39,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import code_planes
 from veloxquant_mlx.errors import QuantizerConfigError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -57,67 +58,6 @@ def applies() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
-def _codes(words: mx.array, bits: int, shifts: mx.array) -> mx.array:
-    """The affine codes of `words` as float32 (..., T, d)."""
-    # Sizes spelled out, not -1: a reshape cannot infer an axis of an empty array (no tokens).
-    if bits == 3:
-        # 8 codes per 3 bytes: each byte triple read as one 24-bit field, low bits first.
-        triples = words.view(mx.uint8).astype(mx.uint32).reshape(*words.shape[:-1], words.shape[-1] * 4 // 3, 3)
-        fields = triples[..., 0] | mx.left_shift(triples[..., 1], 8) | mx.left_shift(triples[..., 2], 16)
-    else:
-        fields = words
-    codes = mx.right_shift(fields[..., None], shifts) & ((1 << bits) - 1)
-    return codes.reshape(*words.shape[:-1], words.shape[-1] * 32 // bits).astype(mx.float32)
-
-
-@lru_cache(maxsize=None)
-def _dequantize_function(bits: int, group_size: int):
-    per_field = 8 if bits == 3 else 32 // bits
-    shifts = mx.array([bits * i for i in range(per_field)], dtype=mx.uint32)  # Python data: see _signs_function
-
-    def dequantize(words, scales, biases):
-        codes = _codes(words, bits, shifts)
-        grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // group_size, group_size)
-        values = grouped * scales.astype(mx.float32)[..., None] + biases.astype(mx.float32)[..., None]
-        return values.reshape(codes.shape)
-
-    return mx.compile(dequantize)
-
-
-def dequantized(words: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int) -> mx.array:
-    """(..., T, d) float32: scale * code + bias per group, as mx.dequantize gives it."""
-    if bits not in SUPPORTED_BITS:
-        raise QuantizerConfigError(
-            f"unpacked_products: bits={bits!r}; allowed are {', '.join(map(str, SUPPORTED_BITS))}"
-        )
-    d = words.shape[-1] * 32 // bits
-    if d % group_size or scales.shape[-1] != d // group_size:
-        raise QuantizerConfigError(
-            f"unpacked_products: rows of {d} codes in groups of {group_size} with {scales.shape[-1]} "
-            "scales per row; allowed is one scale and bias per group"
-        )
-    return _dequantize_function(bits, group_size)(words, scales, biases)
-
-
-@lru_cache(maxsize=None)
-def _signs_function():
-    # Made from Python data, so already there: a lazy constant (mx.arange) would belong to the
-    # stream of the thread that first built this function, and another thread's evaluation of
-    # it fails (the demo runs its two generations in two threads, each in its own stream).
-    bit = mx.array(list(range(32)), dtype=mx.uint32)
-
-    def signs(words):
-        ones = mx.right_shift(words[..., None], bit) & 1
-        return ones.reshape(*words.shape[:-1], words.shape[-1] * 32).astype(mx.float32) * 2 - 1
-
-    return mx.compile(signs)
-
-
-def signs(words: mx.array) -> mx.array:
-    """A sign plane's words (..., T, d / 32) as +-1 float32 (..., T, d)."""
-    return _signs_function()(words)
-
-
 def token_chunks(tokens: int, row_floats: int) -> list[tuple[int, int]]:
     """[start, stop) ranges of the token axis whose unpacked float32 rows (`row_floats` floats per
     token, over every leading axis) fit CHUNK_BYTES (one range where they all do)."""
@@ -134,54 +74,119 @@ def _rows(words: mx.array, d: int) -> int:
     return lead * d
 
 
+def _checked(words: mx.array, scales: mx.array, group_size: int, bits: int) -> int:
+    """The rows' length d, once bits and groups are ones the products read."""
+    if bits not in SUPPORTED_BITS:
+        raise QuantizerConfigError(
+            f"unpacked_products: bits={bits!r}; allowed are {', '.join(map(str, SUPPORTED_BITS))}"
+        )
+    d = words.shape[-1] * 32 // bits
+    if d % group_size or scales.shape[-1] != d // group_size:
+        raise QuantizerConfigError(
+            f"unpacked_products: rows of {d} codes in groups of {group_size} with {scales.shape[-1]} "
+            "scales per row; allowed is one scale and bias per group"
+        )
+    return d
+
+
+@lru_cache(maxsize=None)
+def _group_mask(groups: int, per_plane: int, group_units: int) -> mx.array:
+    """(groups, 1, per_plane) float32: 1 where a plane's column belongs to the group. Python
+    data, so already there (a lazy constant would belong to the thread that first made it)."""
+    return mx.array([[[1.0 if u // group_units == g else 0.0 for u in range(per_plane)]] for g in range(groups)])
+
+
+def _by_plane(x: mx.array, k: int, group_size: int) -> list[mx.array]:
+    """x (..., R, d) -> k arrays (..., G R, d / k): plane j's coordinates (k u + j) of x, row
+    block g holding group g's and zeros elsewhere (G = d / group_size), so that one product
+    with a plane gives every group's partial sum apart."""
+    *lead, R, d = x.shape
+    groups, per_plane = d // group_size, d // k
+    split = x.reshape(*lead, R, per_plane, k)
+    if groups == 1:
+        return [split[..., j] for j in range(k)]
+    mask = _group_mask(groups, per_plane, group_size // k)
+    return [(split[..., None, :, :, j] * mask).reshape(*lead, groups * R, per_plane) for j in range(k)]
+
+
+def _affine_scores(x, words, scales, biases, group_size: int, bits: int) -> mx.array:
+    # scores = sum over groups of s * (x_g . codes_g) + b * sum(x_g): the codes' products per
+    # plane (one BLAS product each), the scale and bias applied once per group and token.
+    d = words.shape[-1] * 32 // bits
+    k, groups = code_planes.per_unit(bits), d // group_size
+    *lead, R, _ = x.shape
+    by_plane = _by_plane(x, k, group_size)
+    sums = x.reshape(*lead, R, groups, group_size).sum(-1).swapaxes(-1, -2)[..., None]  # (..., G, R, 1)
+
+    def part(start, stop):
+        parts = code_planes.planes(words[..., start:stop, :], bits)
+        codes = by_plane[0] @ parts[0].swapaxes(-1, -2)
+        for xj, plane in zip(by_plane[1:], parts[1:]):
+            codes = codes + xj @ plane.swapaxes(-1, -2)
+        codes = codes.reshape(*lead, groups, R, stop - start)
+        s = scales[..., start:stop, :].astype(mx.float32).swapaxes(-1, -2)[..., None, :]
+        b = biases[..., start:stop, :].astype(mx.float32).swapaxes(-1, -2)[..., None, :]
+        return (codes * s + b * sums).sum(-3)
+
+    return _over_chunks(words, d, part, _joined_scores)
+
+
+def _affine_weighted_sum(p, words, scales, biases, group_size: int, bits: int) -> mx.array:
+    # out_d = sum_t (p_t s_tg) code_td + sum_t p_t b_tg: the scale folds into the probabilities
+    # (one row block per group), the codes' products per plane, the bias one small product.
+    d = words.shape[-1] * 32 // bits
+    k, groups = code_planes.per_unit(bits), d // group_size
+    *lead, R, _ = p.shape
+
+    def part(start, stop):
+        pc = p[..., start:stop]
+        s = scales[..., start:stop, :].astype(mx.float32).swapaxes(-1, -2)[..., None, :]  # (..., G, 1, t)
+        weights = (pc[..., None, :, :] * s).reshape(*lead, groups * R, stop - start)
+        planes = [weights @ plane for plane in code_planes.planes(words[..., start:stop, :], bits)]
+        return planes + [pc @ biases[..., start:stop, :].astype(mx.float32)]
+
+    sums = _over_chunks(words, d, part, _summed_lists)
+    per_plane = d // k
+    if groups == 1:
+        columns = sums[:-1]
+    else:
+        mask = _group_mask(groups, per_plane, group_size // k)
+        columns = [(s.reshape(*lead, groups, R, per_plane) * mask).sum(-3) for s in sums[:-1]]
+    out = mx.stack(columns, axis=-1).reshape(*lead, R, d)
+    return out + mx.repeat(sums[-1], group_size, axis=-1)
+
+
 def affine_scores(x, words, scales, biases, *, group_size: int, bits: int) -> mx.array:
     """x (..., R, d) against the rows (..., T, W) -> (..., R, T) float32: x @ dequantized^T (what
     mx.quantized_matmul(transpose=True) gives)."""
-    x = x.astype(mx.float32)
-
-    def part(start, stop):
-        rows = dequantized(words[..., start:stop, :], scales[..., start:stop, :], biases[..., start:stop, :],
-                           group_size=group_size, bits=bits)
-        return x @ rows.swapaxes(-1, -2)
-
-    return _over_chunks(words, words.shape[-1] * 32 // bits, part, _joined_scores)
+    _checked(words, scales, group_size, bits)
+    return _affine_scores(x.astype(mx.float32), words, scales, biases, group_size, bits)
 
 
 def affine_weighted_sum(p, words, scales, biases, *, group_size: int, bits: int) -> mx.array:
     """p (..., R, T) times the rows (..., T, W) -> (..., R, d) float32: p @ dequantized (what
     mx.quantized_matmul(transpose=False) gives)."""
-    p = p.astype(mx.float32)
+    _checked(words, scales, group_size, bits)
+    return _affine_weighted_sum(p.astype(mx.float32), words, scales, biases, group_size, bits)
 
-    def part(start, stop):
-        rows = dequantized(words[..., start:stop, :], scales[..., start:stop, :], biases[..., start:stop, :],
-                           group_size=group_size, bits=bits)
-        return p[..., start:stop] @ rows
 
-    return _over_chunks(words, words.shape[-1] * 32 // bits, part, _summed)
+def _sign_side(mags: mx.array) -> tuple[mx.array, mx.array]:
+    """A sign plane as a 1-bit affine code over the whole row: a (2b - 1) = (2a) b + (-a)."""
+    a = mags.astype(mx.float32)
+    return 2 * a, -a
 
 
 def sign_scores(x, words, mags) -> mx.array:
     """x (..., R, d) against a sign plane (words (..., T, d / 32), mags (..., T, 1)) -> (..., R, T)
-    float32: (x . (2b - 1)) * a per token, the magnitude applied to the product."""
-    x = x.astype(mx.float32)
-
-    def part(start, stop):
-        product = x @ signs(words[..., start:stop, :]).swapaxes(-1, -2)
-        return product * mags[..., start:stop, 0].astype(mx.float32)[..., None, :]
-
-    return _over_chunks(words, words.shape[-1] * 32, part, _joined_scores)
+    float32: x . a (2b - 1) per token."""
+    scales, biases = _sign_side(mags)
+    return _affine_scores(x.astype(mx.float32), words, scales, biases, words.shape[-1] * 32, 1)
 
 
 def sign_weighted_sum(p, words, mags) -> mx.array:
-    """p (..., R, T) times a sign plane's rows -> (..., R, d) float32: sum_t p_t a_t (2b_t - 1),
-    each magnitude folded into its probability."""
-    p = p.astype(mx.float32)
-
-    def part(start, stop):
-        weights = p[..., start:stop] * mags[..., start:stop, 0].astype(mx.float32)[..., None, :]
-        return weights @ signs(words[..., start:stop, :])
-
-    return _over_chunks(words, words.shape[-1] * 32, part, _summed)
+    """p (..., R, T) times a sign plane's rows -> (..., R, d) float32: sum_t p_t a_t (2b_t - 1)."""
+    scales, biases = _sign_side(mags)
+    return _affine_weighted_sum(p.astype(mx.float32), words, scales, biases, words.shape[-1] * 32, 1)
 
 
 def _over_chunks(words: mx.array, d: int, part, join) -> mx.array:
@@ -196,11 +201,11 @@ def _joined_scores(parts: list) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
-def _summed(parts: list) -> mx.array:
-    """Chunks' partial weighted sums added up, in chunk order."""
+def _summed_lists(parts: list) -> list:
+    """Chunks' partial sums (a list of arrays each) added up array by array, in chunk order."""
     out = parts[0]
     for part in parts[1:]:
-        out = out + part
+        out = [a + b for a, b in zip(out, part)]
     return out
 
 
