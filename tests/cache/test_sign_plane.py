@@ -1,8 +1,10 @@
-"""cache/sign_plane.py: the sign plane read at 2 and 4 bits, against a dense reference."""
+"""cache/sign_plane.py: the sign plane read at 2 and 4 bits (or, on the CPU, as planes), against a
+dense reference."""
 
 import mlx.core as mx
 import pytest
 
+from veloxquant_mlx.cache import unpacked_products
 from veloxquant_mlx.cache.packing import pack_codes, unpack_codes
 from veloxquant_mlx.cache.sign_plane import sign_scores, sign_values, sign_weighted_sum, token_chunks, widen
 
@@ -16,6 +18,14 @@ def _plane(tokens, dim, heads=3, seed=0):
     return bits, words, mags, dense
 
 
+@pytest.fixture(params=["widened", "planes"])
+def product_path(request, monkeypatch):
+    """The products' two paths, both run on this CPU: `widened` as a GPU backend runs them (MLX's
+    affine kernels over the widened words), `planes` as the CPU does (unpacked_products)."""
+    monkeypatch.setattr(unpacked_products, "applies", lambda: request.param == "planes")
+    return request.param
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_widen_is_mlx_packing_of_the_same_codes(bits):
     signs, words, _, _ = _plane(7, 64)
@@ -27,7 +37,7 @@ def test_widen_is_mlx_packing_of_the_same_codes(bits):
 
 
 @pytest.mark.parametrize("dim", [32, 128, 256])
-def test_products_and_values_match_dense_reference(dim):
+def test_products_and_values_match_dense_reference(dim, product_path):
     tokens = 300
     _, words, mags, dense = _plane(tokens, dim)
     x = mx.random.normal((2, 3, 5, dim))
@@ -39,14 +49,14 @@ def test_products_and_values_match_dense_reference(dim):
     assert mx.allclose(values, p @ dense, rtol=1e-5, atol=1e-5).item()
 
 
-def test_long_weighted_sum_is_split_and_still_exact():
+def test_long_weighted_sum_is_split_and_still_exact(product_path):
     tokens = 8192  # split_reduction chunks it (>= 8192 tokens)
     _, words, mags, dense = _plane(tokens, 64, heads=1)
     p = mx.softmax(mx.random.normal((2, 1, 3, tokens)) * 4, axis=-1)
     assert mx.allclose(sign_weighted_sum(p, words, mags), p @ dense, rtol=1e-4, atol=1e-6).item()
 
 
-def test_low_precision_inputs_keep_their_dtype():
+def test_low_precision_inputs_keep_their_dtype(product_path):
     _, words, mags, dense = _plane(300, 64)
     x = mx.random.normal((2, 3, 4, 64))
     got = sign_scores(x.astype(mx.bfloat16), words, mags)
@@ -55,7 +65,7 @@ def test_low_precision_inputs_keep_their_dtype():
     assert (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item() < 2e-2
 
 
-def test_chunked_products_equal_whole_ones_and_bound_the_transient():
+def test_chunked_products_equal_whole_ones_and_bound_the_transient(product_path):
     tokens = 3 * 256 + 64
     _, words, mags, dense = _plane(tokens, 64)
     x = mx.random.normal((2, 3, 5, 64))

@@ -19,8 +19,8 @@ def _quantized(bits: int, group: int, dim: int = 64, tokens: int = 300, scale_dt
 
 @pytest.mark.parametrize("bits", code_planes.SUPPORTED_BITS)
 def test_planes_hold_the_codes_mx_dequantize_reads(bits):
-    # Plane j's column u is the row's coordinate k u + j: interleaved, the planes are the codes
-    # mx.dequantize reads back with unit scales and zero biases.
+    # Plane j's column u is the row's coordinate k u + j: interleaved and uncentered, the planes
+    # are the codes mx.dequantize reads back with unit scales and zero biases.
     words = mx.random.randint(0, 1 << 30, (1, 3, 300, 64 * bits // 32), key=mx.random.key(bits)).astype(mx.uint32)
     words = words | mx.left_shift(words, 2)  # the top bits set too
     group = 64
@@ -29,7 +29,7 @@ def test_planes_hold_the_codes_mx_dequantize_reads(bits):
               else sign_plane.sign_values(words, ones.astype(mx.float16)) * 0.5 + 0.5)
     planes = code_planes.planes(words, bits)
     assert len(planes) == code_planes.per_unit(bits) and planes[0].dtype == mx.float32
-    ours = mx.stack(planes, axis=-1).reshape(1, 3, 300, 64)
+    ours = mx.stack(planes, axis=-1).reshape(1, 3, 300, 64) + code_planes.midpoint(bits)
     assert np.array_equal(np.array(ours), np.array(theirs.astype(mx.float32)))
 
 

@@ -71,7 +71,7 @@ from functools import lru_cache, partial
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode_merged, fused_prefill_merged
+from veloxquant_mlx.cache import fused_decode_merged, fused_prefill_merged, unpacked_products
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
 from veloxquant_mlx.cache.growing_window import GrowingWindowMixin
@@ -421,7 +421,7 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
         if self.dir_bits is None:
             raw = q @ direction[0].astype(q.dtype).swapaxes(-1, -2)
         else:
-            raw = mx.quantized_matmul(q, *direction, transpose=True, group_size=QUANT_GROUP, bits=self.dir_bits)
+            raw = _direction_product(q, direction, self.dir_bits, transpose=True)
         scores = raw * self.store["mag_k"][:, :, None, :].astype(raw.dtype)
         if not self.slots:
             return scores
@@ -452,7 +452,7 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
         if self.dir_bits is None:
             out = weights @ direction[0].astype(p.dtype)
         else:
-            out = mx.quantized_matmul(weights, *direction, transpose=False, group_size=QUANT_GROUP, bits=self.dir_bits)
+            out = _direction_product(weights, direction, self.dir_bits, transpose=False)
         return out if out_exact is None else out + out_exact
 
     # ---- state: an upper layer's state carries a copy of the merged directions ------------------
@@ -470,3 +470,13 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
         self.owns_directions = self.role != "plain"
 
     state = property(CompressedKVCache.state.fget, _set_state)
+
+
+def _direction_product(x: mx.array, direction, bits: int, transpose: bool) -> mx.array:
+    """x times the quantized directions (codes, scales, biases; per token, in groups of
+    QUANT_GROUP), in x's dtype: on the CPU read as planes for BLAS products
+    (cache/unpacked_products.py, 2-4x MLX's affine kernels there), elsewhere mx.quantized_matmul."""
+    if unpacked_products.serves(bits):
+        product = unpacked_products.affine_scores if transpose else unpacked_products.affine_weighted_sum
+        return product(x, *direction, group_size=QUANT_GROUP, bits=bits).astype(x.dtype)
+    return mx.quantized_matmul(x, *direction, transpose=transpose, group_size=QUANT_GROUP, bits=bits)

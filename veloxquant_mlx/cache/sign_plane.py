@@ -33,12 +33,19 @@ widening 3.1-3.4 / 0.7. Hence 2 bits for the scores and 4 for the weighted sum. 
 bits to a +-1 float matrix for a regular matmul ran as fast but needs a tokens x d float
 transient (148 MiB at 16K in float32), which lazy evaluation does not free chunk by chunk
 without an mx.eval per chunk (a sync per chunk on a GPU).
+
+On the CPU (since session 39) neither product widens: cache/unpacked_products.py reads the 1-bit
+codes as planes for BLAS products, in chunks of its own CHUNK_BYTES (max_bytes bounds the
+widened words where they are made). A widened code is 0 or 1 in a field whose range is larger,
+which the planes' centering (cache/code_planes.py) does not expect: read through them, the
+weighted sum over 8192 tokens erred by 6e-5 of its largest output (1-bit planes: 0.0).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import unpacked_products
 from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
 
 SCORE_BITS = 2  # width the scores product reads the plane at
@@ -113,6 +120,8 @@ def sign_scores(
 ) -> mx.array:
     """x (..., R, d) against the plane (words (..., T, d / 32), mags (..., T, 1)) -> (..., R, T):
     x . (a_t (2 b_t - 1)) in x's dtype."""
+    if unpacked_products.applies():
+        return unpacked_products.sign_scores(x, words, mags).astype(x.dtype)
     dim = words.shape[-1] * 32
     dtype = compute_dtype(x.dtype)
     xc = x.astype(dtype)
@@ -136,6 +145,8 @@ def sign_weighted_sum(
 ) -> mx.array:
     """p (..., R, T) times the plane's vectors -> (..., R, d): sum_t p_t a_t (2 b_t - 1), in p's
     dtype (long token axes split into chunks by split_reduction)."""
+    if unpacked_products.applies():
+        return unpacked_products.sign_weighted_sum(p, words, mags).astype(p.dtype)
     dim = words.shape[-1] * 32
     dtype = compute_dtype(p.dtype)
     pc = p.astype(dtype)

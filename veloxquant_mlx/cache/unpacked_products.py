@@ -1,5 +1,5 @@
 """On the CPU, a decode step's products with per-token affine codes and sign planes as float
-matmuls: the codes unpacked (and scaled) in one compiled pass, then one BLAS product.
+matmuls: the codes read as planes (cache/code_planes.py), one BLAS product per plane.
 
 Why: MLX's CPU affine kernels are slow at the shapes a decode step makes (a few query rows
 against thousands of tokens): TurboQuantRVQCache, the policy's default, decoded at 0.40x the fp16
@@ -7,30 +7,34 @@ cache's speed on this project's CPU at 2048 tokens (README, "Speed on the CPU"),
 (3-bit codes and a 1-bit sign plane, read 2 or 4 bits wide) each through mx.quantized_matmul:
 at one layer of SmolLM2's shape and 2048 tokens its scores took 2293 us and its weighted values
 2245 us, against 229 / 62 us for the float32 products of the same K / V and 980 / 306 us for
-mlx-lm's 4-bit pair (same run, below; MLX's 3-bit weighted sum is its slowest). Unpacked, the
-cache's two products (`python -m veloxquant_mlx.bench.ops --methods turboquant_rvq --baseline
-4948944 ...`, this project's 2-core VM, OpenBLAS, one core, medians of 9 interleaved rounds):
-at SmolLM2's shape (3 KV heads x 3 rows, d 64), 2048 tokens, float32, scores 2293 -> 1484 us
-and weighted values 2245 -> 1235 us (results/ops_cpu_s38_unpacked_2048.json); at the 8B
-attention shape (8 KV heads x 4 rows, d 128), 8192 tokens, bf16 queries, 60.1 -> 28.8 ms and
-58.8 -> 24.9 ms with the 4 MiB chunks below (results/ops_cpu_s38_unpacked4mib_8192_8b.json;
-60.5 -> 38.8 and 59.4 -> 32.7 ms with 16 MiB ones, results/ops_cpu_s38_unpacked_8192_8b.json).
-The dequantized values are mx.dequantize's bit for bit (the same scale * code + bias in float32;
-tests/cache/test_unpacked_products.py); only the products' summation order differs from MLX's
-kernels (largest difference of the outputs 1.6e-7 of their largest value in float32).
+mlx-lm's 4-bit pair (same run; MLX's 3-bit weighted sum is its slowest).
+- Session 38 unpacked each row whole (scale * code + bias in float32, then one BLAS product):
+  2293 -> 1484 us and 2245 -> 1235 us (`python -m veloxquant_mlx.bench.ops --methods
+  turboquant_rvq --baseline 4948944 ...`, results/ops_cpu_s38_unpacked_2048.json). That
+  unpacking broadcast a vector of shifts against each word, which MLX's compiled CPU kernels
+  run ~5x slower than a contiguous pass (cache/code_planes.py).
+- Now each plane is one contiguous pass and the scale and bias stay out of the unpacking:
+  scores = sum over groups of s * (x_g . codes_g) + b * sum(x_g), with x split into one row
+  block per group so that one product per plane gives every group's partial sums apart; the
+  weighted sum folds the scale into the probabilities (one row block per group) and adds the
+  bias as p @ b. Numbers: results/README.md, session 39's ops rows.
+The outputs differ from MLX's kernels by the products' summation order only (a relative 4e-6
+of the largest output at most in tests/cache/test_unpacked_products.py's shapes).
 
-Where: the CPU only (`applies`). On Metal MLX's affine kernels are the fast path and on CUDA the
-fused decode kernels run; neither is routed here. The transient is the unpacked tokens in
-float32: the token axis is taken in chunks of at most CHUNK_BYTES of them (4 MiB), each product
-evaluated before the next chunk is unpacked where there are several (on the CPU a sync costs
-nothing a GPU would wait for), so it stops growing with the context.
+Where: the CPU only (`applies`; `serves` adds the widths read). On Metal MLX's affine kernels are
+the fast path and on CUDA the fused decode kernels run; neither is routed here. The transient is
+the unpacked tokens in float32: the token axis is taken in chunks of at most CHUNK_BYTES of them
+(4 MiB), each product evaluated before the next chunk is unpacked where there are several (on
+the CPU a sync costs nothing a GPU would wait for), so it stops growing with the context. Not
+for a caller inside mx.compile where a product may take several chunks (the evaluation).
 
 Layouts (MLX's mx.quantize stream, as the caches store it): `words` (..., T, W) uint32 codes of T
 rows, each quantized along its last axis in groups of `group_size` with `scales` / `biases`
 (..., T, d / group_size); `bits` 2, 4, 8 pack 32 / bits codes per word from the low bits up, 3
 packs 8 codes per 3 bytes (a little-endian 24-bit field). A sign plane's words (..., T, d / 32)
 hold one bit per coordinate (bit j of word w is coordinate 32w + j) and `mags` (..., T, 1) its
-magnitude a: the row reads back as a * (2b - 1) (cache/sign_plane.py).
+magnitude a: the row reads back as a * (2b - 1) (cache/sign_plane.py), a 1-bit affine code with
+scale 2a and bias -a over the whole row.
 """
 
 from __future__ import annotations
@@ -49,13 +53,20 @@ SUPPORTED_BITS = (2, 3, 4, 8)
 # 8192 tokens on this project's VM (results/ops_cpu_s38_chunk4mib_8192_8b.json, interleaved
 # rounds): scores 31.6 -> 28.4 ms, values 31.0 -> 25.5 ms. In a session script not kept, 1-8 MiB
 # chunks ran alike and one 64 MiB chunk about twice as slow as 4 MiB ones; at SmolLM2's shape and
-# 2048 tokens (1.5 MiB in all) the products are one chunk either way.
+# 2048 tokens (1.5 MiB in all) the products are one chunk either way. Measured with session 38's
+# whole-row unpacking; the planes (session 39) were not tuned again.
 CHUNK_BYTES = 4 << 20
 
 
 def applies() -> bool:
     """Whether this path serves the products: MLX's default device is the CPU."""
     return mx.default_device().type == mx.DeviceType.cpu
+
+
+def serves(bits: int) -> bool:
+    """Whether this path serves an affine product of `bits`-wide codes here (applies, and a
+    width the planes read)."""
+    return bits in SUPPORTED_BITS and applies()
 
 
 def token_chunks(tokens: int, row_floats: int) -> list[tuple[int, int]]:
@@ -109,9 +120,16 @@ def _by_plane(x: mx.array, k: int, group_size: int) -> list[mx.array]:
     return [(split[..., None, :, :, j] * mask).reshape(*lead, groups * R, per_plane) for j in range(k)]
 
 
+def _centered(scales: mx.array, biases: mx.array, bits: int) -> tuple[mx.array, mx.array]:
+    """float32 (scales, biases) for the planes' centered codes: s c + b = s (c - m) + (b + s m)."""
+    s = scales.astype(mx.float32)
+    return s, biases.astype(mx.float32) + s * code_planes.midpoint(bits)
+
+
 def _affine_scores(x, words, scales, biases, group_size: int, bits: int) -> mx.array:
     # scores = sum over groups of s * (x_g . codes_g) + b * sum(x_g): the codes' products per
-    # plane (one BLAS product each), the scale and bias applied once per group and token.
+    # plane (one BLAS product each), the scale and bias applied once per group and token (the
+    # codes centered, the bias the group's middle value: see code_planes).
     d = words.shape[-1] * 32 // bits
     k, groups = code_planes.per_unit(bits), d // group_size
     *lead, R, _ = x.shape
@@ -124,8 +142,8 @@ def _affine_scores(x, words, scales, biases, group_size: int, bits: int) -> mx.a
         for xj, plane in zip(by_plane[1:], parts[1:]):
             codes = codes + xj @ plane.swapaxes(-1, -2)
         codes = codes.reshape(*lead, groups, R, stop - start)
-        s = scales[..., start:stop, :].astype(mx.float32).swapaxes(-1, -2)[..., None, :]
-        b = biases[..., start:stop, :].astype(mx.float32).swapaxes(-1, -2)[..., None, :]
+        s, b = _centered(scales[..., start:stop, :], biases[..., start:stop, :], bits)
+        s, b = s.swapaxes(-1, -2)[..., None, :], b.swapaxes(-1, -2)[..., None, :]
         return (codes * s + b * sums).sum(-3)
 
     return _over_chunks(words, d, part, _joined_scores)
@@ -140,10 +158,10 @@ def _affine_weighted_sum(p, words, scales, biases, group_size: int, bits: int) -
 
     def part(start, stop):
         pc = p[..., start:stop]
-        s = scales[..., start:stop, :].astype(mx.float32).swapaxes(-1, -2)[..., None, :]  # (..., G, 1, t)
-        weights = (pc[..., None, :, :] * s).reshape(*lead, groups * R, stop - start)
+        s, b = _centered(scales[..., start:stop, :], biases[..., start:stop, :], bits)
+        weights = (pc[..., None, :, :] * s.swapaxes(-1, -2)[..., None, :]).reshape(*lead, groups * R, stop - start)
         planes = [weights @ plane for plane in code_planes.planes(words[..., start:stop, :], bits)]
-        return planes + [pc @ biases[..., start:stop, :].astype(mx.float32)]
+        return planes + [pc @ b]
 
     sums = _over_chunks(words, d, part, _summed_lists)
     per_plane = d // k
