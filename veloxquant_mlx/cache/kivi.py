@@ -15,7 +15,9 @@ What the paper does and what this cache stores:
   once more than R tokens are exact.
 - Attention never dequantizes the history: scores = quantized_matmul(q, K^T codes, transpose=
   False) and out = quantized_matmul(p, V codes, transpose=False), the two products the paper's
-  fused kernels compute, plus exact attention over the window, under one softmax (the base).
+  fused kernels compute, plus exact attention over the window, under one softmax (the base). On
+  the CPU the scores take float32 queries and the values are read as planes for BLAS products
+  (cache/split_reduction.py -> cache/unpacked_products.py): MLX's CPU kernels are slower there.
 
 - The first token of the sequence (the attention sink, `exact_sink_tokens`) is kept exact
   beside the store, (B, H, 1, D) in the input dtype; see the deviations.

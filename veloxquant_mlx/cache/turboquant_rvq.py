@@ -38,8 +38,10 @@ mean adds q . mean to every compressed score (a constant per query row, which th
 compressed and exact tokens still needs because the exact window is not centered). On the CPU
 the products run in float32 whatever the query dtype (its affine kernels are ~10x slower in
 bf16), elsewhere in the query dtype; and on the CPU no affine kernel reads the stages: their
-codes are unpacked in float32 for BLAS products (cache/unpacked_products.py: the scores 1.55x,
-the weighted values 1.8x faster than through mx.quantized_matmul), the same dequantized values.
+codes are read as float32 planes for BLAS products (cache/unpacked_products.py: session 38's
+whole-row unpacking made the scores 1.55x and the weighted values 1.8x faster than
+mx.quantized_matmul, session 39's planes another 1.2x and 1.45x at SmolLM2's shape and 2048
+tokens, 1.7x and 2.3x at the 8B shape and 8192 tokens in bf16).
 
 Memory of a prefill chunk. A chunk of >= prefill_rows queries does not read the compressed form
 (CompressedKVCache._attend_prefill): it decodes the layer's history to K/V in the queries' dtype
@@ -123,7 +125,7 @@ Deviations from the paper:
     the whole softmax;
   * (implementation, not the paper) the sign plane is stored 1 bit per coordinate but read at 2
     or 4 bits by the affine kernels of a GPU backend's portable path (MLX's CUDA backend has no
-    1-bit kernels; on the CPU since session 38 the plane is unpacked to +-1 floats in chunks of
+    1-bit kernels; on the CPU since session 38 the plane is unpacked to floats in chunks of
     at most 4 MiB instead, cache/unpacked_products.py): each attention call widens one layer's
     sign words, a transient of 2 + 4 bits per compressed element (keys, values) freed with the
     call, never a float copy of the history (4 MiB + 8 MiB for 16K tokens x 8 kv heads x d 128,
@@ -407,7 +409,7 @@ class TurboQuantRVQCache(CompressedKVCache):
     # ---- attention over the compressed form ---------------------------------------------------
     def _products(self, p: str, x: mx.array, dim: int, total: int, transpose: bool) -> mx.array:
         """x times the rotated-domain codes of every stage, summed: on the CPU every stage
-        unpacked for a float32 matmul (cache/unpacked_products.py); elsewhere uniform stages
+        read as planes for float32 matmuls (cache/unpacked_products.py); elsewhere uniform stages
         through the affine kernels, the sign stage through cache/sign_plane.py (no 1-bit
         kernel: CUDA has none)."""
         dtype = compute_dtype(x.dtype)
@@ -417,8 +419,8 @@ class TurboQuantRVQCache(CompressedKVCache):
         for i, b in self._stages(total):
             codes = self.store[f"{p}_codes{i}"]
             if unpacked:
-                # The CPU: codes unpacked for a float matmul (cache/unpacked_products.py): the
-                # scores 1.55x and the weighted values 1.8x faster than through MLX's kernels.
+                # The CPU: codes read as planes for BLAS products (cache/unpacked_products.py:
+                # faster than MLX's kernels there, numbers in its docstring).
                 part = self._unpacked_product(p, i, b, xc, codes, dim, transpose)
             elif b == 1:
                 mags = self.store[f"{p}_scale{i}"]

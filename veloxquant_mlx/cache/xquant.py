@@ -41,7 +41,8 @@ Deviations from the paper:
   * pairs must have the same bit width (a per-layer list must agree within each pair);
   * after `from_state` a follower holds a copy of its leader's codes (each layer's state is
     loadable on its own); `CrossLayerCoordinator.relink(caches)` drops the copy again;
-  * attention uses mx.quantized_matmul on the codes (MLX's affine layout), never fp16 history
+  * attention uses mx.quantized_matmul on the codes (MLX's affine layout; the values, on the
+    CPU, read as planes for BLAS products: cache/unpacked_products.py), never fp16 history
     (a prefill chunk's attention reads it decoded, by fused_prefill_affine's kernel on CUDA);
   * on CUDA a block's encode is one kernel per layer (cache/fused_encode_xquant.py: the leader's
     codes and side data, the follower's fit), the compiled encoders' numbers.
