@@ -251,3 +251,8 @@ def test_long_history_both_attention_paths_agree():
     for fn, x, side in ((scores_function, q3, cache._side("k")), (values_function, p, cache._side("v"))):
         cpu, other = fn(*settings, True)(x, *side), fn(*settings, False)(x, *side)
         assert mx.allclose(cpu, other, atol=1e-4, rtol=1e-4).item(), mx.max(mx.abs(cpu - other)).item()
+    # The cache's own CPU values (the codes' product read as planes outside the compiled
+    # function, cache/unpacked_products.py) are the compiled CPU function's with it inside.
+    planes, inside = cache._weighted_values(p), values_function(*settings, True)(p, *cache._side("v"))
+    assert planes.dtype == inside.dtype == mx.float32
+    assert mx.allclose(planes, inside, atol=1e-5, rtol=1e-4).item(), mx.max(mx.abs(planes - inside)).item()

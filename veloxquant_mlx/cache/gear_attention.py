@@ -61,13 +61,22 @@ def scores_function(bits: int, group: int, rank: int, outliers: bool, block: int
 
 
 @lru_cache(maxsize=None)
-def values_function(bits: int, group: int, rank: int, outliers: bool, block: int, dim: int, on_cpu: bool = False):
-    def weighted_values(p, codes, scales, zeros, *side):
+def values_function(bits: int, group: int, rank: int, outliers: bool, block: int, dim: int, on_cpu: bool = False,
+                    codes_given: bool = False):
+    """codes_given: the function takes (p, the codes' product, *side) instead of (p, codes,
+    scales, zeros, *side), the product made outside (on the CPU by cache/unpacked_products.py,
+    which evaluates chunk by chunk and so cannot run inside mx.compile)."""
+    def weighted_values(p, *arrays):
         B, H, M, cap = p.shape
-        if on_cpu:
+        if codes_given:
+            out, *side = arrays
+            p = p.astype(mx.float32) if on_cpu else p
+        elif on_cpu:
+            codes, scales, zeros, *side = arrays
             p, scales, zeros = _to_float32(p, scales, zeros)
             out = mx.quantized_matmul(p, codes, scales, zeros, transpose=False, group_size=group, bits=bits)
         else:
+            codes, scales, zeros, *side = arrays
             out = quantized_weighted_sum(p, codes, scales, zeros, group_size=group, bits=bits)
         n_blocks = cap // block
         if rank:
