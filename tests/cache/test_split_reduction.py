@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 
 from veloxquant_mlx.cache import unpacked_products
-from veloxquant_mlx.cache.split_reduction import chunk_for, quantized_weighted_sum
+from veloxquant_mlx.cache.split_reduction import chunk_for, quantized_scores, quantized_weighted_sum
 
 
 def test_chunk_choice():
@@ -42,3 +42,15 @@ def test_the_cpu_takes_the_planes_for_the_widths_they_read(monkeypatch):
                                      group_size=32, bits=bits)
         assert out.dtype == mx.bfloat16
     assert calls == [2]
+
+
+@pytest.mark.parametrize("planes", [False, True], ids=["kernel", "planes"])
+def test_scores_are_the_transposed_kernels(monkeypatch, planes):
+    monkeypatch.setattr(unpacked_products, "applies", lambda: planes)
+    keys = mx.random.normal((1, 2, 300, 64), key=mx.random.key(8))
+    codes, scales, biases = mx.quantize(keys, group_size=32, bits=3)
+    x = mx.random.normal((1, 2, 4, 64), key=mx.random.key(9))
+    ref = mx.quantized_matmul(x, codes, scales, biases, transpose=True, group_size=32, bits=3)
+    got = quantized_scores(x, codes, scales, biases, group_size=32, bits=3)
+    assert got.shape == ref.shape == (1, 2, 4, 300) and got.dtype == x.dtype
+    assert mx.allclose(got, ref, atol=1e-5, rtol=1e-4).item()

@@ -75,6 +75,7 @@ from veloxquant_mlx.cache import fused_decode_merged, fused_prefill_merged, unpa
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
 from veloxquant_mlx.cache.growing_window import GrowingWindowMixin
+from veloxquant_mlx.cache.split_reduction import quantized_scores
 from veloxquant_mlx.errors import QuantizerConfigError
 
 BLOCK = 32
@@ -475,8 +476,10 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
 def _direction_product(x: mx.array, direction, bits: int, transpose: bool) -> mx.array:
     """x times the quantized directions (codes, scales, biases; per token, in groups of
     QUANT_GROUP), in x's dtype: on the CPU read as planes for BLAS products
-    (cache/unpacked_products.py, 2-4x MLX's affine kernels there), elsewhere mx.quantized_matmul."""
+    (cache/unpacked_products.py, 2-4x MLX's affine kernels there), elsewhere mx.quantized_matmul
+    (the weighted sum in one call, not split_reduction's chunks: as before the planes)."""
+    if transpose:
+        return quantized_scores(x, *direction, group_size=QUANT_GROUP, bits=bits)
     if unpacked_products.serves(bits):
-        product = unpacked_products.affine_scores if transpose else unpacked_products.affine_weighted_sum
-        return product(x, *direction, group_size=QUANT_GROUP, bits=bits).astype(x.dtype)
-    return mx.quantized_matmul(x, *direction, transpose=transpose, group_size=QUANT_GROUP, bits=bits)
+        return unpacked_products.affine_weighted_sum(x, *direction, group_size=QUANT_GROUP, bits=bits).astype(x.dtype)
+    return mx.quantized_matmul(x, *direction, transpose=False, group_size=QUANT_GROUP, bits=bits)

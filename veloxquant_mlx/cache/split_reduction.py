@@ -5,6 +5,9 @@ matmul whose only long dimension is the reduction. mx.quantized_matmul runs such
 long serial reduction; on the H200 (FACTS.md) it took 2.7 ms at 128K tokens where the whole
 fp16 attention took 0.23 ms. Splitting the tokens into C chunks turns it into C independent
 short reductions in one batched call, followed by a cheap sum over C.
+
+On the CPU both this weighted sum and its scores twin (`quantized_scores`, one call elsewhere)
+read the codes as planes for BLAS products (cache/unpacked_products.py) where it reads the width.
 """
 
 from __future__ import annotations
@@ -55,3 +58,13 @@ def quantized_weighted_sum(p, codes, scales, biases, *, group_size: int, bits: i
     )
     # Partials summed in float32: bf16 partial sums would add rounding per chunk.
     return partial.astype(mx.float32).sum(axis=-3).astype(p.dtype)
+
+
+def quantized_scores(x, codes, scales, biases, *, group_size: int, bits: int) -> mx.array:
+    """x (..., R, d) against the keys quantized per token, codes (..., T, W) -> (..., R, T), in
+    x's dtype: mx.quantized_matmul(transpose=True), or on the CPU the planes' product."""
+    if unpacked_products.serves(bits):
+        return unpacked_products.affine_scores(
+            x, codes, scales, biases, group_size=group_size, bits=bits
+        ).astype(x.dtype)
+    return mx.quantized_matmul(x, codes, scales, biases, transpose=True, group_size=group_size, bits=bits)

@@ -148,12 +148,12 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode_rotated, prefill_pieces, turboquant_prefill_kernel, unpacked_products
+from veloxquant_mlx.cache import fused_decode_rotated, prefill_pieces, turboquant_prefill_kernel
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.hadamard import fast_transform_available, is_power_of_two, random_signs, rotate, unrotate
 from veloxquant_mlx.cache.packing import pack_codes
 from veloxquant_mlx.cache.sign_plane import compute_dtype, sign_scores, sign_values, sign_weighted_sum
-from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
+from veloxquant_mlx.cache.split_reduction import quantized_scores, quantized_weighted_sum
 from veloxquant_mlx.errors import QuantizerConfigError
 
 SIDE_DTYPE = mx.float16  # scales, zeros and residual magnitudes
@@ -408,44 +408,28 @@ class TurboQuantRVQCache(CompressedKVCache):
 
     # ---- attention over the compressed form ---------------------------------------------------
     def _products(self, p: str, x: mx.array, dim: int, total: int, transpose: bool) -> mx.array:
-        """x times the rotated-domain codes of every stage, summed: on the CPU every stage
-        read as planes for float32 matmuls (cache/unpacked_products.py); elsewhere uniform stages
-        through the affine kernels, the sign stage through cache/sign_plane.py (no 1-bit
-        kernel: CUDA has none)."""
+        """x times the rotated-domain codes of every stage, summed: uniform stages through the
+        affine products, the sign stage through cache/sign_plane.py (no 1-bit kernel: CUDA has
+        none). On the CPU each of them reads the codes as planes for float32 BLAS products
+        (cache/unpacked_products.py; numbers in its docstring)."""
         dtype = compute_dtype(x.dtype)
         xc = x.astype(dtype)
-        unpacked = unpacked_products.applies()
         out = None
         for i, b in self._stages(total):
             codes = self.store[f"{p}_codes{i}"]
-            if unpacked:
-                # The CPU: codes read as planes for BLAS products (cache/unpacked_products.py:
-                # faster than MLX's kernels there, numbers in its docstring).
-                part = self._unpacked_product(p, i, b, xc, codes, dim, transpose)
-            elif b == 1:
+            if b == 1:
                 mags = self.store[f"{p}_scale{i}"]
                 product = sign_scores if transpose else sign_weighted_sum
                 part = product(xc, codes, mags)
             else:
                 scales = self.store[f"{p}_scales{i}"].astype(dtype)
                 zeros = self.store[f"{p}_zeros{i}"].astype(dtype)
-                g = self._group(dim)
-                if transpose:
-                    part = mx.quantized_matmul(xc, codes, scales, zeros, transpose=True, group_size=g, bits=b)
-                else:
-                    # Long token axes split into chunks (the H200 runs one long reduction slowly).
-                    part = quantized_weighted_sum(xc, codes, scales, zeros, group_size=g, bits=b)
+                # Long token axes of the weighted sum split into chunks off the CPU (the H200
+                # runs one long reduction slowly).
+                product = quantized_scores if transpose else quantized_weighted_sum
+                part = product(xc, codes, scales, zeros, group_size=self._group(dim), bits=b)
             out = part if out is None else out + part
         return out.astype(x.dtype)
-
-    def _unpacked_product(self, p: str, i: int, b: int, x: mx.array, codes: mx.array, dim: int, transpose: bool):
-        """Stage i's product through unpacked_products (the CPU's path), float32."""
-        if b == 1:
-            product = unpacked_products.sign_scores if transpose else unpacked_products.sign_weighted_sum
-            return product(x, codes, self.store[f"{p}_scale{i}"])
-        product = unpacked_products.affine_scores if transpose else unpacked_products.affine_weighted_sum
-        return product(x, codes, self.store[f"{p}_scales{i}"], self.store[f"{p}_zeros{i}"],
-                       group_size=self._group(dim), bits=b)
 
     def _scores(self, q: mx.array) -> mx.array:
         q_rot = rotate(q, self._signs[0])

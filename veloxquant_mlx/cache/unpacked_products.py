@@ -85,8 +85,8 @@ def _rows(words: mx.array, d: int) -> int:
     return lead * d
 
 
-def _checked(words: mx.array, scales: mx.array, group_size: int, bits: int) -> int:
-    """The rows' length d, once bits and groups are ones the products read."""
+def _checked(words: mx.array, scales: mx.array, group_size: int, bits: int) -> None:
+    """Refuses bits and groups the products do not read."""
     if bits not in SUPPORTED_BITS:
         raise QuantizerConfigError(
             f"unpacked_products: bits={bits!r}; allowed are {', '.join(map(str, SUPPORTED_BITS))}"
@@ -97,7 +97,6 @@ def _checked(words: mx.array, scales: mx.array, group_size: int, bits: int) -> i
             f"unpacked_products: rows of {d} codes in groups of {group_size} with {scales.shape[-1]} "
             "scales per row; allowed is one scale and bias per group"
         )
-    return d
 
 
 @lru_cache(maxsize=None)
