@@ -34,9 +34,10 @@ bits to a +-1 float matrix for a regular matmul ran as fast but needs a tokens x
 transient (148 MiB at 16K in float32), which lazy evaluation does not free chunk by chunk
 without an mx.eval per chunk (a sync per chunk on a GPU).
 
-On the CPU (since session 39) neither product widens: cache/unpacked_products.py reads the 1-bit
-codes as planes for BLAS products, in chunks of its own CHUNK_BYTES (max_bytes bounds the
-widened words where they are made). A widened code is 0 or 1 in a field whose range is larger,
+On the CPU (since session 39) neither product widens: the weighted sum reads the 1-bit codes as
+planes for BLAS products (cache/unpacked_products.py), the scores gather per-byte partial sums
+of the query (cache/sign_lookup.py, session 40), each in chunks of unpacked_products.CHUNK_BYTES
+(max_bytes bounds the widened words where they are made). A widened code is 0 or 1 in a field whose range is larger,
 which the planes' centering (cache/code_planes.py) does not expect: read through them, the
 weighted sum over 8192 tokens erred by 6e-5 of its largest output (1-bit planes: 0.0).
 """
@@ -45,7 +46,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import unpacked_products
+from veloxquant_mlx.cache import sign_lookup, unpacked_products
 from veloxquant_mlx.cache.split_reduction import quantized_weighted_sum
 
 SCORE_BITS = 2  # width the scores product reads the plane at
@@ -121,7 +122,7 @@ def sign_scores(
     """x (..., R, d) against the plane (words (..., T, d / 32), mags (..., T, 1)) -> (..., R, T):
     x . (a_t (2 b_t - 1)) in x's dtype."""
     if unpacked_products.applies():
-        return unpacked_products.sign_scores(x, words, mags).astype(x.dtype)
+        return sign_lookup.sign_scores(x, words, mags).astype(x.dtype)
     dim = words.shape[-1] * 32
     dtype = compute_dtype(x.dtype)
     xc = x.astype(dtype)

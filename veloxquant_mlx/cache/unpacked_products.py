@@ -18,6 +18,8 @@ mlx-lm's 4-bit pair (same run; MLX's 3-bit weighted sum is its slowest).
   block per group so that one product per plane gives every group's partial sums apart; the
   weighted sum folds the scale into the probabilities (one row block per group) and adds the
   bias as p @ b. Numbers: results/README.md, session 39's ops rows.
+- Session 40: a sign plane's scores gather per-byte partial sums instead (cache/sign_lookup.py,
+  3.3x faster there); its weighted sum stays here.
 The outputs differ from MLX's kernels by the products' summation order only (a relative 4e-6
 of the largest output at most in tests/cache/test_unpacked_products.py's shapes).
 
@@ -191,13 +193,6 @@ def _sign_side(mags: mx.array) -> tuple[mx.array, mx.array]:
     """A sign plane as a 1-bit affine code over the whole row: a (2b - 1) = (2a) b + (-a)."""
     a = mags.astype(mx.float32)
     return 2 * a, -a
-
-
-def sign_scores(x, words, mags) -> mx.array:
-    """x (..., R, d) against a sign plane (words (..., T, d / 32), mags (..., T, 1)) -> (..., R, T)
-    float32: x . a (2b - 1) per token."""
-    scales, biases = _sign_side(mags)
-    return _affine_scores(x.astype(mx.float32), words, scales, biases, words.shape[-1] * 32, 1)
 
 
 def sign_weighted_sum(p, words, mags) -> mx.array:
