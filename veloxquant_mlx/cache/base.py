@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_lm_cache
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
 
-from veloxquant_mlx.cache import fused_decode, window_buffer
+from veloxquant_mlx.cache import cpu_softmax, fused_decode, window_buffer
 from veloxquant_mlx.config.kv_cache_config import KVCacheConfig
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -403,7 +403,8 @@ class CompressedKVCache(_BaseCache):
         if general_mask:
             keep = self._keep_mask(L, rep, mask, first, n_hist)
             scores = mx.where(keep, scores, mx.finfo(mx.float32).min)
-        probs = mx.softmax(scores, axis=-1, precise=True)
+        # On the CPU past a few thousand scores, a softmax whose exp is a polynomial (cpu_softmax).
+        probs = cpu_softmax.softmax(scores)
         out = None
         if n_hist:
             out = self._weighted_values(probs[..., :n_hist].astype(q.dtype))

@@ -44,6 +44,7 @@ import warnings
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import cpu_softmax
 from veloxquant_mlx.cache.base import CompressedKVCache
 from veloxquant_mlx.cache.cross_layer import CrossLayerMixin
 from veloxquant_mlx.errors import QuantizerConfigError
@@ -232,7 +233,7 @@ class PyramidKVCache(CrossLayerMixin, CompressedKVCache):
         keep = self._keep_mask_positions(L, rep, mask, self.offset - back)
         if keep is not None:
             scores = mx.where(keep, scores, mx.finfo(mx.float32).min)
-        probs = mx.softmax(scores, axis=-1, precise=True)
+        probs = cpu_softmax.softmax(scores)  # mx.softmax off the CPU and for small score matrices
         out = probs.astype(q.dtype) @ values.astype(q.dtype)
         return out.reshape(B, n_q_heads, L, -1).astype(queries.dtype), probs
 
