@@ -2,13 +2,13 @@
 probabilities to float32 rounding: masked columns exactly 0, rows summing to 1, any shape as
 the window grows; elsewhere it is mx.softmax itself."""
 
-import threading
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import cpu_softmax
+
+from .other_thread import failures_in_another_threads_stream
 
 
 def _scores(shape, seed: int, spread: float = 8.0) -> mx.array:
@@ -73,21 +73,8 @@ def test_small_scores_and_other_dtypes_take_mx_softmax(monkeypatch):
 
 
 def test_a_function_first_built_in_another_threads_stream_serves_this_thread():
-    # The demo runs its two generations in two threads, each with its own stream.
     cpu_softmax._polynomial.cache_clear()
     scores = _scores((1, 3, 3, 4096), seed=5)
     mx.eval(scores)
-    failures = []
-
-    def build():
-        try:
-            with mx.stream(mx.new_stream(mx.cpu)):
-                mx.eval(cpu_softmax.softmax(scores))
-        except Exception as error:  # a thread's exception would only be a warning
-            failures.append(error)
-
-    thread = threading.Thread(target=build)
-    thread.start()
-    thread.join()
-    assert not failures
+    assert not failures_in_another_threads_stream(lambda: cpu_softmax.softmax(scores))
     _close(cpu_softmax.softmax(scores), mx.softmax(scores, axis=-1, precise=True))

@@ -9,6 +9,8 @@ import pytest
 from veloxquant_mlx.cache import code_planes, sign_lookup, sign_plane, unpacked_products
 from veloxquant_mlx.errors import QuantizerConfigError
 
+from .other_thread import failures_in_another_threads_stream
+
 
 def _quantized(bits: int, group: int, dim: int = 64, tokens: int = 300, scale_dtype=mx.float16, seed: int = 0):
     """(rows (1, 3, tokens, dim) float32, words, scales, biases) as mx.quantize stores them."""
@@ -97,10 +99,6 @@ def test_it_serves_the_cpu_only(monkeypatch):
 
 
 def test_functions_first_built_in_another_threads_stream_serve_this_thread():
-    # The demo runs its two generations in two threads, each with its own stream: a constant a
-    # compiled function or a mask holds must not belong to the stream of the thread that built it.
-    import threading
-
     code_planes._planes_function.cache_clear()
     unpacked_products._group_mask.cache_clear()
     sign_lookup.byte_bits.cache_clear()
@@ -109,7 +107,6 @@ def test_functions_first_built_in_another_threads_stream_serve_this_thread():
     mags = mx.ones((1, 3, 8, 1), dtype=mx.float16)
     x = mx.ones((1, 3, 4, 64))
     mx.eval(words, scales, biases, signs_words, mags, x)
-    failures = []
 
     def products():
         return (sign_lookup.sign_scores(x, signs_words, mags),
@@ -117,15 +114,5 @@ def test_functions_first_built_in_another_threads_stream_serve_this_thread():
                 unpacked_products.affine_weighted_sum(mx.ones((1, 3, 4, 300)), words, scales, biases,
                                                       group_size=32, bits=3))
 
-    def build():
-        try:
-            with mx.stream(mx.new_stream(mx.cpu)):
-                mx.eval(products())
-        except Exception as error:  # a thread's exception would only be a warning
-            failures.append(error)
-
-    thread = threading.Thread(target=build)
-    thread.start()
-    thread.join()
-    assert not failures
+    assert not failures_in_another_threads_stream(products)
     mx.eval(products())
