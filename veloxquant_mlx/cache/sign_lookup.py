@@ -13,8 +13,10 @@ table entry per byte instead, d / 8 per token and query row. TurboQuantRVQCache'
 on this project's VM (session 40, one core, OpenBLAS, float32; medians): SmolLM2's shape (3 KV
 heads x 3 query rows, d 64) at 2048 tokens 442 -> 134 us, the 8B attention shape (8 x 4, d 128)
 at 8192 tokens 6.6 -> 3.4 ms. The same trick for the weighted sum (a histogram of the
-probabilities per byte value, a scatter-add) ran 8x slower than the planes, and for the 3-bit
-uniform stage (tables over 6- or 12-bit units) 1.7x and 3.7x slower: those stay planes.
+probabilities per byte value, a scatter-add) ran 8x slower than the planes; for the 3-bit
+uniform stage, tables over each stored byte (its bits weighted 2^k within their code) ran 1.4x
+faster at SmolLM2's shape but 1.3x slower at the 8B shape (a gather per byte and query row: 4
+rows there), over 6- or 12-bit units 1.7x and 3.7x slower: those stay planes.
 
 Where: the CPU only (sign_plane.sign_scores routes here where unpacked_products.applies()); on
 Metal and CUDA the widened plane's affine kernels / the fused decode kernels run. The transient
