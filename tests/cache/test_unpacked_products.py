@@ -102,6 +102,8 @@ def test_functions_first_built_in_another_threads_stream_serve_this_thread():
     code_planes._planes_function.cache_clear()
     unpacked_products._group_mask.cache_clear()
     sign_lookup.byte_bits.cache_clear()
+    sign_lookup._compiled_scores.cache_clear()
+    unpacked_products._compiled.cache_clear()
     _, words, scales, biases = _quantized(3, 32)
     signs_words = mx.random.randint(0, 1 << 30, (1, 3, 8, 2), key=mx.random.key(7)).astype(mx.uint32)
     mags = mx.ones((1, 3, 8, 1), dtype=mx.float16)
