@@ -52,9 +52,14 @@ def softmax(scores: mx.array) -> mx.array:
     if not applies(scores):
         return mx.softmax(scores, axis=-1, precise=True)
     shifted = scores - scores.max(-1, keepdims=True)
-    mantissa, exponent = _polynomial()(shifted)
-    e = mantissa * mx.left_shift(exponent.astype(mx.int32) + 127, 23).view(mx.float32)
+    e = scaled(*_polynomial()(shifted))
     return e / e.sum(-1, keepdims=True)
+
+
+def scaled(mantissa: mx.array, exponent: mx.array) -> mx.array:
+    """mantissa * 2^exponent for _reduced's output, the exponent written into the float's bits
+    (outside the shapeless trace: a view cannot be traced shapeless)."""
+    return mantissa * mx.left_shift(exponent.astype(mx.int32) + 127, 23).view(mx.float32)
 
 
 def _reduced(x: mx.array) -> tuple[mx.array, mx.array]:

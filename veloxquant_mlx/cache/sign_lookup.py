@@ -22,7 +22,7 @@ Where: the CPU only (sign_plane.sign_scores routes here where unpacked_products.
 Metal and CUDA the widened plane's affine kernels / the fused decode kernels run. The transient
 is the gathered partial sums, (..., R, d / 8, tokens) float32: the token axis is taken in chunks
 of unpacked_products.CHUNK_BYTES of them, each evaluated before the next where there are several
-(as unpacked_products does), so it stops growing with the context.
+(unpacked_products' own chunk loop), so it stops growing with the context.
 """
 
 from __future__ import annotations
@@ -68,19 +68,16 @@ def sign_scores(x: mx.array, words: mx.array, mags: mx.array) -> mx.array:
             "is queries of the rows' d"
         )
     xf = x.astype(mx.float32)
+    # The gathered partial sums per token: R x d / 8 floats for every leading index.
     rows = x.shape[-2] * (d // BITS_PER_BYTE)
-    # The gathered partial sums per token: rows x d / 8 floats for every leading index.
-    chunks = unpacked_products.token_chunks(words.shape[-2], rows * _lead(words))
-    if len(chunks) == 1:
+    if unpacked_products.one_chunk(words, rows):
         # Traced by mx.compile (unpacked_products._run says why): 158 -> 139 us at SmolLM2's
         # shape and 2048 tokens (session 40).
         return _compiled_scores()(xf, words, mags)
-    parts = []
-    for start, stop in chunks:
-        part = _scores(xf, words[..., start:stop, :], mags[..., start:stop, :])
-        mx.eval(part)  # this chunk's gathered sums are freed before the next are made
-        parts.append(part)
-    return mx.concatenate(parts, axis=-1)
+    return unpacked_products._over_chunks(
+        words, rows, lambda start, stop: _scores(xf, words[..., start:stop, :], mags[..., start:stop, :]),
+        unpacked_products._joined_scores,
+    )
 
 
 def _scores(xf: mx.array, words: mx.array, mags: mx.array) -> mx.array:
@@ -92,11 +89,3 @@ def _scores(xf: mx.array, words: mx.array, mags: mx.array) -> mx.array:
 @lru_cache(maxsize=None)
 def _compiled_scores():
     return mx.compile(_scores)
-
-
-def _lead(words: mx.array) -> int:
-    """The number of rows of tokens in `words` (the product of its leading axes)."""
-    n = 1
-    for size in words.shape[:-2]:
-        n *= size
-    return n

@@ -88,6 +88,12 @@ def _rows(words: mx.array, d: int) -> int:
     return lead * d
 
 
+def one_chunk(words: mx.array, row_floats: int) -> bool:
+    """Whether the tokens of `words` take one chunk with `row_floats` float32 values per token
+    and leading index (no evaluation between chunks: a product that mx.compile may trace)."""
+    return len(token_chunks(words.shape[-2], _rows(words, row_floats))) == 1
+
+
 def _checked(words: mx.array, scales: mx.array, group_size: int, bits: int) -> None:
     """Refuses bits and groups the products do not read."""
     if bits not in SUPPORTED_BITS:
@@ -213,8 +219,7 @@ def _run(product, arrays: tuple, group_size: int, bits: int) -> mx.array:
     CPU kernels (~1 s, kept on disk for later processes)."""
     x, words, *side = arrays
     x = x.astype(mx.float32)
-    d = words.shape[-1] * 32 // bits
-    if len(token_chunks(words.shape[-2], _rows(words, d))) == 1:
+    if one_chunk(words, words.shape[-1] * 32 // bits):
         return _compiled(product, group_size, bits)(x, words, *side)
     return product(x, words, *side, group_size, bits)
 
