@@ -1,12 +1,12 @@
 """The attention probabilities on the CPU: a softmax whose exponential is a polynomial.
 
-Why: MLX's CPU `exp` (0.32 on this project's x86_64 VM) costs ~11.5 ns per element, ~45x a
-multiply (0.25 ns), and mx.softmax is almost all of it: over one decode step's scores of
-SmolLM2's layer (9 query rows x 2112 columns, float32) it took 227 us, as long as the whole
-weighted sum of kivi's 2-bit values; at the 8B attention shape and 8448 columns 3.2 ms. Here the
-exponential is Cephes' expf written as MLX ops (x = n ln2 + r with |r| <= ln2 / 2, a degree-6
-polynomial in r, 2^n put into the float's exponent bits), the polynomial compiled into one
-fused kernel: 127 us and 1.78 ms at those shapes (session 40, one core; medians). The
+Why (timed in session 40's scripts, not kept, on the project's Xeon VM): MLX's CPU `exp`
+(0.32) costs ~11.5 ns per element, ~45x a multiply (0.25 ns), and mx.softmax is almost all of
+it: over one decode step's scores of SmolLM2's layer (9 query rows x 2112 columns, float32) it
+took 227 us, as long as the whole weighted sum of kivi's 2-bit values; at the 8B attention shape
+and 8448 columns 3.2 ms. Here the exponential is Cephes' expf written as MLX ops (x = n ln2 + r
+with |r| <= ln2 / 2, a degree-6 polynomial in r, 2^n put into the float's exponent bits), the
+polynomial compiled into one fused kernel: 127 us and 1.78 ms at those shapes (session 40, one core; medians). The
 exponential is within one float32 ulp of e^x from 0 down to its underflow (MLX's own exp errs by
 up to 3.8e-6 relative there); the probabilities are within a few ulp of mx.softmax's
 (tests/cache/test_cpu_softmax.py).

@@ -9,14 +9,18 @@ scores are then one gather of them by the stored bytes and a sum over the bytes.
 
 Why: the plane read as float32 planes for BLAS products (cache/unpacked_products.py, session
 39) writes d floats per token and runs 8 products of an 8-wide inner axis; the gather reads one
-table entry per byte instead, d / 8 per token and query row. TurboQuantRVQCache's sign stage,
-on this project's VM (session 40, one core, OpenBLAS, float32; medians): SmolLM2's shape (3 KV
+table entry per byte instead, d / 8 per token and query row. TurboQuantRVQCache's sign stage
+alone, timed in session 40's scripts (not kept) on the project's Xeon VM (one core, OpenBLAS,
+float32; medians): SmolLM2's shape (3 KV
 heads x 3 query rows, d 64) at 2048 tokens 442 -> 134 us, the 8B attention shape (8 x 4, d 128)
 at 8192 tokens 6.6 -> 3.4 ms. The same trick for the weighted sum (a histogram of the
 probabilities per byte value, a scatter-add) ran 8x slower than the planes; for the 3-bit
 uniform stage, tables over each stored byte (its bits weighted 2^k within their code) ran 1.4x
 faster at SmolLM2's shape but 1.3x slower at the 8B shape (a gather per byte and query row: 4
-rows there), over 6- or 12-bit units 1.7x and 3.7x slower: those stay planes.
+rows there), over 6- or 12-bit units 1.7x and 3.7x slower: those stay planes. Rerunnable:
+the cache's whole scores, `python -m veloxquant_mlx.bench.ops --methods turboquant_rvq
+--baseline 5a1d019 --context 2048 --dtype float32` (results/ops_cpu_s40_sign_lookup_*.json:
+1229 -> 919 us; 19.5 -> 16.8 ms at the 8B shape, 8192 tokens, bf16).
 
 Where: the CPU only (sign_plane.sign_scores routes here where unpacked_products.applies()); on
 Metal and CUDA the widened plane's affine kernels / the fused decode kernels run. The transient
@@ -74,10 +78,11 @@ def sign_scores(x: mx.array, words: mx.array, mags: mx.array) -> mx.array:
         # Traced by mx.compile (unpacked_products._run says why): 158 -> 139 us at SmolLM2's
         # shape and 2048 tokens (session 40).
         return _compiled_scores()(xf, words, mags)
-    return unpacked_products._over_chunks(
-        words, rows, lambda start, stop: _scores(xf, words[..., start:stop, :], mags[..., start:stop, :]),
-        unpacked_products._joined_scores,
-    )
+
+    def part(start: int, stop: int) -> mx.array:
+        return _scores(xf, words[..., start:stop, :], mags[..., start:stop, :])
+
+    return unpacked_products._over_chunks(words, rows, part, unpacked_products._joined_scores)
 
 
 def _scores(xf: mx.array, words: mx.array, mags: mx.array) -> mx.array:

@@ -213,10 +213,12 @@ def _run(product, arrays: tuple, group_size: int, bits: int) -> mx.array:
     before the next: not traceable).
     Why compiled: at a decode step's sizes each of MLX's CPU ops costs a few us of its own, and
     the products are ~15 small ops around their BLAS calls; fused, the same values bit for bit
-    (session 40, SmolLM2's shape, 2048 tokens, one core: 3-bit scores 540 -> 432 us, weighted
-    sum 372 -> 329, a sign plane's weighted sum 304 -> 265). A new token count (the store grows
-    a block at a time) traces again, ~2-3 ms; a process's first trace of each builds MLX's fused
-    CPU kernels (~1 s, kept on disk for later processes)."""
+    (session 40's scripts on the Xeon VM, SmolLM2's shape, 2048 tokens, one core: 3-bit scores
+    540 -> 432 us, weighted sum 372 -> 329, a sign plane's weighted sum 304 -> 265; rerunnable
+    through the caches: `python -m veloxquant_mlx.bench.ops --baseline 472e7cf ...`,
+    results/ops_cpu_s40_compiled_2048.json: 1.10x-1.20x a product). A new token count (the
+    store grows a block at a time) traces again, ~2-3 ms; a process's first trace of each builds
+    MLX's fused CPU kernels (~1 s, kept on disk for later processes)."""
     x, words, *side = arrays
     x = x.astype(mx.float32)
     if one_chunk(words, words.shape[-1] * 32 // bits):
