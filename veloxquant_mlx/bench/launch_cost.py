@@ -19,15 +19,21 @@ for a kernel that does next to nothing), and that call through mx.compile (`_com
 replays the traced call, as `add_compiled` does mx.add and `concatenate_24_inputs_compiled` a
 one-node function of 24 inputs, the cost of a replay on any device). `_compact` cases: the same
 call with the header and source at the sizes cache/kernel_text leaves (comments and indentation
-gone), the text our decode launches hand MLX since session 36. Medians of 5 rounds, the first
-untimed.
+gone), the text our decode launches hand MLX since session 36. `cuda_kernel_decode_counts_compiled`: the
+decode launch's inputs, constants and output with the trivial kernel's text, replayed;
+`cuda_kernel_decode_included_compiled`: the compacted case with its header and source in files
+that the text handed to MLX #includes (cache/kernel_files.py), replayed (a case whose compile
+fails, nvrtc not reading the include, is reported with its error). Medians of 5 rounds, the
+first untimed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 import time
 
 import mlx.core as mx
@@ -86,6 +92,19 @@ def _custom_call(*, outputs: int = 3, header: str = "", inputs: int = 12, templa
     return _bound(call, xs, compiled)
 
 
+def _included(case: dict) -> dict:
+    """`case` with its header and source written to files of a new temporary folder and
+    replaced by an #include of each (nvrtc reads them at the compile)."""
+    folder = tempfile.mkdtemp(prefix="vq_launch_cost_")
+    texts = {}
+    for part in ("header", "source"):
+        path = os.path.join(folder, f"{part}.cuh")
+        with open(path, "w") as f:
+            f.write(case[part])
+        texts[part] = f'#include "{path}"\n'
+    return dict(case, **texts)
+
+
 def _bound(function, arrays: list, compiled: bool):
     """`function` of `arrays`, as a call of no arguments; through mx.compile when `compiled`
     (the traced graph replayed by MLX at each call: no Python builds the op again)."""
@@ -142,6 +161,7 @@ def run() -> dict:
              "concatenate_24_inputs_compiled": _bound(_concatenated, many, True),
              "concatenate": lambda: mx.concatenate([window, b], axis=2),
              "window_write": _window_write(), "meta_from_list": lambda: mx.array([3, 128, 0, 7], dtype=mx.int32)}
+    failed = {}
     from veloxquant_mlx.cache.fused_decode import _on_cuda
     from veloxquant_mlx.cache.kernel_header import HEADER
 
@@ -164,11 +184,22 @@ def run() -> dict:
                     "cuda_kernel_decode_shaped": _custom_call(**decode_shaped),
                     "cuda_kernel_decode_shaped_compiled": _custom_call(**decode_shaped, compiled=True),
                     "cuda_kernel_decode_shaped_compact": _custom_call(**compact),
-                    "cuda_kernel_decode_shaped_compact_compiled": _custom_call(**compact, compiled=True)}
+                    "cuda_kernel_decode_shaped_compact_compiled": _custom_call(**compact, compiled=True),
+                    # The decode launch's counts with next to no text, and with its text read by
+                    # nvrtc from files (#include of an absolute path): does a replay's evaluation
+                    # pay for the text the kernel carries?
+                    "cuda_kernel_decode_counts_compiled": _custom_call(outputs=1, inputs=DECODE_INPUTS,
+                                                                       template=DECODE_TEMPLATE, compiled=True),
+                    "cuda_kernel_decode_included_compiled": _custom_call(**_included(compact), compiled=True)}
         for name, call in variants.items():
-            mx.eval(call())  # its JIT compile, untimed
+            try:
+                mx.eval(call())  # its JIT compile, untimed
+            except RuntimeError as exc:  # nvrtc's error (an #include it cannot read): reported
+                failed[name] = str(exc)
+                continue
             cases[name] = call
-    return {name: time_calls(make) for name, make in cases.items()}
+    timed = {name: time_calls(make) for name, make in cases.items()}
+    return dict(timed, **{name: {"error": error} for name, error in failed.items()})
 
 
 def main(argv=None) -> int:
@@ -181,6 +212,9 @@ def main(argv=None) -> int:
     result = {"command": "python -m veloxquant_mlx.bench.launch_cost" + (f" --out {args.out}" if args.out else ""),
               "machine": machine_info(), "calls": CALLS, "rounds": ROUNDS, "cases": run()}
     for name, case in result["cases"].items():
+        if "error" in case:
+            print(f"{name}: failed: {case['error']}")
+            continue
         print(f"{name}: build {case['build_us']:.2f} us/call, eval {case['eval_us']:.2f} us/node")
     if args.out:
         with open(args.out, "w") as f:
