@@ -96,6 +96,11 @@ uncompiled_launch = Marked("compiled_launch", False)
 # smaller text saves of MLX's host work per call, paired with the shipped launch in one run.
 text_as_written = Marked("kernel_text_as_written", True, compiled_launch=False)
 
+# The compiled decode launch with its compacted text handed to MLX inline, as before session 41
+# (cache/kernel_files.py hands it as #includes of files as shipped): what the files save of a
+# replay's host time, paired with the shipped launch in one run.
+text_inline = Marked("kernel_text_inline", True)
+
 # KVQuant's portable decode readers (kvquant_attention.py: what Metal, the CPU and CUDA with
 # VELOXQUANT_CUDA_KERNELS=0 run) taking the history in chunks of N tokens, whatever the
 # device's default (KVQuantCache.decode_chunk_tokens): each chunk is ~30 more primitives per
@@ -125,6 +130,8 @@ ABLATIONS: dict[str, tuple] = {
     **{f"{m}-uncompiled": (uncompiled_launch, m, f"{m}, decode launch uncompiled, window concatenated")
        for m in WINDOW_METHODS},
     **{f"{m}-verbatim": (text_as_written, m, f"{m}, decode launch from its kernel text as written")
+       for m in WINDOW_METHODS},
+    **{f"{m}-inline": (text_inline, m, f"{m}, compiled decode launch with its kernel text inline")
        for m in WINDOW_METHODS},
     **{f"{m}-tw{n}": (Marked("decode_target_warps", n), m, f"{m}, decode launches for {n} target warps")
        for m in WINDOW_METHODS for n in TARGET_WARPS_TRIED},

@@ -244,7 +244,7 @@ class PartialsKernel:
 
     def __init__(self, name: str, input_names, source: str, header: str):
         self.name, self.input_names, self.source, self.header = name, list(input_names), source, header
-        self._split = self._fused = self._counted = self._verbatim = None
+        self._split = self._fused = self._counted = self._counted_inline = self._verbatim = None
         self._baked = {}  # template constants (a tuple) -> the fused build with them in its source
 
     @property
@@ -261,14 +261,15 @@ class PartialsKernel:
         before and after it: template constants, compiled_launch's counted window)."""
         return before + partials_merge_source.FUSED_PROLOGUE + self.source + partials_merge_source.FUSED_EPILOGUE + after
 
-    def _fused_build(self, suffix: str = "", before: str = "", after: str = "", compact: bool = True):
+    def _fused_build(self, suffix: str = "", before: str = "", after: str = "", compact: bool = True,
+                     files: bool = True):
         """fused_source(before, after) built under this kernel's name + "_merged" + `suffix`;
-        `compact`: build_kernel's."""
+        `compact`, `files`: build_kernel's."""
         return build_kernel(
             mx.fast.cuda_kernel,
             name=self.name + "_merged" + suffix, input_names=[*self.input_names, *FUSED_EXTRA_INPUTS],
             output_names=["out"], source=self.fused_source(before, after), header=self.header,
-            compact=compact)
+            compact=compact, files=files)
 
     @property
     def fused(self):
@@ -292,6 +293,16 @@ class PartialsKernel:
             self._counted = self._fused_build("_counted", COUNTED_PROLOGUE, COUNTED_EPILOGUE)
         return self._counted
 
+    @property
+    def counted_inline(self):
+        """The counted build with its compacted text handed to MLX inline rather than as
+        #includes of files (kernel_files): the `<method>-inline` ablations' compiled launch, for
+        what the files save of a replay's host time. Its name is the counted build's (the same
+        code: MLX's module cache serves both)."""
+        if self._counted_inline is None:
+            self._counted_inline = self._fused_build("_counted", COUNTED_PROLOGUE, COUNTED_EPILOGUE, files=False)
+        return self._counted_inline
+
     def baked(self, template):
         """The fused build with `template`'s constants written into its source (BAKED_CONSTANTS),
         launched with no template; built once per set of constants."""
@@ -308,14 +319,15 @@ class PartialsKernel:
 
     def attend(self, queries, *, inputs, template, n_blocks: int, heads: int, value_dim: int,
                state: FusedLaunchState | None = None, baked: bool | None = None, compiled: bool = False,
-               verbatim: bool = False):
+               verbatim: bool = False, inline: bool = False):
         """The attention output (B, Hq, 1, DV) in the queries' dtype: one fused launch
         (MERGE_IN_KERNEL), else the split build and merge_partials. `state`: the cache's
         FusedLaunchState (None: one for this launch alone); `baked`: the fused launch's
         constants written into its source (None: BAKED_CONSTANTS); `compiled`: the counted
         build through the state's CompiledLaunch (mx.compile), `inputs` holding the window's
         count (compiled_launch.window_count) as wn; `verbatim`: the fused build with its text
-        as written (PartialsKernel.verbatim), for the bench's ablation."""
+        as written (PartialsKernel.verbatim), for the bench's ablation; `inline`: the compiled
+        launch's text handed to MLX inline (PartialsKernel.counted_inline), likewise."""
         in_source = BAKED_CONSTANTS if baked is None else baked
         if verbatim and (in_source or compiled or not MERGE_IN_KERNEL):
             raise QuantizerConfigError(
@@ -346,7 +358,7 @@ class PartialsKernel:
         arrays = [*inputs, *state.inputs(queries, scratch_size, merge_counters(heads, n_blocks))]
         launch = dict(grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1), threadgroup=(32 * WARPS_PER_BLOCK, 1, 1))
         if compiled:
-            out = state.compiled(self.counted, arrays, template=template, output_shape=(B, n_q_heads, 1, value_dim),
+            out = state.compiled(self.counted_inline if inline else self.counted, arrays, template=template, output_shape=(B, n_q_heads, 1, value_dim),
                                  output_dtype=queries.dtype, **launch)
         else:
             kernel, constants = (self.baked(template), []) if in_source else (
@@ -871,7 +883,8 @@ def planned_attend(cache, queries, scale: float, key, launch, kernel):
     held = window_buffer.buffers_of(whole)
     inputs[slots[0]], inputs[slots[1]], inputs[slots[2]] = window_inputs(cache, queries.dtype, held, compiled)
     out = partials.attend(queries, inputs=inputs, state=state, baked=cache.__dict__.get("baked_constants"),
-                          compiled=compiled, verbatim=cache.__dict__.get("kernel_text_as_written", False), **shape)
+                          compiled=compiled, verbatim=cache.__dict__.get("kernel_text_as_written", False),
+                          inline=cache.__dict__.get("kernel_text_inline", False), **shape)
     if replayable and whole[6] == whole[7] == queries.dtype:
         cache.__dict__["_fused_replay"] = ReplayStep(plan, partials, state, plan_inputs, slots, queries.dtype)
     return out

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import hashlib
 
+import mlx.core as mx
+
+from . import kernel_files
 from .kernel_text import compact_kernel_text
 
 # Between the name given and the digest; base_name() cuts there.
 DIGEST_MARK = "__src"
+# MLX's kernel factory as imported, before a test may stand its CPU emulation in for it (where
+# MLX has no CUDA backend the attribute exists and raises at the call).
+_MLX_FACTORY = getattr(mx.fast, "cuda_kernel", None)
 
 
 def source_keyed_name(name: str, source: str, header: str = "") -> str:
@@ -29,11 +35,18 @@ def base_name(name: str) -> str:
     return name.split(DIGEST_MARK, 1)[0]
 
 
-def build_kernel(factory, *, name: str, source: str, header: str = "", compact: bool = True, **arguments):
+def build_kernel(factory, *, name: str, source: str, header: str = "", compact: bool = True, files: bool = True,
+                 **arguments):
     """factory (mx.fast.cuda_kernel, or a test's stand-in for it) called with the source and
     header compacted (kernel_text: MLX copies them at every launch; `compact` False: as written,
     for the bench's paired ablation) under a name keyed by the text handed over, what nvrtc
-    compiles; the other arguments pass through."""
+    compiles; the other arguments pass through. MLX's own factory gets the compacted texts as
+    #include lines of files holding them (kernel_files; VELOXQUANT_KERNEL_TEXT_FILES=0: inline);
+    a stand-in (the CPU emulation of the tests), the verbatim build and `files` False (the
+    bench's inline ablation) get the texts."""
     if compact:
         source, header = compact_kernel_text(source), compact_kernel_text(header)
-    return factory(name=source_keyed_name(name, source, header), source=source, header=header, **arguments)
+    keyed = source_keyed_name(name, source, header)
+    if compact and files and factory is _MLX_FACTORY and kernel_files.enabled():
+        source, header = kernel_files.included_texts(keyed, source, header, arguments.get("input_names", ()))
+    return factory(name=keyed, source=source, header=header, **arguments)
