@@ -148,3 +148,10 @@ def test_the_inline_launch_gives_the_shipped_launchs_output_on_the_gpu(method, m
     inline, _ = decode_outputs(method, {"kernel_text_inline": True}, steps=2)
     assert (True, True) in builds and (True, False) in builds
     assert_same_attention(shipped, inline)
+
+
+def test_a_folder_of_another_user_is_an_error(recorded, monkeypatch):
+    factory, _ = recorded
+    monkeypatch.setattr(kernel_files.os, "getuid", lambda: 4242)  # the folder is then another user's
+    with pytest.raises(QuantizerConfigError, match=r"belongs to another user .*this process runs as 4242"):
+        kernel_name.build_kernel(factory, name="vq_k", input_names=["x"], output_names=["y"], source="s")

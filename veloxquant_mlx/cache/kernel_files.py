@@ -11,7 +11,8 @@ lines and the signature, and the kernel compiled is the same.
 
 How: the compacted header and body are written once per process and kernel to
 `<folder>/<keyed name>.header.cuh` and `.body.cuh`, the folder VELOXQUANT_KERNEL_TEXT_DIR or
-`<tmp>/veloxquant_mlx/kernel_text`. The keyed name carries a digest of both texts
+`<tmp>/veloxquant_mlx-<uid>/kernel_text` (created for this user alone; a folder of another
+user's is an error). The keyed name carries a digest of both texts
 (kernel_name.source_keyed_name), so files of different texts never share a name; an existing
 file is read back and rewritten (write to a temporary file, then rename) unless it holds the
 text, so a stale or partial file is never compiled. MLX declares a `<input>_shape`, `_strides`
@@ -49,9 +50,12 @@ def enabled() -> bool:
 
 
 def folder() -> Path:
-    """Where the files go: VELOXQUANT_KERNEL_TEXT_DIR, else <tmp>/veloxquant_mlx/kernel_text."""
+    """Where the files go: VELOXQUANT_KERNEL_TEXT_DIR, else <tmp>/veloxquant_mlx-<uid>/kernel_text
+    (a user's own: nvrtc compiles what the files hold, so no other user may write them)."""
     chosen = environment_switch.value(ENV_FOLDER)
-    return Path(chosen) if chosen else Path(tempfile.gettempdir()) / "veloxquant_mlx" / "kernel_text"
+    if chosen:
+        return Path(chosen)
+    return Path(tempfile.gettempdir()) / f"veloxquant_mlx-{os.getuid()}" / "kernel_text"
 
 
 def included_texts(keyed_name: str, source: str, header: str, input_names) -> tuple[str, str]:
@@ -59,12 +63,21 @@ def included_texts(keyed_name: str, source: str, header: str, input_names) -> tu
     one's file (an empty header stays empty), the body's shape parameters named after it."""
     where = folder()
     try:
-        where.mkdir(parents=True, exist_ok=True)
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise QuantizerConfigError(
             f"{ENV_FOLDER}: cannot create the kernel text folder {str(where)!r} ({exc}); set "
             f"{ENV_FOLDER} to a writable folder, or {ENV_SWITCH}=0 to hand MLX the text inline"
         ) from exc
+    # The folder this user's; its parent this user's or root's (whose owner could swap the folder).
+    for held, owners in ((where, (os.getuid(),)), (where.parent, (os.getuid(), 0))):
+        owner = held.stat().st_uid
+        if owner not in owners:
+            raise QuantizerConfigError(
+                f"{ENV_FOLDER}: for the kernel text folder {str(where)!r}, {str(held)!r} belongs to "
+                f"another user (uid {owner}, this process runs as {os.getuid()}), who could change what "
+                f"nvrtc compiles; set {ENV_FOLDER} to a folder of your own, or {ENV_SWITCH}=0"
+            )
     body = _include_line(_written(where / f"{keyed_name}.body.cuh", source))
     named = [n + suffix for n in input_names for suffix in SHAPE_SUFFIXES if n + suffix in source]
     if named:
