@@ -7,7 +7,9 @@ the decode launch's compacted text took 13.96 us per node to evaluate when repla
 kernel of the same 24 inputs and one output with next to no text took 8.75 us evaluated eagerly).
 A host-bound decode step makes one such launch per layer. nvrtc reads an `#include` of an
 absolute path from the file system when it compiles, so the text MLX holds shrinks to the two
-lines and the signature, and the kernel compiled is the same.
+lines and the signature, and the kernel compiled is the same. Measured on an H100 (session 41,
+results/launch_cost_h100_s41.json): the replayed decode launch's evaluation 12.65 us with the
+compacted text inline, 6.65 us from the files, 6.61 us for the same inputs with next to no text.
 
 How: the compacted header and body are written once per process and kernel to
 `<folder>/<keyed name>.header.cuh` and `.body.cuh`, the folder VELOXQUANT_KERNEL_TEXT_DIR or
