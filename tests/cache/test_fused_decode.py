@@ -296,7 +296,7 @@ def test_a_launch_plan_serves_the_steps_until_the_store_changes(monkeypatch):
     # compiled: not here, the window concatenated (the kernels are stubbed, not enabled, when
     # the steps' tokens are written); verbatim: the text as shipped (compacted)
     assert queries is q_heads and inputs[0] is q_heads
-    assert shape == {"n_blocks": 3, "baked": None, "compiled": False, "verbatim": False}
+    assert shape == {"n_blocks": 3, "baked": None, "compiled": False, "verbatim": False, "inline": False}
     assert state is cache._fused_launch  # one FusedLaunchState per cache, across its plans
     assert mx.array_equal(inputs[7], cache.window_keys).item() and mx.array_equal(inputs[8], cache.window_values).item()
     assert inputs[1:7] == [f"input {i}" for i in range(1, 7)] and inputs[9:12] == [f"input {i}" for i in range(9, 12)]
