@@ -358,7 +358,8 @@ class PartialsKernel:
         arrays = [*inputs, *state.inputs(queries, scratch_size, merge_counters(heads, n_blocks))]
         launch = dict(grid=(32 * WARPS_PER_BLOCK * n_blocks, heads, 1), threadgroup=(32 * WARPS_PER_BLOCK, 1, 1))
         if compiled:
-            out = state.compiled(self.counted_inline if inline else self.counted, arrays, template=template, output_shape=(B, n_q_heads, 1, value_dim),
+            kernel = self.counted_inline if inline else self.counted
+            out = state.compiled(kernel, arrays, template=template, output_shape=(B, n_q_heads, 1, value_dim),
                                  output_dtype=queries.dtype, **launch)
         else:
             kernel, constants = (self.baked(template), []) if in_source else (
