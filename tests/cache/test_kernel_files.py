@@ -25,12 +25,6 @@ def _expanded(text: str) -> str:
     return INCLUDE.sub(lambda m: open(m.group(1)).read().rstrip("\n"), text)
 
 
-def _mlx_shape_parameters(source: str, input_names) -> list:
-    """The parameters MLX's cuda_kernel declares beyond the arrays: each input's `_shape`,
-    `_strides`, `_ndim` where the body it is given names it (custom_kernel.cpp, shape_infos)."""
-    return [n + s for n in input_names for s in kernel_files.SHAPE_SUFFIXES if n + s in source]
-
-
 @pytest.fixture
 def recorded(monkeypatch, tmp_path):
     """build_kernel's calls of MLX's factory, recorded (the factory stood in by a recorder that
@@ -61,8 +55,8 @@ def test_the_decode_kernel_is_handed_over_as_includes_of_its_compacted_text(reco
     # The body: its include, then a comment naming the parameters it reads.
     expanded = _expanded(built["source"])
     assert expanded.startswith(inline_source)
-    assert _mlx_shape_parameters(built["source"], names) == _mlx_shape_parameters(inline_source, names)
-    assert _mlx_shape_parameters(inline_source, names)  # the check has something to compare
+    assert kernel_files.shape_parameters(built["source"], names) == kernel_files.shape_parameters(inline_source, names)
+    assert kernel_files.shape_parameters(inline_source, names)  # the check has something to compare
     assert {p.name for p in (tmp_path / "texts").iterdir()} == {built["name"] + ".body.cuh",
                                                                 built["name"] + ".header.cuh"}
 

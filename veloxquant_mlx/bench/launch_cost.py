@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
 
 import mlx.core as mx
@@ -71,6 +69,10 @@ def _padded_source(size: int) -> str:
     return "// " + "x" * pad + "\n" + _SOURCE
 
 
+def _input_names(count: int) -> list:
+    return [f"x{i}" for i in range(count)]
+
+
 def _custom_call(*, outputs: int = 3, header: str = "", inputs: int = 12, template=None, source: str = _SOURCE,
                  compiled: bool = False, **launch):
     """A call of the trivial kernel (`outputs` of its three; `header` prepended; `inputs` arrays;
@@ -80,7 +82,7 @@ def _custom_call(*, outputs: int = 3, header: str = "", inputs: int = 12, templa
     names = ["out", "o2", "o3"][:outputs]
     template = _TEMPLATE if template is None else template
     kernel = mx.fast.cuda_kernel(name=f"vq_launch_cost_{outputs}_{len(header)}_{inputs}_{len(template)}_{len(source)}",
-                                 input_names=[f"x{i}" for i in range(inputs)],
+                                 input_names=_input_names(inputs),
                                  output_names=names, source=source, header=header)
     xs = [mx.zeros((1024,), mx.float32) for _ in range(inputs)]
     mx.eval(xs)
@@ -93,16 +95,14 @@ def _custom_call(*, outputs: int = 3, header: str = "", inputs: int = 12, templa
 
 
 def _included(case: dict) -> dict:
-    """`case` with its header and source written to files of a new temporary folder and
-    replaced by an #include of each (nvrtc reads them at the compile)."""
-    folder = tempfile.mkdtemp(prefix="vq_launch_cost_")
-    texts = {}
-    for part in ("header", "source"):
-        path = os.path.join(folder, f"{part}.cuh")
-        with open(path, "w") as f:
-            f.write(case[part])
-        texts[part] = f'#include "{path}"\n'
-    return dict(case, **texts)
+    """`case` with its header and source handed over as the shipped builds hand theirs: an
+    #include of a file holding each (kernel_files.included_texts; nvrtc reads them at the compile)."""
+    from veloxquant_mlx.cache import kernel_files
+    from veloxquant_mlx.cache.kernel_name import source_keyed_name
+
+    name = source_keyed_name("vq_launch_cost_included", case["source"], case["header"])
+    source, header = kernel_files.included_texts(name, case["source"], case["header"], _input_names(case["inputs"]))
+    return dict(case, source=source, header=header)
 
 
 def _bound(function, arrays: list, compiled: bool):

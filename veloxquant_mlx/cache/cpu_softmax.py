@@ -6,10 +6,10 @@ it: over one decode step's scores of SmolLM2's layer (9 query rows x 2112 column
 took 227 us, as long as the whole weighted sum of kivi's 2-bit values; at the 8B attention shape
 and 8448 columns 3.2 ms. Here the exponential is Cephes' expf written as MLX ops (x = n ln2 + r
 with |r| <= ln2 / 2, a degree-6 polynomial in r, 2^n put into the float's exponent bits), the
-polynomial compiled into one fused kernel: 127 us and 1.78 ms at those shapes (session 40, one core; medians). The
-exponential is within one float32 ulp of e^x from 0 down to its underflow (MLX's own exp errs by
-up to 3.8e-6 relative there); the probabilities are within a few ulp of mx.softmax's
-(tests/cache/test_cpu_softmax.py).
+polynomial compiled into one fused kernel: 127 us and 1.78 ms at those shapes (session 40, one
+core; medians). The exponential is within one float32 ulp of e^x from 0 down to its underflow
+(MLX's own exp errs by up to 3.8e-6 relative there); the probabilities are within a few ulp of
+mx.softmax's (tests/cache/test_cpu_softmax.py).
 
 Where: the CPU only, and only for scores of at least MIN_ELEMENTS elements: the compiled
 function costs ~45 us per call whatever the size, so small score matrices (the first steps, a

@@ -81,11 +81,18 @@ def included_texts(keyed_name: str, source: str, header: str, input_names) -> tu
                 f"nvrtc compiles; set {ENV_FOLDER} to a folder of your own, or {ENV_SWITCH}=0"
             )
     body = _include_line(_written(where / f"{keyed_name}.body.cuh", source))
-    named = [n + suffix for n in input_names for suffix in SHAPE_SUFFIXES if n + suffix in source]
+    named = shape_parameters(source, input_names)
     if named:
         body += "// " + " ".join(named) + "\n"
     head = _include_line(_written(where / f"{keyed_name}.header.cuh", header)) if header else ""
     return body, head
+
+
+def shape_parameters(source: str, input_names) -> list:
+    """The parameters MLX's cuda_kernel declares beyond the arrays for a body `source`: each
+    input's `_shape`, `_strides`, `_ndim` where the body names it (custom_kernel.cpp, a plain
+    substring search)."""
+    return [n + suffix for n in input_names for suffix in SHAPE_SUFFIXES if n + suffix in source]
 
 
 def _include_line(path: Path) -> str:

@@ -38,8 +38,9 @@ On the CPU (since session 39) neither product widens: the weighted sum reads the
 planes for BLAS products (cache/unpacked_products.py), the scores gather per-byte partial sums
 of the query (cache/sign_lookup.py, session 40), each in chunks of unpacked_products.CHUNK_BYTES
 (max_bytes bounds the widened words where they are made). A widened code is 0 or 1 in a field
-whose range is larger, which the planes' centering (cache/code_planes.py) does not expect: read through them, the
-weighted sum over 8192 tokens erred by 6e-5 of its largest output (1-bit planes: 0.0).
+whose range is larger, which the planes' centering (cache/code_planes.py) does not expect: read
+through them, the weighted sum over 8192 tokens erred by 6e-5 of its largest output (1-bit
+planes: 0.0).
 """
 
 from __future__ import annotations
