@@ -81,6 +81,36 @@ def test_scores_and_dense_are_the_ops_bit_for_bit_on_the_cpu(shape, group, count
     assert np.array_equal(_bits(dense), _bits(expected))
 
 
+TILED_CASES = [  # (blocks shape, group, count, per_channel): tiles other than the default's
+    ((1, 1, 2, 256, 128), 128, 300, True),  # keys: 128 tokens x 32 channels, four tiles across d
+    ((1, 2, 1, 128, 96), 64, 100, True),  # keys: 64 x 48, d not a power of two
+    ((1, 1, 2, 48, 128), 32, 60, False),  # values: 24 tokens x 128 (48 tokens do not halve to 32)
+    ((2, 1, 1, 32, 256), 64, 80, False),  # values: 16 x 256
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape, group, count, per_channel", TILED_CASES)
+def test_other_tiles_are_the_ops_bit_for_bit_on_the_cpu(shape, group, count, per_channel):
+    blocks = _blocks(shape, seed=group + count)
+    picks = _picks(blocks, group, per_channel, count)
+    with cuda_emulation.emulated_kernels():
+        scores = gear_group_kernel.scores(blocks, group, per_channel)
+        dense = gear_group_kernel.dense(blocks, picks, group, per_channel, mx.bfloat16)
+        mx.eval(scores, dense)
+    assert np.array_equal(_bits(scores), _bits(outlier_scores(blocks, group_means(blocks, group, per_channel))))
+    assert np.array_equal(_bits(dense), _bits(_ops_dense(blocks, picks, group, per_channel, mx.bfloat16)))
+
+
+def test_the_tile_holds_whole_groups_within_its_entries():
+    assert gear_group_kernel.tile_shape(256, 128, 32, True) == (32, 128)
+    assert gear_group_kernel.tile_shape(256, 128, 32, False) == (32, 128)
+    assert gear_group_kernel.tile_shape(256, 128, 128, True) == (128, 32)
+    assert gear_group_kernel.tile_shape(128, 96, 64, True) == (64, 48)
+    assert gear_group_kernel.tile_shape(48, 128, 32, False) == (24, 128)
+    assert gear_group_kernel.tile_shape(256, 8192, 32, False) == (1, 8192)  # over TILE_ENTRIES: applies refuses
+
+
 @needs_compiler
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("per_channel", [True, False], ids=["keys", "values"])
@@ -152,8 +182,9 @@ def test_the_cache_s_stores_are_the_same_with_the_kernels_on_or_off(monkeypatch,
     [
         ("_DENSE_SOURCE", "1u << (p[i] & 31u)", "1u << (p[i] & 15u)"),  # a pick's bit misplaced
         ("_DENSE_SOURCE", "(kept > 0 ? kept : 1)", "G"),  # the fill averages over the whole group
-        ("_DENSE_SOURCE", "blk * NB + (size_t)tg * G", "blk * NB"),  # keys' tokens misplaced
-        ("_GROUP", "constexpr int STEP = PC ? D : 1;", "constexpr int STEP = 1;"),  # keys' groups along channels
+        ("_DENSE_SOURCE", "blk * NB + t0 + tt", "blk * NB + tt"),  # keys' tokens misplaced (the tile's offset lost)
+        ("_TILE", "PC ? ((tt / G) * CB + cl) * GS + tt % G", "PC ? (tt * (CB / G) + cl / G) * GS + cl % G"),  # keys' groups along channels
+        ("_TILE", "const int t0 = (blockIdx.x / NCB) * TT", "const int t0 = 0 * TT"),  # every tile the row's first
         ("_SCORES_SOURCE", "__fdiv_rn(sum, (float)G)", "__fdiv_rn(sum, (float)(G + 1))"),  # the mean
     ],
 )
@@ -163,7 +194,7 @@ def test_a_corrupted_source_is_caught(monkeypatch, source, text, replacement):
     picks = _picks(blocks, group, True, count)
     original = getattr(gear_group_kernel, source)
     assert text in original
-    if source == "_GROUP":
+    if source == "_TILE":
         for name in ("_SCORES_SOURCE", "_DENSE_SOURCE"):
             monkeypatch.setattr(gear_group_kernel, name, getattr(gear_group_kernel, name).replace(text, replacement))
     else:
@@ -189,8 +220,8 @@ def test_the_kernels_take_only_the_shapes_they_handle(monkeypatch):
 
 
 @cuda_test
-@pytest.mark.parametrize("shape, group, count", CASES)
-@pytest.mark.parametrize("per_channel", [True, False], ids=["keys", "values"])
+@pytest.mark.parametrize("shape, group, count, per_channel",
+                         [(*case, per_channel) for case in CASES for per_channel in (True, False)] + TILED_CASES)
 def test_scores_and_dense_on_cuda_agree_with_the_ops(shape, group, count, per_channel):
     """On CUDA MLX's reductions sum a group in their own order: a score or a fill may differ in
     its last bits (float32: within 4 ulp of the entry's magnitude); every kept entry is equal."""
@@ -269,6 +300,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         ("if (sh + KB > 32) q |= row[w + 1] << (32 - sh);", ""),  # a straddling 3-bit code cut
         ("const int j = PC ? t : c;", "const int j = PC ? c : t;"),  # keys' codes read along channels
         ("qrow * (size_t)(COLS / G) + j / G", "qrow * (size_t)(COLS / G)"),  # every code the row's first group's scale
+        ("if (RES) tr[cl * 33 + tt]", "if (RES) tr[tt * 33 + cl]"),  # keys' tile not transposed
+        ("const int t0 = (blockIdx.x / TILES_C) * 32", "const int t0 = 0"),  # keys' tiles all at the first tokens
     ],
 )
 def test_a_corrupted_residual_source_is_caught(monkeypatch, text, replacement):
