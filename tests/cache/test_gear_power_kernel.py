@@ -118,7 +118,8 @@ def test_the_encoder_with_the_kernel_stores_what_the_ops_store_up_to_the_low_ran
                 cache.update_and_fetch(keys[:, :, start : start + size], values[:, :, start : start + size])
                 cache._flush()
                 mx.eval(cache.store)
-        assert ("vq_gear_power_iteration" in {k.name for k in made}) == on
+        # The cache encodes both sides together: one paired launch (paired_rows) per encode.
+        assert ("vq_gear_power_iteration_pair" in {k.name for k in made}) == on
         stores[on] = dict(cache.store), cache
     ours, theirs = stores[True][0], stores[False][0]
     assert sorted(ours) == sorted(theirs)
@@ -185,11 +186,46 @@ def test_the_kernel_compiles_for_sm90_without_spills(tmp_path, monkeypatch):
         residual = mx.zeros((1, 1, 1, n, d))
         with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
             gear_power_kernel.factors(residual, gear_lowrank.start_matrix(d, rank), gear_lowrank.POWER_STEPS)
+            if rank == 4 and d == 128:
+                gear_power_kernel.factors_pair(residual, residual, gear_lowrank.start_matrix(d, rank),
+                                               gear_lowrank.POWER_STEPS)
         sources += [kernel.cuda_source(sig) for kernel, sig in captured]
-    assert len(sources) == 3
+    assert len(sources) == 4
     # The encoder's launches with the kernel: the power iteration and the sparse part computing
     # A B^T from the factors (LOW = 2).
     encoder = encoder_sources(monkeypatch)
     assert any("LOW = 2;" in source for source in encoder)
     for i, source in enumerate(sources + sorted(encoder - set(sources))):
         compiled_without_spills(source, tmp_path, i)
+
+
+@needs_compiler
+def test_a_paired_launch_gives_each_side_its_own_launch_s_factors():
+    """Two arrays of blocks in one launch (paired_rows): each side's factors are its own
+    launch's, bit for bit."""
+    first, second = _residuals(64, 64, seed=11), _residuals(64, 64, seed=12)[:, :1]
+    start = gear_lowrank.start_matrix(64, 2)
+    with cuda_emulation.emulated_kernels() as made:
+        paired = gear_power_kernel.factors_pair(first, second, start, gear_lowrank.POWER_STEPS)
+        alone = [gear_power_kernel.factors(side, start, gear_lowrank.POWER_STEPS) for side in (first, second)]
+        mx.eval(paired, alone)
+    assert sorted(k.name for k in made) == ["vq_gear_power_iteration", "vq_gear_power_iteration_pair"]
+    for got, want in zip(paired, alone):
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            assert np.array_equal(_bits(a), _bits(b))
+
+
+def test_a_paired_power_iteration_takes_blocks_of_one_shape():
+    with pytest.raises(ValueError, match="blocks of one shape"):
+        gear_power_kernel.factors_pair(mx.zeros((1, 64, 64)), mx.zeros((1, 32, 64)), mx.zeros((64, 2)), 3)
+
+
+@cuda_test
+def test_a_paired_launch_on_cuda_gives_each_side_its_own_launch_s_factors():
+    first, second = _residuals(256, 128, seed=13), _residuals(256, 128, seed=14)
+    start = gear_lowrank.start_matrix(128, 4)
+    paired = gear_power_kernel.factors_pair(first, second, start, gear_lowrank.POWER_STEPS)
+    for got, side in zip(paired, (first, second)):
+        for a, b in zip(got, gear_power_kernel.factors(side, start, gear_lowrank.POWER_STEPS)):
+            assert np.array_equal(_bits(a), _bits(b))

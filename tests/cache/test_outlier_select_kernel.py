@@ -182,7 +182,36 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path):
         outlier_select_kernel.smallest(mx.zeros((2, 4096)), 41)
         outlier_select_kernel.smallest(mx.zeros((2, 8192)), 164)
         outlier_select_kernel.smallest(mx.zeros((2, 32768)), 328)
+        outlier_select_kernel.smallest_pair(mx.zeros((2, 32768)), mx.zeros((2, 32768)), 328)
     sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
-    assert len(sources) == 3
+    assert len(sources) == 4
     for i, source in enumerate(sources):
         compiled_without_spills(source, tmp_path, i)
+
+
+@needs_compiler
+@pytest.mark.parametrize("first, second, count", [((3, 2, 4096), (2, 2, 4096), 41), ((1, 2, 32768), (1, 2, 32768), 328)])
+def test_a_paired_launch_picks_what_each_side_s_own_launch_picks(first, second, count):
+    """Two arrays of rows in one launch (paired_rows; rows of 4096: keys in shared memory, of
+    32768: in global memory, as GEAR's): each side's picks are its own launch's, bit for bit."""
+    a, b = mx.array(_rows("random", first, seed=1)), mx.array(_rows("ties", second, seed=2))
+    with cuda_emulation.emulated_kernels() as made:
+        paired = outlier_select_kernel.smallest_pair(a, b, count)
+        alone = outlier_select_kernel.smallest(a, count), outlier_select_kernel.smallest(b, count)
+        mx.eval(paired, alone)
+    assert sorted(k.name.split("__")[0] for k in made) == ["vq_outlier_select", "vq_outlier_select_pair"]
+    for got, want, scores in zip(paired, alone, (a, b)):
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+        np.testing.assert_array_equal(np.array(got), _stable_first(np.array(scores), count))
+
+
+def test_a_paired_selection_takes_rows_of_one_length():
+    with pytest.raises(ValueError, match="rows of one length: got 4096 and 2048"):
+        outlier_select_kernel.smallest_pair(mx.zeros((2, 4096)), mx.zeros((2, 2048)), 41)
+
+
+@cuda_test
+def test_a_paired_launch_on_cuda_picks_what_each_side_s_own_launch_picks():
+    a, b = mx.array(_rows("random", (1, 8, 8, 32768), seed=3)), mx.array(_rows("random", (1, 8, 8, 32768), seed=4))
+    for got, scores in zip(outlier_select_kernel.smallest_pair(a, b, 328), (a, b)):
+        np.testing.assert_array_equal(np.array(got), np.array(outlier_select_kernel.smallest(scores, 328)))

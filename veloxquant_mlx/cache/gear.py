@@ -121,7 +121,7 @@ import mlx.core as mx
 from veloxquant_mlx.cache import fused_decode_gear, gear_prefill_kernel, prefill_pieces, unpacked_products
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 from veloxquant_mlx.cache.gear_attention import scores_function, values_function
-from veloxquant_mlx.cache.gear_encoder import EncoderSetting, dequantize, encode_side, group_means
+from veloxquant_mlx.cache.gear_encoder import EncoderSetting, dequantize, encode_sides, group_means
 from veloxquant_mlx.cache.gear_outliers import add_block_entries, index_dtype, pairs_in_position_order
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -209,10 +209,10 @@ class GEARCache(CompressedKVCache):
 
     # ---- encoding ---------------------------------------------------------------------------
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
-        out = {}
-        out.update(self._encode_side("k", keys, per_channel=True))
-        out.update(self._encode_side("v", values, per_channel=False))
-        return out
+        # Both sides together: on CUDA their outlier selections and power iterations pair into
+        # one launch each (gear_encoder.encode_sides).
+        sides = [self._side_encoding(keys, per_channel=True), self._side_encoding(values, per_channel=False)]
+        return {f"{s}_{name}": array for s, arrays in zip("kv", encode_sides(sides)) for name, array in arrays.items()}
 
     def _group_means(self, blocks: mx.array, per_channel: bool, weights=None) -> mx.array:
         """Each entry's quantization-group mean (over `weights`-selected entries if given)."""
@@ -222,8 +222,9 @@ class GEARCache(CompressedKVCache):
         """What an outlier's distance is measured from: its quantization group's mean."""
         return self._group_means(blocks, per_channel)
 
-    def _encode_side(self, s: str, x: mx.array, per_channel: bool) -> dict[str, mx.array]:
-        """One side's arrays, computed by gear_encoder.encode_side in compiled stages."""
+    def _side_encoding(self, x: mx.array, per_channel: bool) -> tuple:
+        """What gear_encoder.encode_sides takes for one side: its setting, its blocks in float32,
+        the outliers' centres where a subclass has its own (else None)."""
         B, H, n, d = x.shape
         blocks = x.astype(mx.float32).reshape(B, H, n // self.block_tokens, self.block_tokens, d)
         count = self._outlier_count(d)
@@ -234,7 +235,7 @@ class GEARCache(CompressedKVCache):
         setting = EncoderSetting(
             self.code_bits, self.code_group, self.rank, count, self.block_tokens, self.side_dtype, per_channel
         )
-        return {f"{s}_{name}": array for name, array in encode_side(setting, blocks, centres).items()}
+        return setting, blocks, centres
 
     # ---- decoding (unpatched path, trim, to_quantized; the prefill's pieces) -----------------
     def _decode(self) -> tuple[mx.array, mx.array]:

@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import gear_encode_kernel, gear_group_kernel, outlier_select_kernel
-from veloxquant_mlx.cache.gear_lowrank import low_rank_factors, takes_power_kernel
+from veloxquant_mlx.cache import gear_encode_kernel, gear_group_kernel, gear_power_kernel, outlier_select_kernel
+from veloxquant_mlx.cache.gear_lowrank import POWER_STEPS, low_rank_factors, start_matrix, takes_power_kernel
 from veloxquant_mlx.cache.gear_outliers import index_dtype, outlier_mask, outlier_scores, select_outliers
 
 
@@ -46,6 +46,69 @@ def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | N
     without the side prefix ("codes", "scales", "zeros", "lr_tokens", "lr_channels",
     "out_values", "out_index"); `centres`: what outlier distances are measured from, None for
     each entry's group mean."""
+    return encode_sides([(setting, blocks, centres)])[0]
+
+
+# False: each side's selection and power iteration launched apart, as before session 42 (an
+# A/B on the GPU: prefill_chunks --alternate gear_encoder.PAIR_SIDES=0).
+PAIR_SIDES = True
+
+
+class _Launch(NamedTuple):
+    """A step of a side's encode that one launch may run for two sides (paired_rows): the
+    outlier selection ("select": the scores, the count) or the power iteration ("power": the
+    residual, the rank)."""
+    kind: str
+    array: mx.array
+    size: int
+
+
+def encode_sides(sides: list[tuple[EncoderSetting, mx.array, mx.array | None]]) -> list[dict[str, mx.array]]:
+    """encode_side of each (setting, blocks, centres), the sides' encodes run step by step
+    together so that two sides' outlier selections, and their power iterations, of one shape run
+    as one launch (outlier_select_kernel.smallest_pair, gear_power_kernel.factors_pair: half the
+    launches' time where one side's blocks leave most SMs idle). Each side's arrays are what
+    encode_side computes for it alone, bit for bit."""
+    steps = [_encode_steps(*side) for side in sides]
+    results: list = [None] * len(steps)
+    answers: dict[int, object] = {i: None for i in range(len(steps))}
+    while answers:
+        launches = {}
+        for i, answer in answers.items():
+            try:
+                launches[i] = steps[i].send(answer)
+            except StopIteration as done:
+                results[i] = done.value
+        answers = _run_launches(launches)
+    return results
+
+
+def _run_launches(launches: dict[int, _Launch]) -> dict[int, object]:
+    """Each side's launch run, two of the same kind and shape as one."""
+    answers = {}
+    groups: dict[tuple, list[int]] = {}
+    for i, launch in launches.items():
+        groups.setdefault((launch.kind, launch.array.shape[-2:], launch.size), []).append(i)
+    for (kind, _, size), members in groups.items():
+        while members:
+            take = 2 if PAIR_SIDES else 1
+            pair, members = members[:take], members[take:]
+            arrays = [launches[i].array for i in pair]
+            if kind == "select":
+                picks = (outlier_select_kernel.smallest_pair(*arrays, size) if len(pair) == 2
+                         else [outlier_select_kernel.smallest(arrays[0], size)])
+            else:
+                start = start_matrix(arrays[0].shape[-1], size)
+                picks = (gear_power_kernel.factors_pair(*arrays, start, POWER_STEPS) if len(pair) == 2
+                         else [gear_power_kernel.factors(arrays[0], start, POWER_STEPS)])
+            answers.update(zip(pair, picks))
+    return answers
+
+
+def _encode_steps(setting: EncoderSetting, blocks: mx.array, centres: mx.array | None):
+    """encode_side as a generator: it yields a _Launch where the selection or the power
+    iteration runs as a kernel that pairs (encode_sides runs it and sends the result back) and
+    returns the side's arrays."""
     with_centres = centres is not None
     centre_args = [centres] if with_centres else []
     # On CUDA the outliers are picked by outlier_select_kernel.py (no sort) between the scores'
@@ -57,7 +120,7 @@ def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | N
             scores = gear_group_kernel.scores(blocks, setting.group, setting.per_channel)
         else:
             scores = _compiled_scores(setting, with_centres)(blocks, *centre_args)
-        picks = [outlier_select_kernel.smallest(scores, setting.outliers)]
+        picks = [(yield _Launch("select", scores, setting.outliers))]
         centre_args = []
     if picks and grouped:
         # On CUDA the holes' fill, the cast and the keys' transpose are one kernel per side, and
@@ -79,7 +142,10 @@ def encode_side(setting: EncoderSetting, blocks: mx.array, centres: mx.array | N
     low = factors = None
     if setting.rank:
         residual = rest[0]
-        tokens, channels = low_rank_factors(residual, setting.rank)
+        if takes_power_kernel(n_tokens, d, setting.rank):
+            tokens, channels = yield _Launch("power", residual, setting.rank)
+        else:
+            tokens, channels = low_rank_factors(residual, setting.rank)
         if low_at_outliers:
             out["lr_tokens"], out["lr_channels"] = factors = _compiled_stored_factors(setting)(tokens, channels)
         else:

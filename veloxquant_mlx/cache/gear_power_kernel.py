@@ -34,11 +34,12 @@ step.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode, gear_encode_kernel
+from veloxquant_mlx.cache import fused_decode, gear_encode_kernel, paired_rows
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -68,7 +69,7 @@ _SOURCE = r"""
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const float* res = residual + (size_t)blockIdx.x * N * D;
+  const float* res = vq_residual + vq_row * N * D;
 
   for (int i = tid; i < D * R; i += TPB) right_s[i] = start[i];
   __syncthreads();
@@ -146,21 +147,27 @@ _SOURCE = r"""
     }
     __syncthreads();
   }
-  float* l_out = left + (size_t)blockIdx.x * N * R;
-  float* r_out = right + (size_t)blockIdx.x * D * R;
+  float* l_out = vq_left + vq_row * N * R;
+  float* r_out = vq_right + vq_row * D * R;
   for (int i = tid; i < N * R; i += TPB) l_out[i] = left_s[i];
   for (int i = tid; i < D * R; i += TPB) r_out[i] = right_s[i];
 """
 
 
+# The arrays a paired launch takes per side (paired_rows): the start is shared.
+_PAIRED = ("residual", "left", "right")
+
+
 @lru_cache(maxsize=None)
-def _kernel():
+def _kernel(paired: bool = False):
+    """The power iteration's kernel; `paired`: two arrays of blocks in one launch (paired_rows)."""
     return build_kernel(
         mx.fast.cuda_kernel,
-        name="vq_gear_power_iteration",
-        input_names=["residual", "start"],
-        output_names=["left", "right"],
-        source=gear_encode_kernel.floor_constant() + _SOURCE,  # the Gram-Schmidt kernels' FLOOR
+        name="vq_gear_power_iteration" + ("_pair" if paired else ""),
+        input_names=paired_rows.argument_names(["residual", "start"], _PAIRED, paired),
+        output_names=paired_rows.argument_names(["left", "right"], _PAIRED, paired),
+        # the Gram-Schmidt kernels' FLOOR
+        source=gear_encode_kernel.floor_constant() + paired_rows.prologue(_PAIRED, paired) + _SOURCE,
         header=_HEADER,
     )
 
@@ -192,20 +199,38 @@ def factors(residual: mx.array, start: mx.array, steps: int) -> tuple[mx.array, 
     """residual (..., n, d) float32, start (d, r) float32 -> (A (..., n, r), B (..., d, r))
     float32 after `steps` power-iteration steps: gear_lowrank._power_iteration's result up to
     the order of its sums."""
-    *lead, n, d = residual.shape
+    return tuple(_iterate([residual], start, steps))
+
+
+def factors_pair(first: mx.array, second: mx.array, start: mx.array,
+                 steps: int) -> tuple[tuple[mx.array, mx.array], tuple[mx.array, mx.array]]:
+    """`factors` of two residuals of the same block shape in one launch (paired_rows):
+    (factors(first, ...), factors(second, ...)), the same bits."""
+    if first.shape[-2:] != second.shape[-2:]:
+        raise QuantizerConfigError(f"a paired gear power iteration takes blocks of one shape: got "
+                                   f"{first.shape[-2:]} and {second.shape[-2:]}")
+    left_a, left_b, right_a, right_b = _iterate([first, second], start, steps)
+    return (left_a, right_a), (left_b, right_b)
+
+
+def _iterate(sides: list[mx.array], start: mx.array, steps: int) -> list[mx.array]:
+    """The kernel's outputs for one or two residuals: the left factors then the right ones (the
+    paired build's output order: left_a, left_b, right_a, right_b)."""
+    *lead, n, d = sides[0].shape
     rank = start.shape[-1]
     if start.shape != (d, rank) or not fits(n, d, rank):
         raise QuantizerConfigError(f"gear power iteration of blocks {n} x {d} from a start of shape {start.shape}: allowed "
                          f"is a start of shape ({d}, r) with r >= 1, d a multiple of 4 and "
                          f"{shared_bytes(n, d, rank)} <= {SHARED_BYTES} bytes of shared memory")
-    blocks = 1
-    for size in lead:
-        blocks *= size
-    return tuple(_kernel()(
-        inputs=[residual.astype(mx.float32), start.astype(mx.float32)],
-        template=[("N", n), ("D", d), ("R", rank), ("STEPS", steps), ("TPB", THREADS)],
-        grid=(blocks * THREADS, 1, 1),
+    blocks = [math.prod(side.shape[:-2]) for side in sides]
+    paired = len(sides) == 2
+    residuals = [side.astype(mx.float32) for side in sides]
+    return _kernel(paired)(
+        inputs=[*residuals, start.astype(mx.float32)],
+        template=[("N", n), ("D", d), ("R", rank), ("STEPS", steps), ("TPB", THREADS),
+                  *([("RA", blocks[0])] if paired else [])],
+        grid=(sum(blocks) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(*lead, n, rank), (*lead, d, rank)],
-        output_dtypes=[mx.float32, mx.float32],
-    ))
+        output_shapes=[(*side.shape[:-1], rank) for side in sides] + [(*side.shape[:-2], d, rank) for side in sides],
+        output_dtypes=[mx.float32] * (2 * len(sides)),
+    )

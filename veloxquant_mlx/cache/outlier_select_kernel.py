@@ -31,11 +31,12 @@ a vector's std has 1e-6 added).
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode
+from veloxquant_mlx.cache import fused_decode, paired_rows
 from veloxquant_mlx.cache.kernel_name import build_kernel
 
 # False: mx.argpartition instead, whatever the backend (for an A/B on the GPU: the measurement
@@ -93,7 +94,7 @@ _SOURCE = r"""
   // disagree with the launch).
   constexpr int RADIX = 1 << 11;  // the digits: bits 31..21, 20..10 and 9..0 of the keys
   constexpr int BINS_PER_THREAD = RADIX / TPB;
-  const size_t row = blockIdx.x;
+  const size_t row = vq_row;
   const int tid = threadIdx.x;
   // KS: the row's keys kept in shared memory (rows that fit), else made again from the scores
   // at every pass (GEAR's 256 x 128 blocks: 128 KB of keys; the row stays in L2).
@@ -104,7 +105,7 @@ _SOURCE = r"""
   __shared__ unsigned pick_pos[NO];
   __shared__ unsigned found_key, found_rank, found_count, picked;
   static_assert(RADIX % TPB == 0 && TPB % 32 == 0 && TPB <= 1024, "each thread scans whole bins");
-  const float* s = scores + row * (size_t)N;
+  const float* s = vq_scores + row * (size_t)N;
   if (tid == 0) picked = 0u;
   unsigned prefix = 0u, rank = NO;
   // Radix select: after the pass at `shift`, `prefix` holds the top bits of the NO-th smallest
@@ -187,19 +188,24 @@ _SOURCE = r"""
       const unsigned kj = pick_key[j];
       place += (kj < k || (kj == k && pick_pos[j] < p)) ? 1u : 0u;
     }
-    positions[row * NO + place] = p;
+    vq_positions[row * NO + place] = p;
   }
 """
 
 
+# The arrays a paired launch takes per side (paired_rows).
+_PAIRED = ("scores", "positions")
+
+
 @lru_cache(maxsize=None)
-def _kernel():
+def _kernel(paired: bool = False):
+    """The selection's kernel; `paired`: two arrays of rows in one launch (paired_rows)."""
     return build_kernel(
         mx.fast.cuda_kernel,
-        name="vq_outlier_select",
-        input_names=["scores"],
-        output_names=["positions"],
-        source=_SOURCE,
+        name="vq_outlier_select" + ("_pair" if paired else ""),
+        input_names=paired_rows.argument_names(["scores"], _PAIRED, paired),
+        output_names=paired_rows.argument_names(["positions"], _PAIRED, paired),
+        source=paired_rows.prologue(_PAIRED, paired) + _SOURCE,
         header=_HEADER,
     )
 
@@ -230,21 +236,34 @@ def smallest(scores: mx.array, count: int) -> mx.array:
     """scores (..., N) float32 -> (..., count) uint32: per row, the positions of its `count`
     smallest scores, ties to the lower position, in ascending (score, position) order (a stable
     ascending argsort's first `count`)."""
-    *lead, n = scores.shape
+    return _select([scores], count)[0]
+
+
+def smallest_pair(first: mx.array, second: mx.array, count: int) -> tuple[mx.array, mx.array]:
+    """`smallest` of two arrays of rows of the same length in one launch (paired_rows):
+    (smallest(first, count), smallest(second, count)), the same bits."""
+    if first.shape[-1] != second.shape[-1]:
+        raise ValueError(f"a paired outlier selection takes rows of one length: got {first.shape[-1]} and "
+                         f"{second.shape[-1]} entries")
+    return _select([first, second], count)
+
+
+def _select(sides: list[mx.array], count: int) -> list[mx.array]:
+    n = sides[0].shape[-1]
     if not fits(n, count):
         raise ValueError(f"outlier selection of {count} among {n} entries does not fit the kernel's shared "
                          f"memory: allowed is 0 < count <= entries and 8 * count <= "
                          f"{SHARED_BYTES - _FIXED_SHARED_BYTES}")
-    rows = 1
-    for size in lead:
-        rows *= size
+    rows = [math.prod(side.shape[:-1]) for side in sides]
     keys_shared = _keys_shared(n, count)
     threads = THREADS if keys_shared else WIDE_THREADS
-    return _kernel()(
-        inputs=[scores.astype(mx.float32)],
-        template=[("N", n), ("NO", count), ("KS", int(keys_shared)), ("TPB", threads)],
-        grid=(rows * threads, 1, 1),
+    paired = len(sides) == 2
+    return _kernel(paired)(
+        inputs=[side.astype(mx.float32) for side in sides],
+        template=[("N", n), ("NO", count), ("KS", int(keys_shared)), ("TPB", threads),
+                  *([("RA", rows[0])] if paired else [])],
+        grid=(sum(rows) * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(*lead, count)],
-        output_dtypes=[mx.uint32],
-    )[0]
+        output_shapes=[(*side.shape[:-1], count) for side in sides],
+        output_dtypes=[mx.uint32] * len(sides),
+    )
