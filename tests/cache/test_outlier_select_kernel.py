@@ -182,7 +182,7 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path):
         outlier_select_kernel.smallest(mx.zeros((2, 4096)), 41)
         outlier_select_kernel.smallest(mx.zeros((2, 8192)), 164)
         outlier_select_kernel.smallest(mx.zeros((2, 32768)), 328)
-        outlier_select_kernel.smallest_pair(mx.zeros((2, 32768)), mx.zeros((2, 32768)), 328)
+        outlier_select_kernel.smallest_pair(mx.zeros((2, 32768)), mx.zeros((2, 32768)), 328, by_position=True)
     sources = sorted({kernel.cuda_source(sig) for kernel, sig in captured})
     assert len(sources) == 4
     for i, source in enumerate(sources):
@@ -198,11 +198,14 @@ def test_a_paired_launch_picks_what_each_side_s_own_launch_picks(first, second, 
     with cuda_emulation.emulated_kernels() as made:
         paired = outlier_select_kernel.smallest_pair(a, b, count)
         alone = outlier_select_kernel.smallest(a, count), outlier_select_kernel.smallest(b, count)
-        mx.eval(paired, alone)
-    assert sorted(k.name.split("__")[0] for k in made) == ["vq_outlier_select", "vq_outlier_select_pair"]
-    for got, want, scores in zip(paired, alone, (a, b)):
+        by_position = outlier_select_kernel.smallest_pair(a, b, count, by_position=True)
+        mx.eval(paired, alone, by_position)
+    assert sorted({k.name.split("__")[0] for k in made}) == ["vq_outlier_select", "vq_outlier_select_pair"]
+    for got, want, ordered, scores in zip(paired, alone, by_position, (a, b)):
         np.testing.assert_array_equal(np.array(got), np.array(want))
         np.testing.assert_array_equal(np.array(got), _stable_first(np.array(scores), count))
+        # by_position: the same picks in ascending position (GEAR's stored order)
+        np.testing.assert_array_equal(np.array(ordered), np.sort(_stable_first(np.array(scores), count), axis=-1))
 
 
 def test_a_paired_selection_takes_rows_of_one_length():
@@ -215,3 +218,5 @@ def test_a_paired_launch_on_cuda_picks_what_each_side_s_own_launch_picks():
     a, b = mx.array(_rows("random", (1, 8, 8, 32768), seed=3)), mx.array(_rows("random", (1, 8, 8, 32768), seed=4))
     for got, scores in zip(outlier_select_kernel.smallest_pair(a, b, 328), (a, b)):
         np.testing.assert_array_equal(np.array(got), np.array(outlier_select_kernel.smallest(scores, 328)))
+    for got, scores in zip(outlier_select_kernel.smallest_pair(a, b, 328, by_position=True), (a, b)):
+        np.testing.assert_array_equal(np.array(got), np.sort(_stable_first(np.array(scores), 328), axis=-1))

@@ -95,8 +95,9 @@ def _run_launches(launches: dict[int, _Launch]) -> dict[int, object]:
             pair, members = members[:take], members[take:]
             arrays = [launches[i].array for i in pair]
             if kind == "select":
-                picks = (outlier_select_kernel.smallest_pair(*arrays, size) if len(pair) == 2
-                         else [outlier_select_kernel.smallest(arrays[0], size)])
+                # In ascending position, the order GEAR stores them in (no sort after).
+                picks = (outlier_select_kernel.smallest_pair(*arrays, size, by_position=True) if len(pair) == 2
+                         else [outlier_select_kernel.smallest(arrays[0], size, by_position=True)])
             else:
                 start = start_matrix(arrays[0].shape[-1], size)
                 picks = (gear_power_kernel.factors_pair(*arrays, start, POWER_STEPS) if len(pair) == 2
@@ -158,8 +159,8 @@ def _encode_steps(setting: EncoderSetting, blocks: mx.array, centres: mx.array |
     if setting.outliers:
         # A block's entries in ascending index (token-major): the decode kernel's tiles then
         # read only their own run of them (fused_decode_gear.SORTED_SCAN). The sums over them
-        # do not depend on the order.
-        index = mx.sort(rest[-1], axis=-1)
+        # do not depend on the order. The selection kernel's picks come in that order already.
+        index = rest[-1] if picks else mx.sort(rest[-1], axis=-1)
         if sparse_kernel:
             out["out_values"], out["out_index"] = gear_encode_kernel.sparse_part(
                 blocks, approx, low, index, setting.side_dtype, index_dtype(n_tokens * d), factors=factors

@@ -28,8 +28,9 @@ Measured on the H200 (session 17, results/README.md has the commands): gear's 32
 one process, fills alternating, 2.02x fp16's without this kernel and 1.33x with it
 (results/prefill_chunks_h200_s17_32k_power.json); one layer's chunk at 30K history 210 -> 92
 kernels (Nsight Compute), this kernel 47 us per side. It is latency-bound (one CUDA block of 256
-threads per 256 x 128 block, 64 blocks per side for 132 SMs): more threads per block is the next
-step.
+threads per 256 x 128 block, 64 blocks per side for 132 SMs; 512 or 1024 threads a block were no
+faster in session 26): since session 42 GEAR's keys and values run as one launch of both sides'
+blocks (factors_pair, cache/paired_rows.py; gear_encoder.encode_sides).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ through this kernel stores the same outliers as the ops wherever the count-th sc
 possibly in another order; the reading side sums them, so the order changes nothing read. Its
 callers: KVQuant's later-chunk encode (kvquant.py, its 32 x 128 blocks' keys in shared memory)
 and GEAR's encoder (gear_encoder.py, 256 x 128 blocks: keys made again from the scores at each
-pass), on CUDA.
+pass), on CUDA; GEAR's keys and values in one launch (smallest_pair, cache/paired_rows.py: 64
+rows per side, each a block's chain of passes, would leave half the SMs idle per launch).
 
 -0.0 is keyed as +0.0 (equal floats, equal keys). NaN scores are not handled (scores are finite:
 a vector's std has 1e-6 added).
@@ -180,13 +181,13 @@ _SOURCE = r"""
     }
   }
   __syncthreads();
-  // Each pick's place in ascending (key, position) order.
+  // Each pick's place in ascending (key, position) order, or in ascending position (BY_POSITION).
   for (int i = tid; i < NO; i += TPB) {
     const unsigned k = pick_key[i], p = pick_pos[i];
     unsigned place = 0u;
     for (int j = 0; j < NO; ++j) {
       const unsigned kj = pick_key[j];
-      place += (kj < k || (kj == k && pick_pos[j] < p)) ? 1u : 0u;
+      place += (BY_POSITION ? pick_pos[j] < p : (kj < k || (kj == k && pick_pos[j] < p))) ? 1u : 0u;
     }
     vq_positions[row * NO + place] = p;
   }
@@ -232,23 +233,25 @@ def _keys_shared(entries: int, count: int) -> bool:
     return 4 * entries + 8 * count + _FIXED_SHARED_BYTES <= SHARED_BYTES
 
 
-def smallest(scores: mx.array, count: int) -> mx.array:
+def smallest(scores: mx.array, count: int, by_position: bool = False) -> mx.array:
     """scores (..., N) float32 -> (..., count) uint32: per row, the positions of its `count`
     smallest scores, ties to the lower position, in ascending (score, position) order (a stable
-    ascending argsort's first `count`)."""
-    return _select([scores], count)[0]
+    ascending argsort's first `count`); `by_position`: the same positions in ascending order
+    (what GEAR stores: no sort after)."""
+    return _select([scores], count, by_position)[0]
 
 
-def smallest_pair(first: mx.array, second: mx.array, count: int) -> tuple[mx.array, mx.array]:
+def smallest_pair(first: mx.array, second: mx.array, count: int,
+                  by_position: bool = False) -> tuple[mx.array, mx.array]:
     """`smallest` of two arrays of rows of the same length in one launch (paired_rows):
-    (smallest(first, count), smallest(second, count)), the same bits."""
+    (smallest(first, count, by_position), smallest(second, ...)), the same bits."""
     if first.shape[-1] != second.shape[-1]:
         raise ValueError(f"a paired outlier selection takes rows of one length: got {first.shape[-1]} and "
                          f"{second.shape[-1]} entries")
-    return _select([first, second], count)
+    return _select([first, second], count, by_position)
 
 
-def _select(sides: list[mx.array], count: int) -> list[mx.array]:
+def _select(sides: list[mx.array], count: int, by_position: bool) -> list[mx.array]:
     n = sides[0].shape[-1]
     if not fits(n, count):
         raise ValueError(f"outlier selection of {count} among {n} entries does not fit the kernel's shared "
@@ -260,7 +263,7 @@ def _select(sides: list[mx.array], count: int) -> list[mx.array]:
     paired = len(sides) == 2
     return _kernel(paired)(
         inputs=[side.astype(mx.float32) for side in sides],
-        template=[("N", n), ("NO", count), ("KS", int(keys_shared)), ("TPB", threads),
+        template=[("N", n), ("NO", count), ("KS", int(keys_shared)), ("TPB", threads), ("BY_POSITION", int(by_position)),
                   *([("RA", rows[0])] if paired else [])],
         grid=(sum(rows) * threads, 1, 1),
         threadgroup=(threads, 1, 1),
