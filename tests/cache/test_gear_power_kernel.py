@@ -188,7 +188,7 @@ def test_the_kernel_compiles_for_sm90_without_spills(tmp_path, monkeypatch):
             gear_power_kernel.factors(residual, gear_lowrank.start_matrix(d, rank), gear_lowrank.POWER_STEPS)
             if rank == 4 and d == 128:
                 gear_power_kernel.factors_pair(residual, residual, gear_lowrank.start_matrix(d, rank),
-                                               gear_lowrank.POWER_STEPS)
+                                               gear_lowrank.POWER_STEPS, mx.bfloat16)
         sources += [kernel.cuda_source(sig) for kernel, sig in captured]
     assert len(sources) == 4
     # The encoder's launches with the kernel: the power iteration and the sparse part computing
@@ -216,6 +216,22 @@ def test_a_paired_launch_gives_each_side_its_own_launch_s_factors():
             assert np.array_equal(_bits(a), _bits(b))
 
 
+@needs_compiler
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_factors_in_a_16_bit_dtype_are_the_float32_ones_rounded(dtype):
+    """What GEAR stores (its side dtype), written by the kernel: astype's rounding of its
+    float32 factors, bit for bit."""
+    residual = _residuals(64, 64, seed=15)
+    start = gear_lowrank.start_matrix(64, 2)
+    with cuda_emulation.emulated_kernels():
+        rounded = gear_power_kernel.factors(residual, start, gear_lowrank.POWER_STEPS, dtype)
+        full = gear_power_kernel.factors(residual, start, gear_lowrank.POWER_STEPS)
+        mx.eval(rounded, full)
+    for a, b in zip(rounded, full):
+        assert a.dtype == dtype
+        assert np.array_equal(_bits(a), _bits(b.astype(dtype)))
+
+
 def test_a_paired_power_iteration_takes_blocks_of_one_shape():
     with pytest.raises(ValueError, match="blocks of one shape"):
         gear_power_kernel.factors_pair(mx.zeros((1, 64, 64)), mx.zeros((1, 32, 64)), mx.zeros((64, 2)), 3)
@@ -229,3 +245,8 @@ def test_a_paired_launch_on_cuda_gives_each_side_its_own_launch_s_factors():
     for got, side in zip(paired, (first, second)):
         for a, b in zip(got, gear_power_kernel.factors(side, start, gear_lowrank.POWER_STEPS)):
             assert np.array_equal(_bits(a), _bits(b))
+    # In the side dtype (what GEAR stores): the float32 factors rounded as astype rounds them.
+    for got, side in zip(gear_power_kernel.factors_pair(first, second, start, gear_lowrank.POWER_STEPS, mx.bfloat16),
+                         (first, second)):
+        for a, b in zip(got, gear_power_kernel.factors(side, start, gear_lowrank.POWER_STEPS)):
+            assert np.array_equal(_bits(a), _bits(b.astype(mx.bfloat16)))

@@ -57,10 +57,11 @@ PAIR_SIDES = True
 class _Launch(NamedTuple):
     """A step of a side's encode that one launch may run for two sides (paired_rows): the
     outlier selection ("select": the scores, the count) or the power iteration ("power": the
-    residual, the rank)."""
+    residual, the rank, the factors' dtype)."""
     kind: str
     array: mx.array
     size: int
+    dtype: mx.Dtype = mx.float32
 
 
 def encode_sides(sides: list[tuple[EncoderSetting, mx.array, mx.array | None]]) -> list[dict[str, mx.array]]:
@@ -88,8 +89,8 @@ def _run_launches(launches: dict[int, _Launch]) -> dict[int, object]:
     answers = {}
     groups: dict[tuple, list[int]] = {}
     for i, launch in launches.items():
-        groups.setdefault((launch.kind, launch.array.shape[-2:], launch.size), []).append(i)
-    for (kind, _, size), members in groups.items():
+        groups.setdefault((launch.kind, launch.array.shape[-2:], launch.size, launch.dtype), []).append(i)
+    for (kind, _, size, dtype), members in groups.items():
         while members:
             take = 2 if PAIR_SIDES else 1
             pair, members = members[:take], members[take:]
@@ -100,8 +101,8 @@ def _run_launches(launches: dict[int, _Launch]) -> dict[int, object]:
                          else [outlier_select_kernel.smallest(arrays[0], size, by_position=True)])
             else:
                 start = start_matrix(arrays[0].shape[-1], size)
-                picks = (gear_power_kernel.factors_pair(*arrays, start, POWER_STEPS) if len(pair) == 2
-                         else [gear_power_kernel.factors(arrays[0], start, POWER_STEPS)])
+                picks = (gear_power_kernel.factors_pair(*arrays, start, POWER_STEPS, dtype) if len(pair) == 2
+                         else [gear_power_kernel.factors(arrays[0], start, POWER_STEPS, dtype)])
             answers.update(zip(pair, picks))
     return answers
 
@@ -143,13 +144,16 @@ def _encode_steps(setting: EncoderSetting, blocks: mx.array, centres: mx.array |
     low = factors = None
     if setting.rank:
         residual = rest[0]
-        if takes_power_kernel(n_tokens, d, setting.rank):
-            tokens, channels = yield _Launch("power", residual, setting.rank)
-        else:
-            tokens, channels = low_rank_factors(residual, setting.rank)
         if low_at_outliers:
-            out["lr_tokens"], out["lr_channels"] = factors = _compiled_stored_factors(setting)(tokens, channels)
+            # The kernel writes the factors in the side dtype, as stored (no cast launch after).
+            tokens, channels = yield _Launch("power", residual, setting.rank, setting.side_dtype)
+            B, H, n_blocks, nb, _ = tokens.shape
+            out["lr_tokens"], out["lr_channels"] = factors = tokens.reshape(B, H, n_blocks * nb, setting.rank), channels
         else:
+            if takes_power_kernel(n_tokens, d, setting.rank):
+                tokens, channels = yield _Launch("power", residual, setting.rank)
+            else:
+                tokens, channels = low_rank_factors(residual, setting.rank)
             parts = _compiled_low_rank_parts(setting, add_to_approx=not sparse_kernel)
             out["lr_tokens"], out["lr_channels"], fitted = parts(tokens, channels, approx)
             if sparse_kernel:
@@ -260,19 +264,6 @@ def _compiled_low_rank_parts(setting: EncoderSetting, add_to_approx: bool = True
         return tokens.reshape(B, H, n_blocks * nb, setting.rank), channels, fitted
 
     return mx.compile(parts)
-
-
-@lru_cache(maxsize=None)
-def _compiled_stored_factors(setting: EncoderSetting):
-    """Stage 2 without the product (the CUDA sparse kernel computes A B^T at the outliers):
-    the factors as stored, tokens (B, H, n_blocks * nb, r) and channels (B, H, n_blocks, d, r)."""
-    side = setting.side_dtype
-
-    def stored(tokens: mx.array, channels: mx.array):
-        B, H, n_blocks, nb, _ = tokens.shape
-        return tokens.astype(side).reshape(B, H, n_blocks * nb, setting.rank), channels.astype(side)
-
-    return mx.compile(stored)
 
 
 @lru_cache(maxsize=None)

@@ -40,7 +40,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode, gear_encode_kernel, paired_rows
+from veloxquant_mlx.cache import fused_decode, gear_encode_kernel, kernel_header, paired_rows
 from veloxquant_mlx.cache.kernel_name import build_kernel
 from veloxquant_mlx.errors import QuantizerConfigError
 
@@ -148,10 +148,11 @@ _SOURCE = r"""
     }
     __syncthreads();
   }
-  float* l_out = vq_left + vq_row * N * R;
-  float* r_out = vq_right + vq_row * D * R;
-  for (int i = tid; i < N * R; i += TPB) l_out[i] = left_s[i];
-  for (int i = tid; i < D * R; i += TPB) r_out[i] = right_s[i];
+  FT* l_out = vq_left + vq_row * N * R;
+  FT* r_out = vq_right + vq_row * D * R;
+  // In the factors' dtype FT (float, or the side dtype GEAR stores them in: no cast after).
+  for (int i = tid; i < N * R; i += TPB) l_out[i] = vq_cast<FT>(left_s[i]);
+  for (int i = tid; i < D * R; i += TPB) r_out[i] = vq_cast<FT>(right_s[i]);
 """
 
 
@@ -169,7 +170,7 @@ def _kernel(paired: bool = False):
         output_names=paired_rows.argument_names(["left", "right"], _PAIRED, paired),
         # the Gram-Schmidt kernels' FLOOR
         source=gear_encode_kernel.floor_constant() + paired_rows.prologue(_PAIRED, paired) + _SOURCE,
-        header=_HEADER,
+        header=kernel_header.HEADER + _HEADER,
     )
 
 
@@ -196,25 +197,27 @@ def applies(n: int, d: int, rank: int) -> bool:
     return enabled() and fits(n, d, rank)
 
 
-def factors(residual: mx.array, start: mx.array, steps: int) -> tuple[mx.array, mx.array]:
+def factors(residual: mx.array, start: mx.array, steps: int,
+            dtype: mx.Dtype = mx.float32) -> tuple[mx.array, mx.array]:
     """residual (..., n, d) float32, start (d, r) float32 -> (A (..., n, r), B (..., d, r))
-    float32 after `steps` power-iteration steps: gear_lowrank._power_iteration's result up to
-    the order of its sums."""
-    return tuple(_iterate([residual], start, steps))
+    after `steps` power-iteration steps: gear_lowrank._power_iteration's result up to the order
+    of its sums, in `dtype` (float32, or a 16-bit dtype the float32 result is rounded to, as
+    astype rounds it)."""
+    return tuple(_iterate([residual], start, steps, dtype))
 
 
-def factors_pair(first: mx.array, second: mx.array, start: mx.array,
-                 steps: int) -> tuple[tuple[mx.array, mx.array], tuple[mx.array, mx.array]]:
+def factors_pair(first: mx.array, second: mx.array, start: mx.array, steps: int,
+                 dtype: mx.Dtype = mx.float32) -> tuple[tuple[mx.array, mx.array], tuple[mx.array, mx.array]]:
     """`factors` of two residuals of the same block shape in one launch (paired_rows):
     (factors(first, ...), factors(second, ...)), the same bits."""
     if first.shape[-2:] != second.shape[-2:]:
         raise QuantizerConfigError(f"a paired gear power iteration takes blocks of one shape: got "
                                    f"{first.shape[-2:]} and {second.shape[-2:]}")
-    left_a, left_b, right_a, right_b = _iterate([first, second], start, steps)
+    left_a, left_b, right_a, right_b = _iterate([first, second], start, steps, dtype)
     return (left_a, right_a), (left_b, right_b)
 
 
-def _iterate(sides: list[mx.array], start: mx.array, steps: int) -> list[mx.array]:
+def _iterate(sides: list[mx.array], start: mx.array, steps: int, dtype: mx.Dtype) -> list[mx.array]:
     """The kernel's outputs for one or two residuals: the left factors then the right ones (the
     paired build's output order: left_a, left_b, right_a, right_b)."""
     *lead, n, d = sides[0].shape
@@ -228,10 +231,10 @@ def _iterate(sides: list[mx.array], start: mx.array, steps: int) -> list[mx.arra
     residuals = [side.astype(mx.float32) for side in sides]
     return _kernel(paired)(
         inputs=[*residuals, start.astype(mx.float32)],
-        template=[("N", n), ("D", d), ("R", rank), ("STEPS", steps), ("TPB", THREADS),
+        template=[("N", n), ("D", d), ("R", rank), ("STEPS", steps), ("TPB", THREADS), ("FT", dtype),
                   *([("RA", blocks[0])] if paired else [])],
         grid=(sum(blocks) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(*side.shape[:-1], rank) for side in sides] + [(*side.shape[:-2], d, rank) for side in sides],
-        output_dtypes=[mx.float32] * (2 * len(sides)),
+        output_dtypes=[dtype] * (2 * len(sides)),
     )
