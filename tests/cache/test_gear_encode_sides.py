@@ -42,12 +42,18 @@ def _assert_same(got: list[dict], want: list[dict]) -> None:
             assert np.array_equal(_bits(ours[name]), _bits(theirs[name])), name
 
 
-@needs_compiler
-def test_both_sides_together_are_each_side_alone_bit_for_bit_with_paired_launches():
-    sides = _sides(64, 2, seed=3, keys_count=164, values_count=164)
+def _together_as_alone(sides: list) -> tuple[set[str], set[str]]:
+    """Both sides encoded together and each alone, emulated: the same arrays; the kernels each
+    way launched (base names)."""
     together, made = _encode(sides, together=True)
     alone, made_alone = _encode(sides, together=False)
     _assert_same(together, alone)
+    return made, made_alone
+
+
+@needs_compiler
+def test_both_sides_together_are_each_side_alone_bit_for_bit_with_paired_launches():
+    made, made_alone = _together_as_alone(_sides(64, 2, seed=3, keys_count=164, values_count=164))
     assert {"vq_outlier_select_pair", "vq_gear_power_iteration_pair"} <= made
     assert not made & {"vq_outlier_select", "vq_gear_power_iteration"}
     assert not made_alone & {"vq_outlier_select_pair", "vq_gear_power_iteration_pair"}
@@ -56,9 +62,7 @@ def test_both_sides_together_are_each_side_alone_bit_for_bit_with_paired_launche
 @needs_compiler
 def test_the_switch_launches_each_side_apart(monkeypatch):
     monkeypatch.setattr(gear_encoder, "PAIR_SIDES", False)
-    sides = _sides(64, 1, seed=4, keys_count=100, values_count=100)
-    together, made = _encode(sides, together=True)
-    _assert_same(together, _encode(sides, together=False)[0])
+    made, _ = _together_as_alone(_sides(64, 1, seed=4, keys_count=100, values_count=100))
     assert {"vq_outlier_select", "vq_gear_power_iteration"} <= made
     assert not made & {"vq_outlier_select_pair", "vq_gear_power_iteration_pair"}
 
@@ -66,10 +70,7 @@ def test_the_switch_launches_each_side_apart(monkeypatch):
 @needs_compiler
 def test_sides_whose_selections_differ_select_apart_and_still_pair_the_power_iteration():
     """Another outlier count per side: two selections; the power iterations still pair."""
-    sides = _sides(64, 1, seed=5, keys_count=100, values_count=60)
-    together, made = _encode(sides, together=True)
-    alone, _ = _encode(sides, together=False)
-    _assert_same(together, alone)
+    made, _ = _together_as_alone(_sides(64, 1, seed=5, keys_count=100, values_count=60))
     assert "vq_outlier_select" in made and "vq_outlier_select_pair" not in made
     assert "vq_gear_power_iteration_pair" in made
 
