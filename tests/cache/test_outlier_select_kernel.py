@@ -220,3 +220,13 @@ def test_a_paired_launch_on_cuda_picks_what_each_side_s_own_launch_picks():
         np.testing.assert_array_equal(np.array(got), np.array(outlier_select_kernel.smallest(scores, 328)))
     for got, scores in zip(outlier_select_kernel.smallest_pair(a, b, 328, by_position=True), (a, b)):
         np.testing.assert_array_equal(np.array(got), np.sort(_stable_first(np.array(scores), 328), axis=-1))
+
+
+@needs_compiler
+def test_one_paired_build_serves_every_row_count():
+    """The first side's row count comes from its shape in the kernel, not from a template
+    constant: chunks of other lengths reuse the compiled module."""
+    with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
+        for rows in (2, 5):
+            outlier_select_kernel.smallest_pair(mx.zeros((rows, 4096)), mx.zeros((3, 4096)), 41)
+    assert len({kernel.cuda_source(sig) for kernel, sig in captured}) == 1

@@ -227,12 +227,12 @@ def _iterate(sides: list[mx.array], start: mx.array, steps: int, dtype: mx.Dtype
                          f"is a start of shape ({d}, r) with r >= 1, d a multiple of 4 and "
                          f"{shared_bytes(n, d, rank)} <= {SHARED_BYTES} bytes of shared memory")
     blocks = [math.prod(side.shape[:-2]) for side in sides]
-    paired = len(sides) == 2
     residuals = [side.astype(mx.float32) for side in sides]
+    paired = len(sides) == 2
     return _kernel(paired)(
         inputs=[*residuals, start.astype(mx.float32)],
         template=[("N", n), ("D", d), ("R", rank), ("STEPS", steps), ("TPB", THREADS), ("FT", dtype),
-                  *([("RA", blocks[0])] if paired else [])],
+                  *(paired_rows.lead_axes(sides[0].shape, 2) if paired else [])],
         grid=(sum(blocks) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(*side.shape[:-1], rank) for side in sides] + [(*side.shape[:-2], d, rank) for side in sides],

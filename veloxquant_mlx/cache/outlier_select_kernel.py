@@ -264,7 +264,7 @@ def _select(sides: list[mx.array], count: int, by_position: bool) -> list[mx.arr
     return _kernel(paired)(
         inputs=[side.astype(mx.float32) for side in sides],
         template=[("N", n), ("NO", count), ("KS", int(keys_shared)), ("TPB", threads), ("BY_POSITION", int(by_position)),
-                  *([("RA", rows[0])] if paired else [])],
+                  *(paired_rows.lead_axes(sides[0].shape, 1) if paired else [])],
         grid=(sum(rows) * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(*side.shape[:-1], count) for side in sides],

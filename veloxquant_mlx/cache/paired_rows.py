@@ -1,5 +1,6 @@
 """Two sides' rows in one launch: a kernel written for one array of rows (a CUDA block per row)
-takes two, its first RA blocks reading and writing `<name>_a`, the rest `<name>_b`.
+takes two: a block per row of the first array (`<name>_a`), then one per row of the second
+(`<name>_b`).
 
 Why: GEAR's outlier selection and power iteration run one CUDA block per 256 x 128 block of a
 side, 64 per side of an 8 x 128 layer's 2048-token chunk, and a block's work is a chain of
@@ -11,7 +12,9 @@ once. Each block computes what it computed alone, so the results are the same bi
 
 A kernel's source reads its row through `vq_row` and each paired array through `vq_<name>`;
 `prologue` defines them for the single or the paired build, `argument_names` gives the build's
-input or output names.
+input or output names. The paired build counts the first side's rows from its first input's
+shape (MLX's `<input>_shape` parameter), not from a template constant: one compiled module
+serves every chunk length (a constant would compile again for each row count met).
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ from __future__ import annotations
 
 def prologue(paired_names: tuple[str, ...], paired: bool) -> str:
     """C++ defining `vq_row` (the block's row within its side's array) and, per name of
-    `paired_names`, `vq_<name>` (that array: the kernel's own, or its side's of the pair; the
-    template constant RA is the first side's row count)."""
+    `paired_names`, `vq_<name>` (that array: the kernel's own, or its side's of the pair). The
+    paired build's template constant LEAD (`lead_axes`) is the number of leading axes of the
+    first paired input that count its rows."""
+    first = paired_names[0]
     if paired:
-        lines = ["const bool vq_first = blockIdx.x < RA;",
-                 "const size_t vq_row = vq_first ? (size_t)blockIdx.x : (size_t)blockIdx.x - RA;"]
+        lines = ["size_t vq_rows_a = 1;",
+                 f"for (int i = 0; i < LEAD; ++i) vq_rows_a *= {first}_a_shape[i];",
+                 "const bool vq_first = blockIdx.x < vq_rows_a;",
+                 "const size_t vq_row = vq_first ? (size_t)blockIdx.x : (size_t)blockIdx.x - vq_rows_a;"]
         lines += [f"auto* const vq_{name} = vq_first ? {name}_a : {name}_b;" for name in paired_names]
     else:
         lines = ["const size_t vq_row = blockIdx.x;"]
@@ -38,3 +45,9 @@ def argument_names(names: list[str], paired_names: tuple[str, ...], paired: bool
         return list(names)
     return [part for name in names for part in ((f"{name}_a", f"{name}_b") if name in paired_names else (name,))]
 
+
+
+def lead_axes(shape: tuple, row_axes: int) -> list[tuple[str, int]]:
+    """The paired build's template entry: LEAD, the leading axes of an input of `shape` whose
+    rows have `row_axes` trailing axes."""
+    return [("LEAD", len(shape) - row_axes)]
