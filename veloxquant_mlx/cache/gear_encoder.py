@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import gear_encode_kernel, gear_group_kernel, gear_power_kernel, outlier_select_kernel
-from veloxquant_mlx.cache.gear_lowrank import POWER_STEPS, low_rank_factors, start_matrix, takes_power_kernel
+from veloxquant_mlx.cache import gear_encode_kernel, gear_group_kernel, outlier_select_kernel
+from veloxquant_mlx.cache.gear_lowrank import kernel_factors, low_rank_factors, takes_power_kernel
 from veloxquant_mlx.cache.gear_outliers import index_dtype, outlier_mask, outlier_scores, select_outliers
 
 
@@ -90,9 +90,9 @@ def _run_launches(launches: dict[int, _Launch]) -> dict[int, object]:
     groups: dict[tuple, list[int]] = {}
     for i, launch in launches.items():
         groups.setdefault((launch.kind, launch.array.shape[-2:], launch.size, launch.dtype), []).append(i)
+    take = 2 if PAIR_SIDES else 1
     for (kind, _, size, dtype), members in groups.items():
         while members:
-            take = 2 if PAIR_SIDES else 1
             pair, members = members[:take], members[take:]
             arrays = [launches[i].array for i in pair]
             if kind == "select":
@@ -100,9 +100,7 @@ def _run_launches(launches: dict[int, _Launch]) -> dict[int, object]:
                 picks = (outlier_select_kernel.smallest_pair(*arrays, size, by_position=True) if len(pair) == 2
                          else [outlier_select_kernel.smallest(arrays[0], size, by_position=True)])
             else:
-                start = start_matrix(arrays[0].shape[-1], size)
-                picks = (gear_power_kernel.factors_pair(*arrays, start, POWER_STEPS, dtype) if len(pair) == 2
-                         else [gear_power_kernel.factors(arrays[0], start, POWER_STEPS, dtype)])
+                picks = kernel_factors(arrays, size, dtype)
             answers.update(zip(pair, picks))
     return answers
 

@@ -31,17 +31,28 @@ POWER_STEPS = 3
 
 def low_rank_factors(residual: mx.array, rank: int, steps: int = POWER_STEPS):
     """residual (..., n, d) float32 -> (A (..., n, r), B (..., d, r)) with residual ~ A @ B^T."""
-    start = start_matrix(residual.shape[-1], rank)
     if takes_power_kernel(*residual.shape[-2:], rank):
         # On CUDA: every step of a block in one kernel (gear_power_kernel.py); the factors
         # differ from the ops' in their last bits (the order of its sums).
-        return gear_power_kernel.factors(residual, start, steps)
+        return kernel_factors([residual], rank, steps=steps)[0]
+    start = start_matrix(residual.shape[-1], rank)
     if rank <= GRAM_SCHMIDT_MAX_RANK and _compile_here():
         return _compiled_iteration(rank, steps)(residual, start)
     if rank <= GRAM_SCHMIDT_MAX_RANK and gear_encode_kernel.enabled():
         # On CUDA, uncompiled: Gram-Schmidt's elementwise steps as kernels, its sums MLX's.
         return _power_iteration(residual, rank, steps, start, orthonormal=gear_encode_kernel.orthonormal)
     return _power_iteration(residual, rank, steps, start)
+
+
+def kernel_factors(residuals: list[mx.array], rank: int, dtype: mx.Dtype = mx.float32,
+                   steps: int = POWER_STEPS) -> list[tuple[mx.array, mx.array]]:
+    """low_rank_factors through gear_power_kernel.py (where takes_power_kernel) of one residual,
+    or of two of one block shape in one launch (factors_pair: GEAR's keys and values), the
+    factors in `dtype`."""
+    start = start_matrix(residuals[0].shape[-1], rank)
+    if len(residuals) == 2:
+        return list(gear_power_kernel.factors_pair(*residuals, start, steps, dtype))
+    return [gear_power_kernel.factors(residuals[0], start, steps, dtype)]
 
 
 def takes_power_kernel(n: int, d: int, rank: int) -> bool:

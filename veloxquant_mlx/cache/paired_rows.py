@@ -46,7 +46,6 @@ def argument_names(names: list[str], paired_names: tuple[str, ...], paired: bool
     return [part for name in names for part in ((f"{name}_a", f"{name}_b") if name in paired_names else (name,))]
 
 
-
 def lead_axes(shape: tuple, row_axes: int) -> list[tuple[str, int]]:
     """The paired build's template entry: LEAD, the leading axes of an input of `shape` whose
     rows have `row_axes` trailing axes."""
