@@ -18,7 +18,7 @@ import pytest
 from tests.cache import cuda_emulation
 from tests.cache.gear_clash_data import clashing_cache
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.cache import fused_decode, fused_decode_gear
+from veloxquant_mlx.cache import fused_decode, fused_decode_gear, kernel_header
 from veloxquant_mlx.cache.gear import GEARCache
 
 pytestmark = pytest.mark.skipif(
@@ -240,7 +240,7 @@ def test_supports_counts_the_kernels_shared_memory():
         # Plus the warps' stages of the history, sized by what the rest leaves (STAGE_WORDS).
         stages = 4 * fused_decode.WARPS_PER_BLOCK * t["STAGE_WORDS"]
         assert fused_decode_gear.shared_bytes(t["D"], t["DV"], t["R"], t["VCNT"] > 0) + stages - counted in allowed, t
-        assert counted <= fused_decode.SHARED_LIMIT - fused_decode.SHARED_MARGIN, t
+        assert counted <= kernel_header.STATIC_SHARED_BYTES - fused_decode.SHARED_MARGIN, t
         checked += 1
     assert checked == len(CASES)
 

@@ -15,7 +15,7 @@ import pytest
 from tests.cache import cuda_emulation
 from tests.cache.test_fused_encode_affine import _block, _cache, emulated
 from tests.cache.test_kernels_nvcc import NVCC, compiled_without_spills
-from veloxquant_mlx.cache import fused_encode_affine
+from veloxquant_mlx.cache import fused_encode_affine, kernel_header
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")]
 
@@ -44,4 +44,4 @@ def test_the_encode_kernel_compiles_for_sm90_without_spills(tmp_path, name, fiel
     shared = re.search(r"(\d+) bytes smem", report)
     # supports() bounds the shared memory by fused_encode_affine.shared_bytes: it must be exact.
     assert shared and int(shared.group(1)) == fused_encode_affine.shared_bytes(D, G, cache.key_bits)
-    assert int(shared.group(1)) <= fused_encode_affine.SHARED_LIMIT
+    assert int(shared.group(1)) <= kernel_header.STATIC_SHARED_BYTES

@@ -14,7 +14,7 @@ import pytest
 from tests.cache import cuda_emulation
 from tests.cache.test_fused_prefill_affine import _fill, _kivi, _xquant_pair, emulated
 from tests.cache.test_kernels_nvcc import NVCC, compiled_without_spills
-from veloxquant_mlx.cache import fused_prefill_affine
+from veloxquant_mlx.cache import fused_prefill_affine, kernel_header
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")]
 
@@ -39,7 +39,7 @@ def test_the_prefill_kernel_compiles_for_sm90_without_spills(tmp_path, name, mak
     kernel, sig = captured[0]
     report = compiled_without_spills(kernel.cuda_source(sig), tmp_path)
     shared = re.search(r"(\d+) bytes smem", report)
-    assert shared and int(shared.group(1)) <= fused_prefill_affine.SHARED_LIMIT
+    assert shared and int(shared.group(1)) <= kernel_header.STATIC_SHARED_BYTES
     # supports() bounds the shared memory by fused_prefill_affine.shared_bytes: it must be exact.
     G = cache.group_size if cache.method == "kivi" else cache.group
     bits = cache.key_bits if cache.method == "kivi" else cache.code_bits

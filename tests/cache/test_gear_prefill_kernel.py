@@ -14,7 +14,7 @@ import pytest
 from tests.cache import cuda_emulation
 from tests.cache.cuda_marks import cuda_test
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.cache import fused_decode, gear_prefill_kernel
+from veloxquant_mlx.cache import fused_decode, gear_prefill_kernel, kernel_header
 from veloxquant_mlx.cache.gear import GEARCache
 
 emulation = pytest.mark.skipif(
@@ -225,7 +225,7 @@ def test_supports_refuses_what_the_kernel_does_not_handle():
                    dict(head_dim=127), dict(value_dim=80), dict(head_dim=512, value_dim=512, bits=8)):
         assert not gear_prefill_kernel.supports(**{**ok, **change}), change
     # The shared memory supports() bounds: the largest head dim the policy meets (256) fits.
-    assert gear_prefill_kernel.shared_bytes(256, 256, 8, True, 8, 128, 256) <= gear_prefill_kernel.SHARED_LIMIT
+    assert gear_prefill_kernel.shared_bytes(256, 256, 8, True, 8, 128, 256) <= kernel_header.STATIC_SHARED_BYTES
     # Two tiles per block with the values staged where that fits (the 8B shape), one tile with
     # staged values at head dim 256 and 4 bits, one unstaged at 8 bits; 32-token blocks: one.
     plan = gear_prefill_kernel.launch_plan

@@ -14,7 +14,7 @@ import pytest
 from tests.cache import cuda_emulation
 from tests.cache.test_gear_prefill_kernel import emulated, filled
 from tests.cache.test_kernels_nvcc import NVCC, compiled_without_spills
-from veloxquant_mlx.cache import gear_prefill_kernel
+from veloxquant_mlx.cache import gear_prefill_kernel, kernel_header
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")]
 
@@ -40,7 +40,7 @@ def test_the_gear_prefill_kernel_compiles_for_sm90_without_spills(tmp_path, name
     report = compiled_without_spills(kernel.cuda_source(sig), tmp_path)
     shared = re.search(r"(\d+) bytes smem", report)
     sparse = cache.outlier_fraction > 0
-    assert shared and int(shared.group(1)) <= gear_prefill_kernel.SHARED_LIMIT
+    assert shared and int(shared.group(1)) <= kernel_header.STATIC_SHARED_BYTES
     assert int(shared.group(1)) == gear_prefill_kernel.shared_bytes(cache.head_dim, cache.value_dim,
                                                                    cache.code_bits, sparse, cache.rank,
                                                                    cache.code_group, cache.block_tokens)

@@ -634,9 +634,8 @@ def shared_bytes(head_dim: int, value_dim: int, rows: int) -> int:
     return 4 * rows * (head_dim + WARPS_PER_BLOCK * widest + 2 * WARPS_PER_BLOCK) + 4 * WARPS_PER_BLOCK
 
 
-# Static shared memory a kernel may declare (CUDA's limit without opting in), and a margin for
-# the fused merge's flag and the compiler's own.
-SHARED_LIMIT = 48 * 1024
+# A margin within CUDA's static shared memory (kernel_header.STATIC_SHARED_BYTES) for the fused
+# merge's flag and the compiler's own.
 SHARED_MARGIN = 64
 # Each warp's stage of the history (kstage): up to this many bytes. 6 KB holds a whole tile of
 # 2-bit keys or values with bf16 scales (128 x (32 + 16) bytes); 4 warps take 24 KB, so a block
@@ -650,7 +649,8 @@ def stage_words(head_dim: int, value_dim: int, rows: int, extra_shared: int = 0,
     static shared limit leaves beside the kernel's other arrays (`extra_shared`: a kernel built
     on this one adds its own, GEAR's sparse sums), a multiple of 16 bytes."""
     stage_bytes = STAGE_BYTES if stage_bytes is None else stage_bytes
-    free = SHARED_LIMIT - SHARED_MARGIN - shared_bytes(head_dim, value_dim, rows) - extra_shared
+    free = (kernel_header.STATIC_SHARED_BYTES - SHARED_MARGIN - shared_bytes(head_dim, value_dim, rows)
+            - extra_shared)
     return max(0, min(stage_bytes, free // WARPS_PER_BLOCK) // 16 * 4)
 
 

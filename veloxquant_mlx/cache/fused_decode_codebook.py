@@ -154,7 +154,6 @@ OUTLIER_BATCH = 8
 KEY_SLOTS_BY_ROW = False
 MAX_ROWS = 8  # GQA rows per KV head
 MAX_HEAD_DIM = 256
-SHARED_BYTES = 48 * 1024
 
 # This module's kernel text (codebook_partials_source.py, on the shared kernel_header.py), under
 # the names every decode kernel module gives its own (the emulated tests' mutations and
@@ -223,14 +222,15 @@ def supports(head_dim: int, value_dim: int, group_size: int, bits: int, rows: in
         return False
     if max(head_dim, value_dim) > 128 and rows > 4:
         return False  # ptxas (sm_90) spilled at head dim 256 with 7 or 8 rows
-    return shared_bytes(head_dim, value_dim, rows, bits, value_outliers) <= SHARED_BYTES
+    return shared_bytes(head_dim, value_dim, rows, bits, value_outliers) <= kernel_header.STATIC_SHARED_BYTES
 
 
 def parks(head_dim: int, value_dim: int, rows: int, bits: int, value_outliers: bool) -> bool:
     """Whether the launch parks the value sums in shared memory: PARK_ACCUMULATORS and the
     kernel's shared memory with them under 48 KB (the 8B shape: 35 KB; not at 8 rows with value
     outliers: 54 KB, nor at head dim 256 with them)."""
-    return PARK_ACCUMULATORS and shared_bytes(head_dim, value_dim, rows, bits, value_outliers, True) <= SHARED_BYTES
+    parked = shared_bytes(head_dim, value_dim, rows, bits, value_outliers, True)
+    return PARK_ACCUMULATORS and parked <= kernel_header.STATIC_SHARED_BYTES
 
 
 def _as(x: mx.array, dtype) -> mx.array:

@@ -138,7 +138,7 @@ def supports(head_dim: int, value_dim: int, slots: int, rows: int, direction_bit
         return False
     if not 0 <= slots <= MAX_SLOTS or not 1 <= rows <= MAX_ROWS:
         return False
-    return shared_bytes(head_dim, value_dim, slots, rows) <= 48 * 1024
+    return shared_bytes(head_dim, value_dim, slots, rows) <= kernel_header.STATIC_SHARED_BYTES
 
 
 def decode_step(cache, queries, scale: float):

@@ -254,7 +254,7 @@ def supports(head_dim: int, value_dim: int, key_stage1_bits: int, value_stage1_b
         return False
     if not 1 <= rows <= MAX_ROWS:
         return False
-    return _shared_bytes(head_dim, value_dim, rows) <= 48 * 1024
+    return _shared_bytes(head_dim, value_dim, rows) <= kernel_header.STATIC_SHARED_BYTES
 
 
 def exact_sink(cache) -> tuple[mx.array, mx.array] | None:

@@ -96,7 +96,6 @@ from veloxquant_mlx.errors import QuantizerConfigError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 THREADS = 128
-SHARED_LIMIT = 48 * 1024
 INPUT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 SIDE_DTYPES = (mx.float16, mx.bfloat16)
 
@@ -270,7 +269,7 @@ def supports(head_dim: int, value_dim: int, group_size: int, key_bits: int, valu
         return False
     if head_dim < 1 or value_dim < 1 or value_dim % group_size:
         return False
-    return shared_bytes(head_dim, group_size, key_bits) <= SHARED_LIMIT
+    return shared_bytes(head_dim, group_size, key_bits) <= kernel_header.STATIC_SHARED_BYTES
 
 
 def encode_step(cache, keys: mx.array, values: mx.array):
@@ -306,7 +305,7 @@ def affine_encode_kv(keys: mx.array, values: mx.array, *, group_size: int, key_b
             f"fused encode: head_dim={D}, value_dim={DV}, group_size={group_size}, key_bits="
             f"{key_bits}, value_bits={value_bits} are not supported: allowed are bits in "
             f"{SUPPORTED_BITS}, a group that is a multiple of 32 and divides value_dim, and "
-            f"{SHARED_LIMIT} bytes of shared memory at most (see supports)"
+            f"{kernel_header.STATIC_SHARED_BYTES} bytes of shared memory at most (see supports)"
         )
     if T < 1 or T % group_size:
         raise QuantizerConfigError(

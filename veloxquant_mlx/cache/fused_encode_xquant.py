@@ -73,7 +73,6 @@ from veloxquant_mlx.errors import QuantizerConfigError
 
 SUPPORTED_BITS = (2, 3, 4)
 THREADS = 128
-SHARED_LIMIT = 48 * 1024
 INPUT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 # The kernels' switch (CUDA and VELOXQUANT_CUDA_KERNELS), bound when this module is imported,
@@ -299,7 +298,7 @@ def supports(head_dim: int, value_dim: int, group_size: int, bits: int) -> bool:
         return False
     if head_dim < 1 or value_dim < 1 or value_dim % group_size:
         return False
-    return shared_bytes(head_dim, group_size, bits) <= SHARED_LIMIT
+    return shared_bytes(head_dim, group_size, bits) <= kernel_header.STATIC_SHARED_BYTES
 
 
 def encode_step(cache, keys: mx.array, values: mx.array, leader_codes=None):
@@ -334,7 +333,7 @@ def _check_block(keys, values, group_size: int, bits: int) -> tuple[int, int, in
         raise QuantizerConfigError(
             f"xquant fused encode: head_dim={D}, value_dim={DV}, group_size={group_size}, bits={bits} "
             f"are not supported: allowed are bits in {SUPPORTED_BITS}, a power-of-two group >= 32 "
-            f"dividing value_dim, and {SHARED_LIMIT} bytes of shared memory at most"
+            f"dividing value_dim, and {kernel_header.STATIC_SHARED_BYTES} bytes of shared memory at most"
         )
     if T < 1 or T % group_size:
         raise QuantizerConfigError(

@@ -85,7 +85,6 @@ from veloxquant_mlx.errors import QuantizerConfigError
 SUPPORTED_BITS = (2, 3, 4, 8)
 TILE = 128  # output positions per block: a multiple of 32, so a tile starts on a word boundary
 THREADS = 256
-SHARED_LIMIT = 48 * 1024
 
 INPUTS = ("kc", "ks", "kz", "vc", "vs", "vz", "wk", "wv", "sk", "sv", "meta")
 
@@ -249,7 +248,7 @@ def supports(head_dim: int, value_dim: int, group_size: int, key_bits: int, valu
         return False
     if head_dim < 2 or head_dim % 2:  # a thread writes channel pairs
         return False
-    return shared_bytes(head_dim, group_size, key_bits) <= SHARED_LIMIT
+    return shared_bytes(head_dim, group_size, key_bits) <= kernel_header.STATIC_SHARED_BYTES
 
 
 def prefill_step(cache, queries, arrays, *, group_size: int, key_bits: int, value_bits: int,

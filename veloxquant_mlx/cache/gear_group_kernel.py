@@ -58,7 +58,6 @@ MAX_ROWS = 65535
 # Entries of the scores and dense kernels' tile where the groups allow (tile_shape): 16 KB of
 # float32 in shared memory, with the dense kernel's bitmap (up to 16 KB) within the 48 KB.
 TILE_ENTRIES = 4096
-SHARED_LIMIT = 48 * 1024  # static shared memory per block on CUDA
 
 # A block per tile of a row (one block of NB x D entries, token-major): TT tokens x CB channels
 # holding whole quantization groups (values, PC = 0: G consecutive channels of a token, CB = D;
@@ -262,7 +261,7 @@ def applies(blocks_shape: tuple, group: int, per_channel: bool) -> bool:
     B, H, n_blocks, nb, d = blocks_shape
     tiled = (nb if per_channel else d) % group == 0
     return (enabled() and tiled and nb * d <= MAX_BLOCK_ENTRIES and B * H * n_blocks <= MAX_ROWS
-            and _dense_shared_bytes(nb, d, group, per_channel) <= SHARED_LIMIT)
+            and _dense_shared_bytes(nb, d, group, per_channel) <= kernel_header.STATIC_SHARED_BYTES)
 
 
 def _dense_shared_bytes(nb: int, d: int, group: int, per_channel: bool) -> int:

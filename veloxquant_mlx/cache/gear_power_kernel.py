@@ -48,10 +48,6 @@ from veloxquant_mlx.errors import QuantizerConfigError
 # the GPU: the measurement modules' `--set gear_power_kernel.ENABLED=0`).
 ENABLED = True
 THREADS = 256
-# Static shared memory per block is 48 KB: the iterates (n x r and d x r floats), the partial
-# sums of R^T @ left (max(THREADS, d) x r floats) and the reduction's per-warp slots.
-SHARED_BYTES = 48 * 1024
-
 # 16 bytes read as one 128-bit access (a plain struct: CUDA's float4 is not needed).
 _HEADER = r"""
 struct __align__(16) vq_float4 { float x, y, z, w; };
@@ -181,7 +177,9 @@ def enabled() -> bool:
 
 
 def shared_bytes(n: int, d: int, rank: int) -> int:
-    """The kernel's static shared memory for blocks of n x d at `rank`."""
+    """The kernel's static shared memory for blocks of n x d at `rank`: the iterates (n x r and
+    d x r floats), the partial sums of R^T @ left (max(THREADS, d) x r floats) and the
+    reduction's per-warp slots, within kernel_header.STATIC_SHARED_BYTES."""
     parts = THREADS // d if THREADS >= d else 1
     return 4 * (n * rank + d * rank + parts * d * rank + THREADS // 32)
 
@@ -189,7 +187,7 @@ def shared_bytes(n: int, d: int, rank: int) -> int:
 def fits(n: int, d: int, rank: int) -> bool:
     """Whether blocks of n x d at `rank` fit the kernel's shared memory (and its rows its
     16-byte reads: d a multiple of 4)."""
-    return rank > 0 and d % 4 == 0 and shared_bytes(n, d, rank) <= SHARED_BYTES
+    return rank > 0 and d % 4 == 0 and shared_bytes(n, d, rank) <= kernel_header.STATIC_SHARED_BYTES
 
 
 def applies(n: int, d: int, rank: int) -> bool:
@@ -225,7 +223,8 @@ def _iterate(sides: list[mx.array], start: mx.array, steps: int, dtype: mx.Dtype
     if start.shape != (d, rank) or not fits(n, d, rank):
         raise QuantizerConfigError(f"gear power iteration of blocks {n} x {d} from a start of shape {start.shape}: allowed "
                          f"is a start of shape ({d}, r) with r >= 1, d a multiple of 4 and "
-                         f"{shared_bytes(n, d, rank)} <= {SHARED_BYTES} bytes of shared memory")
+                         f"{shared_bytes(n, d, rank)} <= {kernel_header.STATIC_SHARED_BYTES} bytes of shared "
+                         "memory")
     blocks = [math.prod(side.shape[:-2]) for side in sides]
     residuals = [side.astype(mx.float32) for side in sides]
     paired = len(sides) == 2

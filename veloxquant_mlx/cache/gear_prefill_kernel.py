@@ -84,7 +84,6 @@ from veloxquant_mlx.cache.kernel_name import build_kernel
 SUPPORTED_BITS = (2, 3, 4, 8)
 TILE = 32  # positions per block: a whole number of 32-token key words at every width
 MAX_THREADS = 256
-SHARED_LIMIT = 48 * 1024
 
 INPUTS = ("kc", "ks", "kz", "kat", "kbc", "koi", "kov", "vc", "vs", "vz", "vat", "vbc", "voi", "vov",
           "wk", "wv", "meta")
@@ -413,7 +412,7 @@ def launch_plan(head_dim: int, value_dim: int, bits: int, sparse: bool, rank: in
     for sub in range(TILES_PER_BLOCK, 0, -1):
         staged = (_base_shared_bytes(head_dim, value_dim, bits, sparse, rank, sub)
                   + _value_stage_bytes(value_dim, bits, group, sub))
-        if block_tokens % (TILE * sub) == 0 and staged <= SHARED_LIMIT:
+        if block_tokens % (TILE * sub) == 0 and staged <= kernel_header.STATIC_SHARED_BYTES:
             return sub, True
     return 1, False
 
@@ -475,7 +474,7 @@ def supports(head_dim: int, value_dim: int, group: int, bits: int, block_tokens:
         return False
     if max(head_dim, value_dim) > 2 * MAX_THREADS:
         return False
-    return _base_shared_bytes(head_dim, value_dim, bits, sparse, rank) <= SHARED_LIMIT
+    return _base_shared_bytes(head_dim, value_dim, bits, sparse, rank) <= kernel_header.STATIC_SHARED_BYTES
 
 
 def prefill_step(cache, queries):

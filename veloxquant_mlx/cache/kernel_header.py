@@ -22,6 +22,11 @@ from __future__ import annotations
 # 91.1, kvquant 92.5 / 92.8 against 93.9 / 92.9).
 MERGE_GROUP = 16
 
+# CUDA's static shared memory per block: what a kernel may declare as `__shared__` arrays
+# without opting in to more (mx.fast.cuda_kernel launches never opt in). Every kernel module's
+# `supports` / shared-bytes check compares against this one figure.
+STATIC_SHARED_BYTES = 48 * 1024
+
 HEADER = f"constexpr int VQ_MERGE_GROUP = {MERGE_GROUP};\n" + r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

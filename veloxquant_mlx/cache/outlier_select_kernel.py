@@ -37,7 +37,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import fused_decode, paired_rows
+from veloxquant_mlx.cache import fused_decode, kernel_header, paired_rows
 from veloxquant_mlx.cache.kernel_name import build_kernel
 
 # False: mx.argpartition instead, whatever the backend (for an A/B on the GPU: the measurement
@@ -48,10 +48,9 @@ ENABLED = True
 # than the H200's 132 SMs) get WIDE_THREADS: 32 warps per SM keep more L2 loads in flight.
 THREADS = 256
 WIDE_THREADS = 1024
-# Static shared memory per block is 48 KB: the row's keys where they fit (4 bytes each), the
-# histogram (4 bytes a bin), the picks' keys and positions (8 bytes each), the block scan's
-# per-warp sums and scalars.
-SHARED_BYTES = 48 * 1024
+# The block's static shared memory (within kernel_header.STATIC_SHARED_BYTES) holds the row's
+# keys where they fit (4 bytes each), the histogram (4 bytes a bin), the picks' keys and
+# positions (8 bytes each), the block scan's per-warp sums and scalars.
 _FIXED_SHARED_BYTES = 4 * 2048 + 4 * 32 + 64  # histogram (the source's RADIX bins), warp sums, scalars
 
 _HEADER = r"""
@@ -226,11 +225,11 @@ def applies(entries: int, count: int) -> bool:
 def fits(entries: int, count: int) -> bool:
     """Whether `count` picks of rows of `entries` scores fit the kernel's shared memory (the
     row's keys are kept there too where they fit: `_keys_shared`)."""
-    return 0 < count <= entries and 8 * count + _FIXED_SHARED_BYTES <= SHARED_BYTES
+    return 0 < count <= entries and 8 * count + _FIXED_SHARED_BYTES <= kernel_header.STATIC_SHARED_BYTES
 
 
 def _keys_shared(entries: int, count: int) -> bool:
-    return 4 * entries + 8 * count + _FIXED_SHARED_BYTES <= SHARED_BYTES
+    return 4 * entries + 8 * count + _FIXED_SHARED_BYTES <= kernel_header.STATIC_SHARED_BYTES
 
 
 def smallest(scores: mx.array, count: int, by_position: bool = False) -> mx.array:
@@ -256,7 +255,7 @@ def _select(sides: list[mx.array], count: int, by_position: bool) -> list[mx.arr
     if not fits(n, count):
         raise ValueError(f"outlier selection of {count} among {n} entries does not fit the kernel's shared "
                          f"memory: allowed is 0 < count <= entries and 8 * count <= "
-                         f"{SHARED_BYTES - _FIXED_SHARED_BYTES}")
+                         f"{kernel_header.STATIC_SHARED_BYTES - _FIXED_SHARED_BYTES}")
     rows = [math.prod(side.shape[:-1]) for side in sides]
     keys_shared = _keys_shared(n, count)
     threads = THREADS if keys_shared else WIDE_THREADS
