@@ -2,8 +2,6 @@
 the base's window, flush, capacity, mask, trim and state logic against plain attention, so a
 failure here is the base's, not a method's."""
 
-import mlx.core as mx
-
 from veloxquant_mlx.cache.base import CompressedKVCache, StoreArray
 
 

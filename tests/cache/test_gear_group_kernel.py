@@ -275,7 +275,7 @@ def kernel_sources() -> set[str]:
     with cuda_emulation.signatures_only() as captured, cuda_emulation.emulated_kernels():
         for per_channel in (True, False):
             gear_group_kernel.scores(blocks, 32, per_channel)
-            dense = gear_group_kernel.dense(blocks, picks, 32, per_channel, mx.bfloat16)
+            gear_group_kernel.dense(blocks, picks, 32, per_channel, mx.bfloat16)
             rows = (1, 2, 128, 512) if per_channel else (1, 2, 512, 128)
             codes = mx.zeros((*rows[:-1], rows[-1] // 16), dtype=mx.uint32)
             scales = mx.zeros((*rows[:-1], rows[-1] // 32), dtype=mx.bfloat16)

@@ -135,7 +135,7 @@ def test_share_from_limits_sharing_and_the_fit_beats_min_max():
     assert [c.shared for c in caches] == [False, False, False, True]
     # The follower's fitted side data reconstructs its own block no worse than min/max would.
     from veloxquant_mlx.cache.xquant import minmax_params
-    leader, follower = caches[2], caches[3]
+    follower = caches[3]
     k, _ = kv(64, 3)  # what step() fed layer 3
     fk, _ = follower._full_keys_values()
     codes, _ = follower._leader_codes(0, 64)

@@ -6,7 +6,7 @@ import json
 
 from hypothesis import given, settings, strategies as st
 
-from veloxquant_mlx import HardwareInfo, WorkloadSpec, select_kv_cache_config
+from veloxquant_mlx import WorkloadSpec, select_kv_cache_config
 from veloxquant_mlx.config.fields import FIELDS, METHODS
 from veloxquant_mlx.policy.facts import FACT_NAMES
 from veloxquant_mlx.policy.layers import MAX_RESOLVED_LAYERS
