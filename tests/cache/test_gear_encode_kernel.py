@@ -5,6 +5,8 @@ by nvcc for sm_90 without spills (slow) as a proxy for nvrtc."""
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -220,26 +222,58 @@ def _sparse_inputs(side, rank: int, dim: int, seed: int):
     return blocks, approx, (tokens, channels), index.astype(mx.int32)
 
 
+def _sequential_product(tokens: mx.array, channels: mx.array, blocks_shape) -> np.ndarray:
+    """A B^T per block as the kernel's LOW = 2 sums it: in rank order, each product and each sum
+    rounded to float32 (numpy's float32 ufuncs, no FMA), (B, H, blocks, tokens, d)."""
+    B, H, n_blocks, nb, d = blocks_shape
+    a = np.array(tokens.astype(mx.float32)).reshape(B, H, n_blocks, nb, 1, -1)
+    c = np.array(channels.astype(mx.float32))[:, :, :, None]  # (B, H, blocks, 1, d, rank)
+    total = np.zeros((B, H, n_blocks, nb, d), dtype=np.float32)
+    for j in range(a.shape[-1]):
+        total = total + a[..., j] * c[..., j]
+    return total
+
+
+def _missing(blocks: mx.array, approx: mx.array, low, index: mx.array, side) -> mx.array:
+    """The ops' stage 3 at the outliers: blocks - (approx + low), cast to the side dtype."""
+    B, H, n_blocks, nb, d = blocks.shape
+    missing = (blocks - (approx + mx.array(low))).reshape(B, H, n_blocks, nb * d)
+    return mx.take_along_axis(missing, index, axis=-1).astype(side)
+
+
 @needs_compiler
 @pytest.mark.parametrize("side, rank, dim", [(mx.bfloat16, 4, 128), (mx.float16, 1, 64), (mx.float32, 3, 64)])
-def test_sparse_part_from_the_factors_is_the_ops_with_the_cpu_s_product(side, rank, dim):
+def test_sparse_part_from_the_factors_is_the_ops_with_the_product_in_rank_order(side, rank, dim):
     """LOW = 2 (A B^T at each outlier from the stored factors, a sequential sum) against the ops'
-    stage 3 with the CPU's matmul product, and against the kernel reading that product (LOW = 1):
-    bit for bit, float32 factors (inexact products) included."""
+    stage 3 with that product summed in rank order, and LOW = 1 (the kernel reading a product)
+    against the ops with the CPU's matmul product it reads: bit for bit, float32 factors
+    (inexact products) included. Whether the CPU's matmul is that sequential sum depends on the
+    BLAS: test_the_cpu_s_product_of_the_factors_is_their_sum_in_rank_order."""
     blocks, approx, (tokens, channels), index = _sparse_inputs(side, rank, dim, seed=rank + dim)
     B, H, n_blocks, nb, d = blocks.shape
-    a = tokens.astype(mx.float32).reshape(B, H, n_blocks, nb, rank)
-    low = a @ channels.astype(mx.float32).swapaxes(-1, -2)
-    missing = (blocks - (approx + low)).reshape(B, H, n_blocks, nb * d)
-    expected = mx.take_along_axis(missing, index, axis=-1).astype(side)
+    low = tokens.astype(mx.float32).reshape(B, H, n_blocks, nb, rank) @ channels.astype(mx.float32).swapaxes(-1, -2)
     with cuda_emulation.emulated_kernels():
         from_factors = gear_encode_kernel.sparse_part(blocks, approx, None, index, side, mx.uint16,
                                                       factors=(tokens, channels))
         from_product = gear_encode_kernel.sparse_part(blocks, approx, low, index, side, mx.uint16)
         mx.eval(from_factors, from_product)
-    _same_bits(expected, from_factors[0])
-    _same_bits(from_product[0], from_factors[0])
+    _same_bits(_missing(blocks, approx, _sequential_product(tokens, channels, blocks.shape), index, side), from_factors[0])
+    _same_bits(_missing(blocks, approx, low, index, side), from_product[0])
     _same_bits(index.astype(mx.uint16), from_factors[1])
+
+
+@pytest.mark.skipif("openblas" in os.environ.get("LD_PRELOAD", "").lower(),
+                    reason="a preloaded OpenBLAS orders (and may fuse) the CPU's matmul otherwise; MLX's "
+                           "bundled BLAS, which CI and the wheel use, sums in rank order")
+@pytest.mark.parametrize("side, rank, dim", [(mx.bfloat16, 4, 128), (mx.float16, 1, 64), (mx.float32, 3, 64)])
+def test_the_cpu_s_product_of_the_factors_is_their_sum_in_rank_order(side, rank, dim):
+    """Why LOW = 2 stores the CPU path's bits: MLX's CPU matmul of GEAR's factors is the
+    sequential sum the kernel makes."""
+    blocks, _, (tokens, channels), _ = _sparse_inputs(side, rank, dim, seed=rank + dim)
+    B, H, n_blocks, nb, d = blocks.shape
+    low = tokens.astype(mx.float32).reshape(B, H, n_blocks, nb, rank) @ channels.astype(mx.float32).swapaxes(-1, -2)
+    assert np.array_equal(np.array(low).view(np.uint32),
+                          _sequential_product(tokens, channels, blocks.shape).view(np.uint32))
 
 
 FACTOR_CORRUPTIONS = [
