@@ -95,3 +95,24 @@ def test_a_target_warps_spec_marks_its_caches_and_their_launches_take_it(method,
 def _pair_model():
     """A 2-layer llama of the 8B attention shape (GQA 4, head_dim 128) for the specs' lists."""
     return random_llama(hidden=256, layers=2, heads=8, kv_heads=2, head_dim=128, intermediate=256, vocab=64)
+
+
+def test_kvplain_spec_holds_minicaches_plain_layers_in_mlx_lm_kv_caches_with_the_same_logits(model):
+    from mlx_lm.models.cache import KVCache
+
+    from veloxquant_mlx.cache.minicache import MiniCacheCache
+
+    want, shipped = _greedy(model, parse_layer_spec("minicache"))
+    got, cache = _greedy(model, parse_layer_spec("minicache-kvplain"))
+    assert [c.role for c in shipped] == ["plain", "plain", "lower", "upper"]
+    assert [type(c) for c in cache] == [KVCache, KVCache, MiniCacheCache, MiniCacheCache]
+    assert cache[2].n_compressed > 0  # the pair still merges
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert mx.array_equal(a, b).item(), i
+
+
+def test_kvplain_refuses_a_list_without_minicache():
+    from veloxquant_mlx.bench.ablations import plain_layers_as_kv_cache
+
+    with pytest.raises(TypeError, match="MiniCacheCache"):
+        plain_layers_as_kv_cache.mark([parse_layer_spec("kivi").make(0, 1)])

@@ -56,6 +56,29 @@ class Marked:
         return self.mark([KVCacheFactory.create(config, layer_index, n_layers)])[0]
 
 
+class PlainLayersAsKVCache(Marked):
+    """MiniCache with its plain layers (below minicache_start_fraction, an unpaired last one)
+    held by mlx-lm's own KVCache instead of our growing window: what our plain layers cost a
+    decode step beside mlx-lm's cache in one interleaved run. Why: on the H100 (session 43)
+    minicache's step held 0.11-0.15 ms more host than both its all-plain and its all-paired
+    forms, neither of which pays it, and its Python build does not hold the difference."""
+
+    def __init__(self):
+        super().__init__("plain_layers", "mlx-lm KVCache")
+
+    def mark(self, caches: list) -> list:
+        from mlx_lm.models.cache import KVCache
+
+        from veloxquant_mlx.cache.minicache import MiniCacheCache
+
+        if not any(isinstance(c, MiniCacheCache) for c in caches):
+            raise TypeError(f"no cache of {[type(c).__name__ for c in caches]} is a MiniCacheCache")
+        # A plain layer is nobody's partner: the pairs' coordinator never reads it.
+        return [KVCache() if isinstance(c, MiniCacheCache) and c.role == "plain" else c for c in caches]
+
+
+plain_layers_as_kv_cache = PlainLayersAsKVCache()
+
 # The decode window written in place (cache/window_buffer.py), whatever
 # base.DECODE_WINDOW_IN_PLACE says.
 in_place_window = Marked("decode_window_in_place", True)
@@ -137,4 +160,5 @@ ABLATIONS: dict[str, tuple] = {
        for m in WINDOW_METHODS for n in TARGET_WARPS_TRIED},
     **{f"kvquant-chunk{n}": (Marked("decode_chunk_tokens", n), "kvquant", f"kvquant, portable decode in {n}-token chunks")
        for n in KVQUANT_CHUNKS_TRIED},
+    "minicache-kvplain": (plain_layers_as_kv_cache, "minicache", "minicache, plain layers in mlx-lm's KVCache"),
 }
