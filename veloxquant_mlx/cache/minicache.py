@@ -246,7 +246,9 @@ class MiniCacheCache(GrowingWindowMixin, CrossLayerMixin, CompressedKVCache):
         # Either layer of a linked pair merges the block both hold (the upper one after its
         # attention, the lower one at its next update when attention is not patched); plain
         # layers and pairs loaded without relink keep their tokens exact.
-        if self.role == "plain" or self.window_keys is None:
+        if self.role == "plain" or self._window_length() < self.residual_length + BLOCK:
+            # No block to merge (n below is 0 whenever this layer's own window is short): 31 of
+            # a decode's 32 steps end here, before the partner's lookup and checks.
             return
         partner = self._partner()
         if partner is None:
