@@ -64,7 +64,9 @@ class PlainLayersAsKVCache(Marked):
     forms, neither of which pays it, and its Python build does not hold the difference."""
 
     def __init__(self):
-        super().__init__("plain_layers", "mlx-lm KVCache")
+        # A Marked for the patch's own lists (layer_specs, step_census), but it sets no
+        # attribute: it swaps list entries.
+        self.settings = {}
 
     def mark(self, caches: list) -> list:
         from mlx_lm.models.cache import KVCache
