@@ -35,7 +35,6 @@ blocks (factors_pair, cache/paired_rows.py; gear_encoder.encode_sides).
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 import mlx.core as mx
@@ -225,14 +224,12 @@ def _iterate(sides: list[mx.array], start: mx.array, steps: int, dtype: mx.Dtype
                          f"is a start of shape ({d}, r) with r >= 1, d a multiple of 4 and "
                          f"{shared_bytes(n, d, rank)} <= {kernel_header.STATIC_SHARED_BYTES} bytes of shared "
                          "memory")
-    blocks = [math.prod(side.shape[:-2]) for side in sides]
     residuals = [side.astype(mx.float32) for side in sides]
-    paired = len(sides) == 2
-    return _kernel(paired)(
+    return _kernel(len(sides) == 2)(
         inputs=[*residuals, start.astype(mx.float32)],
         template=[("N", n), ("D", d), ("R", rank), ("STEPS", steps), ("TPB", THREADS), ("FT", dtype),
-                  *(paired_rows.lead_axes(sides[0].shape, 2) if paired else [])],
-        grid=(sum(blocks) * THREADS, 1, 1),
+                  *paired_rows.lead_axes(sides, 2)],
+        grid=(paired_rows.total_rows(sides, 2) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(*side.shape[:-1], rank) for side in sides] + [(*side.shape[:-2], d, rank) for side in sides],
         output_dtypes=[dtype] * (2 * len(sides)),

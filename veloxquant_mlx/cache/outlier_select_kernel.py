@@ -32,7 +32,6 @@ a vector's std has 1e-6 added).
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 import mlx.core as mx
@@ -256,15 +255,13 @@ def _select(sides: list[mx.array], count: int, by_position: bool) -> list[mx.arr
         raise ValueError(f"outlier selection of {count} among {n} entries does not fit the kernel's shared "
                          f"memory: allowed is 0 < count <= entries and 8 * count <= "
                          f"{kernel_header.STATIC_SHARED_BYTES - _FIXED_SHARED_BYTES}")
-    rows = [math.prod(side.shape[:-1]) for side in sides]
     keys_shared = _keys_shared(n, count)
     threads = THREADS if keys_shared else WIDE_THREADS
-    paired = len(sides) == 2
-    return _kernel(paired)(
+    return _kernel(len(sides) == 2)(
         inputs=[side.astype(mx.float32) for side in sides],
         template=[("N", n), ("NO", count), ("KS", int(keys_shared)), ("TPB", threads), ("BY_POSITION", int(by_position)),
-                  *(paired_rows.lead_axes(sides[0].shape, 1) if paired else [])],
-        grid=(sum(rows) * threads, 1, 1),
+                  *paired_rows.lead_axes(sides, 1)],
+        grid=(paired_rows.total_rows(sides, 1) * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(*side.shape[:-1], count) for side in sides],
         output_dtypes=[mx.uint32] * len(sides),

@@ -19,6 +19,8 @@ serves every chunk length (a constant would compile again for each row count met
 
 from __future__ import annotations
 
+import math
+
 
 def prologue(paired_names: tuple[str, ...], paired: bool) -> str:
     """C++ defining `vq_row` (the block's row within its side's array) and, per name of
@@ -46,7 +48,14 @@ def argument_names(names: list[str], paired_names: tuple[str, ...], paired: bool
     return [part for name in names for part in ((f"{name}_a", f"{name}_b") if name in paired_names else (name,))]
 
 
-def lead_axes(shape: tuple, row_axes: int) -> list[tuple[str, int]]:
-    """The paired build's template entry: LEAD, the leading axes of an input of `shape` whose
-    rows have `row_axes` trailing axes."""
-    return [("LEAD", len(shape) - row_axes)]
+def lead_axes(sides: list, row_axes: int) -> list[tuple[str, int]]:
+    """A launch's template entries for `sides` (one or two arrays of rows with `row_axes`
+    trailing axes each): for a pair LEAD, the leading axes of the first array that count its
+    rows; for one side none."""
+    return [("LEAD", sides[0].ndim - row_axes)] if len(sides) == 2 else []
+
+
+def total_rows(sides: list, row_axes: int) -> int:
+    """The CUDA blocks of a launch over `sides`: every side's rows (the product of each array's
+    leading axes)."""
+    return sum(math.prod(side.shape[:-row_axes]) for side in sides)
