@@ -234,6 +234,13 @@ def _sequential_product(tokens: mx.array, channels: mx.array, blocks_shape) -> n
     return total
 
 
+def _cpu_product(tokens: mx.array, channels: mx.array, blocks_shape) -> mx.array:
+    """A B^T per block as the ops' stage 3 makes it: MLX's CPU matmul in float32."""
+    B, H, n_blocks, nb, _ = blocks_shape
+    rank = tokens.shape[-1]
+    return tokens.astype(mx.float32).reshape(B, H, n_blocks, nb, rank) @ channels.astype(mx.float32).swapaxes(-1, -2)
+
+
 def _missing(blocks: mx.array, approx: mx.array, low, index: mx.array, side) -> mx.array:
     """The ops' stage 3 at the outliers: blocks - (approx + low), cast to the side dtype."""
     B, H, n_blocks, nb, d = blocks.shape
@@ -250,8 +257,7 @@ def test_sparse_part_from_the_factors_is_the_ops_with_the_product_in_rank_order(
     (inexact products) included. Whether the CPU's matmul is that sequential sum depends on the
     BLAS: test_the_cpu_s_product_of_the_factors_is_their_sum_in_rank_order."""
     blocks, approx, (tokens, channels), index = _sparse_inputs(side, rank, dim, seed=rank + dim)
-    B, H, n_blocks, nb, d = blocks.shape
-    low = tokens.astype(mx.float32).reshape(B, H, n_blocks, nb, rank) @ channels.astype(mx.float32).swapaxes(-1, -2)
+    low = _cpu_product(tokens, channels, blocks.shape)
     with cuda_emulation.emulated_kernels():
         from_factors = gear_encode_kernel.sparse_part(blocks, approx, None, index, side, mx.uint16,
                                                       factors=(tokens, channels))
@@ -270,8 +276,7 @@ def test_the_cpu_s_product_of_the_factors_is_their_sum_in_rank_order(side, rank,
     """Why LOW = 2 stores the CPU path's bits: MLX's CPU matmul of GEAR's factors is the
     sequential sum the kernel makes."""
     blocks, _, (tokens, channels), _ = _sparse_inputs(side, rank, dim, seed=rank + dim)
-    B, H, n_blocks, nb, d = blocks.shape
-    low = tokens.astype(mx.float32).reshape(B, H, n_blocks, nb, rank) @ channels.astype(mx.float32).swapaxes(-1, -2)
+    low = _cpu_product(tokens, channels, blocks.shape)
     assert np.array_equal(np.array(low).view(np.uint32),
                           _sequential_product(tokens, channels, blocks.shape).view(np.uint32))
 
