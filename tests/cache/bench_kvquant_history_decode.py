@@ -10,7 +10,9 @@ built `--batch` times, the graphs handed to one mx.eval, and the wall time divid
 batch: the device time per launch plus its share of the launch gaps. Median and minimum of
 `--rounds` rounds; the cases run key, value, the key data read as per-token (the value
 kernel's arithmetic on the key part's arrays: tells a kernel's cost apart from its data's),
-then value and key again (their order's effect). Session 16 wrote this as an ad-hoc device
+then value and key again (their order's effect), then key and value with every output a fresh
+allocation (`_fresh`: MLX's buffer cache emptied before each round, as a model's prefill
+chunk meets it: session 42's value launch took 166 us there against ~56 alone). Session 16 wrote this as an ad-hoc device
 script to split Nsight Compute's 0.34 / 0.14 ms (value / key) in a model's prefill chunk: alone
 both took ~0.17 ms before the output staging and ~0.06-0.09 after
 (results/history_decode_h200_s16_*.json).
@@ -63,19 +65,25 @@ def launch(cache, part: str, per_token: bool):
         per_token=per_token, cache_dtype=mx.bfloat16, out_dtype=mx.bfloat16)
 
 
-def time_launch(build, *, batch: int, rounds: int) -> dict:
+def time_launch(build, *, batch: int, rounds: int, fresh: bool = False) -> dict:
+    """`fresh`: MLX's buffer cache emptied before each round's evaluation, so every output is a
+    new allocation, as in a model's prefill (mlx-lm clears the cache after each chunk); else the
+    previous round's outputs are reused."""
     mx.eval(build())  # compiles
     per_launch = []
     for _ in range(rounds):
         outs = [build() for _ in range(batch)]
+        if fresh:
+            mx.clear_cache()
         start = time.perf_counter()
         mx.eval(outs)
         per_launch.append((time.perf_counter() - start) / batch * 1e3)
     return {"median_ms": statistics.median(per_launch), "min_ms": min(per_launch)}
 
 
-CASES = (("key", "key", False), ("value", "value", True), ("key_data_per_token", "key", True),
-         ("value_again", "value", True), ("key_again", "key", False))
+CASES = (("key", "key", False, False), ("value", "value", True, False), ("key_data_per_token", "key", True, False),
+         ("value_again", "value", True, False), ("key_again", "key", False, False),
+         ("key_fresh", "key", False, True), ("value_fresh", "value", True, True))
 
 
 def main(argv=None) -> None:
@@ -89,8 +97,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     cache = filled_cache(args.context)
     results = {"history_tokens": cache.n_compressed, "window_tokens": cache._window_length(), "cases": {}}
-    for label, part, per_token in CASES:
-        results["cases"][label] = time_launch(launch(cache, part, per_token), batch=args.batch, rounds=args.rounds)
+    for label, part, per_token, fresh in CASES:
+        results["cases"][label] = time_launch(launch(cache, part, per_token), batch=args.batch, rounds=args.rounds,
+                                              fresh=fresh)
         print(label, {k: round(v, 4) for k, v in results["cases"][label].items()}, flush=True)
     if args.out:
         record = {"command": "python -m tests.cache.bench_kvquant_history_decode " + " ".join(sys.argv[1:] if argv is None else argv),
