@@ -134,3 +134,24 @@ def test_a_marked_ablation_is_its_methods_caches_marked(tmp_path):
     with step_census.method_caches("kivi-compiled", model) as (caches, _):
         assert [type(c).__name__ for c in caches] == ["KIVICache", "KIVICache"]
         assert all(c.compiled_launch and c.decode_window_in_place for c in caches)
+
+
+def test_a_method_takes_fields_as_gpu_speed_does():
+    """`minicache:minicache_start_fraction=0.0` (every layer paired) and a marked ablation with
+    fields build their caches with those settings; a field the method has not, or a value out
+    of range, is refused with the spec named, and fp16 takes none."""
+    from veloxquant_mlx.bench.tiny import random_llama
+
+    assert step_census.method_list("fp16,minicache:minicache_start_fraction=0.0,kivi-compiled:bit_width_inlier=4") == [
+        "fp16", "minicache:minicache_start_fraction=0.0", "kivi-compiled:bit_width_inlier=4"]
+    model = random_llama(hidden=64, layers=4, intermediate=32, vocab=32)
+    with step_census.method_caches("minicache:minicache_start_fraction=0.0", model) as (caches, _):
+        assert [c.role for c in caches] == ["lower", "upper", "lower", "upper"]
+    with step_census.method_caches("minicache", model) as (caches, _):
+        assert [c.role for c in caches] == ["plain", "plain", "lower", "upper"]
+    with step_census.method_caches("kivi-compiled:bit_width_inlier=4", model) as (caches, _):
+        assert all(c.compiled_launch and c.key_bits == c.value_bits == 4 for c in caches)
+    with pytest.raises(ValueError, match=r"minicache:nope=1.*nope"):
+        step_census.method_list("minicache:nope=1")
+    with pytest.raises(ValueError, match="fp16 takes no parameters"):
+        step_census.method_list("fp16:x=1")

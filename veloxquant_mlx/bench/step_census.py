@@ -13,7 +13,8 @@ This counts, on the CPU, what each method's decode step adds, taking the path it
 
 How (per method; fp16 is mlx-lm's KVCache with mlx-lm's attention; a marked ablation such as
 `kivi-compiled` or `kivi-inplace` is its method's caches with its attributes set, so
-`--methods fp16,kivi,kivi-compiled` sets a switch beside the shipped path; under the stand-ins a
+`--methods fp16,kivi,kivi-compiled` sets a switch beside the shipped path; either takes config
+fields as gpu_speed's specs do, `minicache:minicache_start_fraction=0.0`; under the stand-ins a
 compiled launch is recorded at each call, its replay's time left in the build time, where a
 plain launch's stand-in time is taken out):
   * the caches come from `patch_model_kv_cache` on a random mlx-lm llama with the 8B attention
@@ -307,19 +308,22 @@ def method_caches(method: str, model):
     from mlx_lm.models import base
     from mlx_lm.models.cache import make_prompt_cache
 
-    marked = marked_ablations().get(method)
+    name, _, fields = method.partition(":")  # `minicache:minicache_start_fraction=0.0`, as gpu_speed takes
+    marked = marked_ablations().get(name)
     if marked is not None:
         marker, of_method = marked
-        with method_caches(of_method, model) as (caches, attention):
+        with method_caches(of_method + (":" + fields if fields else ""), model) as (caches, attention):
             yield marker.mark(caches), attention
         return
     if method == "fp16":
         yield make_prompt_cache(model), base.scaled_dot_product_attention
         return
+    from veloxquant_mlx.bench.methods import _parse_params
     from veloxquant_mlx.config import KVCacheConfig
     from veloxquant_mlx.integration import patch_model_kv_cache, unpatch_model_kv_cache
 
-    caches = patch_model_kv_cache(model, KVCacheConfig.from_dict({"method": method}))
+    params = _parse_params(method, fields) if fields else {}
+    caches = patch_model_kv_cache(model, KVCacheConfig.from_dict({"method": name, **params}))
     try:
         module = sys.modules[type(model.model.layers[0].self_attn).__module__]
         yield caches, module.scaled_dot_product_attention
@@ -522,15 +526,26 @@ def table(results: dict) -> str:
 
 # ---- command line ---------------------------------------------------------------------------
 def method_list(text: str) -> list[str]:
-    """A comma list of METHODS and marked ablations (`kivi-compiled`, `gear-inplace`, ...) -> the
-    names (chunk_census reads its --methods the same way); ValueError naming the unknown ones
-    and what is allowed."""
-    methods = [m.strip() for m in text.split(",") if m.strip()]
+    """A comma list of METHODS and marked ablations (`kivi-compiled`, `gear-inplace`, ...), each
+    with fields as gpu_speed takes them (`minicache:minicache_start_fraction=0.0`) -> the names
+    (chunk_census reads its --methods the same way); ValueError naming the unknown ones and
+    what is allowed, or the invalid fields."""
+    from veloxquant_mlx.bench.layer_specs import parse_layer_spec
+    from veloxquant_mlx.cli.bench import _split_top
+    from veloxquant_mlx.errors import QuantizerConfigError
+
+    methods = _split_top(text)
     marked = marked_ablations()
-    unknown = [m for m in methods if m not in METHODS and m not in marked]
+    unknown = [m for m in methods if m.partition(":")[0] not in (*METHODS, *marked)]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}: allowed are {', '.join(METHODS)}, or a method's "
-                         f"ablation that sets its caches' attributes (bench/ablations.py: {', '.join(sorted(marked))})")
+                         f"ablation that sets its caches' attributes (bench/ablations.py: {', '.join(sorted(marked))}), "
+                         "each optionally with fields (method:field=value,...)")
+    for method in methods:
+        try:
+            parse_layer_spec(method)  # the fields checked against the method's config
+        except QuantizerConfigError as exc:
+            raise ValueError(str(exc)) from None
     return methods
 
 
