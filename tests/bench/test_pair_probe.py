@@ -1,0 +1,45 @@
+"""bench/pair_probe.py off CUDA: every case builds one decode row of attention, fp16's two forms
+and a plain minicache layer attend the same values, the pair holds a merged history, and the
+command refuses to time anything off MLX's CUDA backend."""
+
+import mlx.core as mx
+import pytest
+
+from veloxquant_mlx.bench import pair_probe
+
+
+def test_cases_attend_one_decode_row_and_the_pair_is_merged():
+    built = pair_probe.cases(300)
+    assert tuple(built) == pair_probe.CASES
+    outs = {name: fn() for name, fn in built.items()}
+    mx.eval(list(outs.values()))
+    for out in outs.values():
+        assert out.shape == (1, pair_probe.HQ, 1, pair_probe.D) and out.dtype == mx.bfloat16
+    # mlx-lm's KVCache views and a plain minicache layer hold the same K/V as the contiguous arrays.
+    assert mx.array_equal(outs["fp16_kvcache"], outs["fp16_contiguous"]).item()
+    assert mx.array_equal(outs["minicache_plain"], outs["fp16_contiguous"]).item()
+    # The paired layers read merged directions: close to, not equal to, the exact attention.
+    assert not mx.array_equal(outs["minicache_lower"], outs["fp16_contiguous"]).item()
+
+
+def test_kvcache_views_skip_the_buffers_unused_rows():
+    k, v = pair_probe.layer_tensors(4096, 0)
+    keys, values = pair_probe.kvcache_views(k, v)
+    assert keys.shape == values.shape == (1, pair_probe.HK, 4097, pair_probe.D)
+    assert mx.array_equal(keys, k).item() and mx.array_equal(values, v).item()
+
+
+def test_off_cuda_it_refuses_before_timing(capsys):
+    from veloxquant_mlx.bench.kernel_probe import on_cuda
+
+    if on_cuda():
+        pytest.skip("MLX's CUDA backend: nothing to refuse")
+    assert pair_probe.main(["--contexts", "2048", "--no-openblas"]) == 2
+    assert "needs MLX's CUDA backend" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("contexts", ["100", "x", ""])
+def test_bad_contexts_are_usage_errors(contexts, capsys):
+    with pytest.raises(SystemExit) as exc:
+        pair_probe.parse_args(["--contexts", contexts])
+    assert exc.value.code == 2 and "--contexts" in capsys.readouterr().err
