@@ -43,3 +43,23 @@ def test_bad_contexts_are_usage_errors(contexts, capsys):
     with pytest.raises(SystemExit) as exc:
         pair_probe.parse_args(["--contexts", contexts])
     assert exc.value.code == 2 and "--contexts" in capsys.readouterr().err
+
+
+def test_a_variant_rebuilds_the_kernel_with_its_settings_and_restores_them():
+    from veloxquant_mlx.cache import fused_decode_merged as module
+
+    built = pair_probe.cases(300)
+    shipped = (module._HEADER, module.TARGET_WARPS, module.PREFETCH_FIRST_VALUES)
+    with pair_probe.merged_variant("lb3", built.caches):
+        assert module._HEADER.startswith(shipped[0]) and "__launch_bounds__(128, 3)" in module._HEADER
+    with pair_probe.merged_variant("noprefetch", built.caches):
+        assert module.PREFETCH_FIRST_VALUES is False and module._HEADER == shipped[0]
+        mx.eval(built["minicache_upper"]())  # the pair attends under the variant (here: the portable path)
+    assert (module._HEADER, module.TARGET_WARPS, module.PREFETCH_FIRST_VALUES) == shipped
+    assert all("_fused_plan" not in c.__dict__ for c in built.caches)
+
+
+def test_an_unknown_variant_is_a_usage_error_naming_it(capsys):
+    with pytest.raises(SystemExit) as exc:
+        pair_probe.parse_args(["--variants", "lb3,nope"])
+    assert exc.value.code == 2 and "nope" in capsys.readouterr().err

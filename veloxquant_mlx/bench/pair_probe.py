@@ -20,16 +20,32 @@ head_dim 128, bf16, n random history tokens plus one decode token:
   - `minicache_lower` / `minicache_upper`: the two layers of a pair (`minicache_start_fraction`
     0.0), each holding its own history merged by the pair, the decode token in its window;
   - `kivi`: kivi-2's `attention` (the affine kernel), a compressed reference.
+`--variants` times the pair's layers again under other settings of fused_decode_merged's kernel
+(VARIANTS; the kernel rebuilt, each layer's launch plan dropped, the shipped settings restored):
+`noprefetch` (PREFETCH_FIRST_VALUES off: 170 registers instead of 222 by nvcc's count, 3 blocks
+of 4 warps per SM instead of 2), `tw2048` / `tw8192` (TARGET_WARPS, 4096 shipped), `lb3` / `lb4`
+(`__launch_bounds__(128, 3 / 4)`: ptxas keeps the registers to 170 / 128 per thread, spilling
+where it cannot).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 MODULE = "veloxquant_mlx.bench.pair_probe"
 HQ, HK, D = 32, 8, 128
 CHUNK = 2048
 CASES = ("fp16_contiguous", "fp16_kvcache", "minicache_plain", "minicache_lower", "minicache_upper", "kivi")
+# name -> (fused_decode_merged constants, launch bounds' blocks per SM or 0)
+VARIANTS = {
+    "noprefetch": ({"PREFETCH_FIRST_VALUES": False}, 0),
+    "tw2048": ({"TARGET_WARPS": 2048}, 0),
+    "tw8192": ({"TARGET_WARPS": 8192}, 0),
+    "lb3": ({}, 3),
+    "lb4": ({}, 4),
+}
+PAIR_CASES = ("minicache_lower", "minicache_upper")
 
 
 def layer_tensors(n: int, seed: int):
@@ -87,14 +103,50 @@ def cases(n: int) -> dict:
     if not pair[0].n_compressed or pair[0].n_compressed != pair[1].n_compressed:
         raise RuntimeError(f"{MODULE}: the pair did not merge its history ({pair[0].n_compressed} / "
                            f"{pair[1].n_compressed} tokens compressed of {n})")
-    return {
+    return Cases(pair, {
         "fp16_contiguous": lambda: mx.fast.scaled_dot_product_attention(q, *low, scale=scale),
         "fp16_kvcache": lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
         "minicache_plain": lambda: plain[0].attention(q, scale=scale),
         "minicache_lower": lambda: pair[0].attention(q, scale=scale),
         "minicache_upper": lambda: pair[1].attention(q, scale=scale),
         "kivi": lambda: kivi.attention(q, scale=scale),
-    }
+    })
+
+
+class Cases(dict):
+    """cases()' name -> function map, with the pair's caches (`caches`) a variant re-plans."""
+
+    def __init__(self, caches, functions):
+        super().__init__(functions)
+        self.caches = caches
+
+
+@contextlib.contextmanager
+def merged_variant(name: str, caches):
+    """fused_decode_merged built with VARIANTS[name]'s settings while inside; `caches`' launch
+    plans dropped on entry and exit, so their next steps plan with the kernel in force."""
+    from veloxquant_mlx.cache import fused_decode, fused_decode_merged as module
+
+    constants, min_blocks = VARIANTS[name]
+    saved = {c: getattr(module, c) for c in constants}
+    header = module._HEADER
+
+    def reset():
+        module._partials_kernel.cache_clear()
+        for cache in caches:
+            cache.__dict__.pop("_fused_plan", None)
+
+    try:
+        for c, value in constants.items():
+            setattr(module, c, value)
+        module._HEADER = header + fused_decode.launch_bounds_header(min_blocks)
+        reset()
+        yield
+    finally:
+        for c, value in saved.items():
+            setattr(module, c, value)
+        module._HEADER = header
+        reset()
 
 
 def parse_args(argv=None):
@@ -102,7 +154,10 @@ def parse_args(argv=None):
 
     p = command.parser(MODULE, __doc__)
     p.add_argument("--contexts", default="32768,131072", help="comma list of history lengths")
+    p.add_argument("--variants", default="", help=f"comma list of the pair's kernel variants to time besides "
+                                                     f"the shipped one: {', '.join(VARIANTS)}")
     args = p.parse_args(argv)
+    args.variants = command.name_list(p, "--variants", args.variants, tuple(VARIANTS)) if args.variants else []
     args.contexts = command.int_list(p, "--contexts", args.contexts, lambda x: x >= CHUNK,
                                      f"a comma list of integers >= {CHUNK}", required=True)
     return args
@@ -116,10 +171,14 @@ def run(args) -> dict:
     for n in args.contexts:
         built = cases(n)
         rows[str(n)] = {f"{name}_ms": per_call_ms(fn, build_untimed=True) for name, fn in built.items()}
+        for variant in args.variants:
+            with merged_variant(variant, built.caches):
+                for name in PAIR_CASES:
+                    rows[str(n)][f"{name}_{variant}_ms"] = per_call_ms(built[name], build_untimed=True)
         print(f"[pair_probe] {n}: " + ", ".join(f"{k} {v:.4f}" for k, v in rows[str(n)].items()),
               file=sys.stderr, flush=True)
         del built
-    return {"settings": {"contexts": args.contexts}, "results": rows}
+    return {"settings": {"contexts": args.contexts, "variants": args.variants}, "results": rows}
 
 
 def main(argv=None) -> int:
