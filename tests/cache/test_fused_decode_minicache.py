@@ -63,7 +63,7 @@ def test_supported_shapes():
     # the largest: 256 dims, 16 slots, 8 rows = 42,240 bytes of shared memory
     assert fused_decode_merged.shared_bytes(256, 256, 16, 8) == 42240
     assert fused_decode_merged.supports(256, 256, 16, 8, None)
-    assert fused_decode_merged.tokens_per_block(32768, 8) == 256  # 32-token tiles, 2 per warp
+    assert fused_decode_merged.tokens_per_block(32768, 8) == 1024  # 32-token tiles, 8 per warp (1024 target warps)
     assert fused_decode_merged.tokens_per_block(100, 1) == 128
 
 

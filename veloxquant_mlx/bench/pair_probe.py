@@ -23,9 +23,9 @@ head_dim 128, bf16, n random history tokens plus one decode token:
 `--variants` times the pair's layers again under other settings of fused_decode_merged's kernel
 (VARIANTS; the kernel rebuilt, each layer's launch plan dropped, the shipped settings restored):
 `noprefetch` (PREFETCH_FIRST_VALUES off: 170 registers instead of 222 by nvcc's count, 3 blocks
-of 4 warps per SM instead of 2), `tw512` / `tw1024` / `tw2048` / `tw8192` (TARGET_WARPS, 4096 shipped), `lb3` / `lb4`
-(`__launch_bounds__(128, 3 / 4)`: ptxas keeps the registers to 170 / 128 per thread, spilling
-where it cannot).
+of 4 warps per SM instead of 2), `tw512` / `tw2048` / `tw4096` / `tw8192` (TARGET_WARPS; 1024
+shipped since session 44, 4096 before), `lb3` / `lb4` (`__launch_bounds__(128, 3 / 4)`: ptxas
+keeps the registers to 170 / 128 per thread, spilling where it cannot).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ CASES = ("fp16_contiguous", "fp16_kvcache", "minicache_plain", "minicache_lower"
 VARIANTS = {
     "noprefetch": ({"PREFETCH_FIRST_VALUES": False}, 0),
     "tw512": ({"TARGET_WARPS": 512}, 0),
-    "tw1024": ({"TARGET_WARPS": 1024}, 0),
+    "tw4096": ({"TARGET_WARPS": 4096}, 0),
     "tw2048": ({"TARGET_WARPS": 2048}, 0),
     "tw8192": ({"TARGET_WARPS": 8192}, 0),
     "lb3": ({}, 3),

@@ -87,9 +87,18 @@ TILE = 32  # tokens per warp tile = MiniCache's block of 32 (its retained slots 
 WARPS_PER_BLOCK = 4
 MAX_TILES_PER_WARP = 256
 # Target warps of this kernel's launches: fused_decode's 4096 until session 27, kept here when
-# fused_decode.TARGET_WARPS (GEAR's and KVQuant's) became 8192; not measured with 8192 (its
-# 32-token tiles split otherwise: 8 tiles per warp at 128K).
-TARGET_WARPS = 4096
+# fused_decode.TARGET_WARPS (GEAR's and KVQuant's) became 8192, 1024 since session 44. One paired
+# layer of the 8B shape on an H100, ms per chained call (bench.pair_probe --variants, one process,
+# results/pair_probe_h100_s44_{variants,warps}.json), lower / upper layer: at 32K 4096 0.096 /
+# 0.097, 1024 0.087 / 0.090, 2048 0.091-0.092, 8192 0.110-0.114, 512 0.117-0.118; at 128K 4096
+# 0.266-0.271, 1024 0.258 / 0.259, 2048 0.260-0.263, 8192 0.280, 512 0.396 (fewer, longer warps
+# keep more of each warp's loads in flight per block; the prefetch off or launch bounds of 3 / 4
+# blocks per SM were no faster). In the 8-layer model's interleaved 32K decode the ~30 us per step
+# it saves does not show against the run's spread (results/gpu_speed_h100_s44_32k_minicache_tw.json:
+# paired 0.92x fp16, with 4096 as the `minicache-tw4096` ablation 0.94x, quartiles 0.89-0.99);
+# the kernel's CUDA tests pass with it (results/cuda_tests_h100_s44_minicache_tw1024.txt). Not
+# measured on an H200.
+TARGET_WARPS = 1024
 MAX_ROWS = 8
 MAX_SLOTS = 16
 HEAD_DIMS = (64, 128, 256)  # 8 lanes x 8-channel chunks per key token, 8 channels per value lane
