@@ -12,7 +12,7 @@ import pytest
 
 from veloxquant_mlx.bench import gpu_speed
 from veloxquant_mlx.bench.gpu_speed_figures import (HOST_BOUND_SHARE, case_figure, paired_ratios_by_regime,
-                                                    round_regime, table_lines)
+                                                    round_regime, steps_by_regime, table_lines)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,6 +58,31 @@ def test_paired_ratios_are_split_by_the_references_regime_per_round():
     assert paired_ratios_by_regime(cache, fp16)["gpu_bound"] == []
 
 
+def test_each_spec_s_own_step_is_split_by_fp16_s_regime():
+    """steps_by_regime: a spec's median step and host over fp16's host-bound / GPU-bound rounds
+    (session 44: fp16 bimodal, ours steady and waiting on the GPU), and the table prints them."""
+    def case(spec, pairs):
+        return {"spec": spec, "context": 32768, "interleaved": {"rounds": [
+            {"round": i, "intervals_ms": [iv] * 3, "host_ms": [h] * 3} for i, (iv, h) in enumerate(pairs)]}}
+
+    fp16 = case("fp16", [(2.16, 2.15), (2.61, 1.44), (2.2, 2.2)])
+    ours = case("minicache", [(2.43, 2.36), (2.38, 1.61), (2.45, 2.4)])
+    assert steps_by_regime(ours, fp16) == {
+        "host_bound": {"interval_ms": pytest.approx(2.44), "host_ms": pytest.approx(2.38), "rounds": 2},
+        "gpu_bound": {"interval_ms": 2.38, "host_ms": 1.61, "rounds": 1}}
+    assert steps_by_regime(fp16, fp16)["gpu_bound"] == {"interval_ms": 2.61, "host_ms": 1.44, "rounds": 1}
+    # no round of a regime: None; a round only one side ran is left out
+    only_hb = case("fp16", [(2.16, 2.15)])
+    assert steps_by_regime(ours, only_hb) == {"host_bound": {"interval_ms": 2.43, "host_ms": 2.36, "rounds": 1},
+                                              "gpu_bound": None}
+    for c in (fp16, ours):
+        c["interleaved"]["step_ms_by_fp16_regime"] = steps_by_regime(c, fp16)
+        c["figure"] = {"prefill_s": None, "prefill_may_be_cold": False, "prefill_spread": None,
+                       "decode_tps": None, "decode_tps_min": None, "decode_tps_max": None}
+    lines = table_lines([fp16, ours])
+    assert any(line.startswith("minicache") and "2.44 (2.38) x2" in line and "2.38 (1.61) x1" in line for line in lines)
+
+
 COMMITTED = sorted(glob.glob(str(REPO / "results" / "gpu_speed_h200*.json")))
 
 
@@ -74,7 +99,9 @@ def test_committed_h200_results_recompute_to_the_new_figures(path, tmp_path, cap
     for row in result["targets"]:
         assert row["basis"] in ("fastest repeat of each", "decode figures (median over repeats)",
                                 "median of per-round ratios (interleaved)")
-    assert len(capsys.readouterr().out.splitlines()) == len(result["cases"]) + 3  # header, rows, legend, count
+    # header, rows, [the step table's header and rows,] legend, count
+    steps = [c for c in result["cases"] if (c.get("interleaved") or {}).get("step_ms_by_fp16_regime")]
+    assert len(capsys.readouterr().out.splitlines()) == len(result["cases"]) + 3 + (len(steps) + 1 if steps else 0)
 
 
 def test_session4_32k_prefill_ratio_is_taken_between_warm_repeats():

@@ -119,6 +119,26 @@ def paired_ratios_by_regime(case: dict, reference: dict) -> dict[str, list[float
             for regime in ("host_bound", "gpu_bound")}
 
 
+def steps_by_regime(case: dict, reference: dict) -> dict[str, dict | None]:
+    """This case's own step over the rounds split by the reference's regime (round_regime):
+    {regime: {"interval_ms", "host_ms", "rounds"} medians of its per-round medians, or None}.
+    Why beside the ratios: a ratio moves with either side. Session 44's H100 run at 32K
+    (results/gpu_speed_h100_s44_32k.json) had fp16's step at 2.16 ms in its host-bound rounds
+    and 2.61 ms in the rest, while each of ours took the same time in both (kivi 2.14-2.25,
+    minicache 2.38-2.43) with 1.5-1.6 ms of host where fp16's host was fast: ours waited on
+    their kernels there, which the ratios alone do not say."""
+    regimes = {r["round"]: round_regime(r) for r in (reference.get("interleaved") or {}).get("rounds", [])}
+    out = {}
+    for regime in ("host_bound", "gpu_bound"):
+        rounds = [r for r in (case.get("interleaved") or {}).get("rounds", [])
+                  if r.get("intervals_ms") and regimes.get(r["round"]) == regime]
+        hosts = [statistics.median(r["host_ms"]) for r in rounds if r.get("host_ms")]
+        out[regime] = None if not rounds else {
+            "interval_ms": statistics.median(statistics.median(r["intervals_ms"]) for r in rounds),
+            "host_ms": statistics.median(hosts) if hosts else None, "rounds": len(rounds)}
+    return out
+
+
 def summarize_cases(cases: list[dict], specs, context_warmup: bool = False) -> None:
     """Per case: the summaries of its runs so far (median/min/max/n of each metric, kept for the
     plots and older readers), its `figure`, the bytes ratio, and ratios against the references
@@ -151,6 +171,9 @@ def add_ratios(cases: list[dict], specs) -> None:
             case["interleaved"].pop("ratio_vs_fp16", None)  # re-derived below where fp16 has rounds
             case["interleaved"].pop("throughput_ratio_vs_fp16", None)
             case["interleaved"].pop("ratio_vs_fp16_by_regime", None)
+            case["interleaved"].pop("step_ms_by_fp16_regime", None)
+            if case["spec"] == "fp16":  # its own step in each of its regimes (two modes where they differ)
+                case["interleaved"]["step_ms_by_fp16_regime"] = steps_by_regime(case, case)
         mine = case["figure"]
         for ref in references:
             other = by_key.get((ref, case["context"]))
@@ -170,6 +193,7 @@ def add_ratios(cases: list[dict], specs) -> None:
                         regime: summarize(values) if values else None for regime, values in by_regime.items()}
                     for regime, values in by_regime.items():
                         ratios[f"decode_tps_paired_fp16_{regime}"] = statistics.median(values) if values else None
+                    case["interleaved"]["step_ms_by_fp16_regime"] = steps_by_regime(case, other)
             paired_sums = paired_ratios(case, other, per_round=sum)
             if paired_sums:
                 ratios["decode_tps_throughput"] = _ratio(mine.get("decode_tps_throughput"),
@@ -237,10 +261,19 @@ def table_lines(cases: list[dict]) -> list[str]:
             f"{_num(fig.get('decode_host_ms'), '7.2f')} "
             f"{_num(vs.get('decode_tps_paired_fp16_host_bound'), '4.2f')} "
             f"{_num(vs.get('decode_tps_paired_fp16_gpu_bound'), '4.2f')} {status}")
+    steps = [(c, c["interleaved"]["step_ms_by_fp16_regime"]) for c in cases
+             if (c.get("interleaved") or {}).get("step_ms_by_fp16_regime")]
+    if steps:
+        lines.append(f"{'step ms (host ms)':28} {'context':>7} {'in fp16 hb rounds':>19} {'in fp16 gb rounds':>19}")
+        for c, by in steps:
+            cells = [f"{_num(r['interval_ms'], '6.2f')} ({_num(r['host_ms'], '4.2f')}) x{r['rounds']:<3}" if r else f"{'-':>19}"
+                     for r in (by["host_bound"], by["gpu_bound"])]
+            lines.append(f"{c['spec']:28} {c['context']:>7} {cells[0]:>19} {cells[1]:>19}")
     lines.append("prefill_s: fastest repeat (* = one repeat, no context warm-up: may include JIT compiles); "
                  "spread: slowest/fastest; decode: tok/s; paired: per-round ratio to fp16 (--interleave); "
                  "thru: per-round ratio of summed intervals to fp16's (every token's time; --interleave); "
                  "host_ms: median host time per step (graph built + async_eval; --interleave); "
                  "hb / gb: the paired ratio over fp16's host-bound rounds / the rest (its host time "
-                 f">= / < {HOST_BOUND_SHARE} of its interval; --interleave)")
+                 f">= / < {HOST_BOUND_SHARE} of its interval; --interleave); step ms (host ms) xN: each "
+                 "spec's own median step and host time over N of fp16's host-bound / GPU-bound rounds")
     return lines
