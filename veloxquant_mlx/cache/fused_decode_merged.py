@@ -72,6 +72,10 @@ fused_decode's kivi kernel takes 184). On the H200 (session 4) 3 of its CUDA tes
 8B shape bf16, fp16 MHA without slots, float32 GQA 8 with 16 slots) and minicache decoded at 1.12x
 fp16 at 32K (results/gpu_speed_h200_s4.json); one layer's timing: python -m
 veloxquant_mlx.bench.attention --methods fp16,minicache:minicache_start_fraction=0 ...
+On an H100 (session 44, python -m veloxquant_mlx.bench.pair_probe, results/pair_probe_h100_s44*.json)
+a paired layer took 0.087-0.099 ms at 32K and 0.258-0.271 at 128K against mx.fast's 0.058-0.064
+and 0.184-0.187 over the fp16 KVCache's views: 1.4-1.5x the time for the same bytes, which is
+what holds minicache's 8-layer step ~0.13 ms (32K) above fp16's where both wait on the GPU.
 """
 
 from __future__ import annotations
