@@ -75,7 +75,8 @@ veloxquant_mlx.bench.attention --methods fp16,minicache:minicache_start_fraction
 On an H100 (session 44, python -m veloxquant_mlx.bench.pair_probe, results/pair_probe_h100_s44*.json)
 a paired layer took 0.087-0.099 ms at 32K and 0.258-0.271 at 128K against mx.fast's 0.058-0.064
 and 0.184-0.187 over the fp16 KVCache's views: 1.4-1.5x the time for the same bytes, which is
-what holds minicache's 8-layer step ~0.13 ms (32K) above fp16's where both wait on the GPU.
+what puts its four paired layers ~0.13 ms (32K) above fp16's attention in minicache's 8-layer
+step (its step 2.38-2.43 ms against fp16's 2.16 in fp16's fast rounds, results/gpu_speed_h100_s44_32k.json).
 """
 
 from __future__ import annotations
