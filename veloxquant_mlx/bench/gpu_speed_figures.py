@@ -266,8 +266,8 @@ def table_lines(cases: list[dict]) -> list[str]:
     if steps:
         lines.append(f"{'step ms (host ms)':28} {'context':>7} {'in fp16 hb rounds':>19} {'in fp16 gb rounds':>19}")
         for c, by in steps:
-            cells = [f"{_num(r['interval_ms'], '6.2f')} ({_num(r['host_ms'], '4.2f')}) x{r['rounds']:<3}" if r else f"{'-':>19}"
-                     for r in (by["host_bound"], by["gpu_bound"])]
+            cells = [f"{_num(r['interval_ms'], '6.2f')} ({_num(r['host_ms'], '4.2f')}) x{r['rounds']:<3}"
+                     if r else f"{'-':>19}" for r in (by["host_bound"], by["gpu_bound"])]
             lines.append(f"{c['spec']:28} {c['context']:>7} {cells[0]:>19} {cells[1]:>19}")
     lines.append("prefill_s: fastest repeat (* = one repeat, no context warm-up: may include JIT compiles); "
                  "spread: slowest/fastest; decode: tok/s; paired: per-round ratio to fp16 (--interleave); "

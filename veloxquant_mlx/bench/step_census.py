@@ -539,8 +539,8 @@ def method_list(text: str) -> list[str]:
     unknown = [m for m in methods if m.partition(":")[0] not in (*METHODS, *marked)]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}: allowed are {', '.join(METHODS)}, or a method's "
-                         f"ablation that sets its caches' attributes (bench/ablations.py: {', '.join(sorted(marked))}), "
-                         "each optionally with fields (method:field=value,...)")
+                         "ablation that sets its caches' attributes (bench/ablations.py: "
+                         f"{', '.join(sorted(marked))}), each optionally with fields (method:field=value,...)")
     for method in methods:
         try:
             parse_layer_spec(method)  # the fields checked against the method's config
