@@ -245,25 +245,39 @@ def constant_home(module, name: str):
     return module, name
 
 
-def time_variant(module, attribute: str, cache, queries, cuts, constants) -> float:
-    """ms per attention call with the variant's source and constants in place (restored after)."""
-    from veloxquant_mlx.bench.kernel_probe import per_call_ms
-
+@contextlib.contextmanager
+def kernel_variant(module, attribute: str, cuts, constants: dict, caches):
+    """`module`'s kernel built with `attribute`'s text cut by `cuts` and `constants` set (see
+    constant_home) while inside, both restored on exit; the built kernel's cache cleared and
+    `caches`' launch plans dropped on entry and exit, so their next steps plan with the kernel in
+    force."""
     shipped = getattr(module, attribute)
     saved = {c: getattr(*constant_home(module, c)) for c in constants}
+
+    def reset():
+        kernel_cache(module).cache_clear()
+        for cache in caches:
+            cache.__dict__.pop("_fused_plan", None)
+
     try:
         setattr(module, attribute, variant_source(shipped, cuts))
         for c, value in constants.items():
             setattr(*constant_home(module, c), value)
-        kernel_cache(module).cache_clear()
-        cache.__dict__.pop("_fused_plan", None)  # the next step plans with the variant
-        return per_call_ms(lambda: cache.attention(queries, scale=D**-0.5), build_untimed=True)
+        reset()
+        yield
     finally:
         setattr(module, attribute, shipped)
         for c, value in saved.items():
             setattr(*constant_home(module, c), value)
-        kernel_cache(module).cache_clear()
-        cache.__dict__.pop("_fused_plan", None)
+        reset()
+
+
+def time_variant(module, attribute: str, cache, queries, cuts, constants) -> float:
+    """ms per attention call with the variant's source and constants in place (restored after)."""
+    from veloxquant_mlx.bench.kernel_probe import per_call_ms
+
+    with kernel_variant(module, attribute, cuts, constants, [cache]):
+        return per_call_ms(lambda: cache.attention(queries, scale=D**-0.5), build_untimed=True)
 
 
 def layer_inputs(n: int):

@@ -30,7 +30,6 @@ keeps the registers to 170 / 128 per thread, spilling where it cannot).
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 MODULE = "veloxquant_mlx.bench.pair_probe"
@@ -123,32 +122,16 @@ class Cases(dict):
         self.caches = caches
 
 
-@contextlib.contextmanager
 def merged_variant(name: str, caches):
-    """fused_decode_merged built with VARIANTS[name]'s settings while inside; `caches`' launch
-    plans dropped on entry and exit, so their next steps plan with the kernel in force."""
+    """fused_decode_merged built with VARIANTS[name]'s settings while inside (batch_probe's
+    kernel_variant: restored on exit, `caches`' launch plans dropped on entry and exit)."""
+    from veloxquant_mlx.bench.batch_probe import kernel_variant
     from veloxquant_mlx.cache import fused_decode, fused_decode_merged as module
 
     constants, min_blocks = VARIANTS[name]
-    saved = {c: getattr(module, c) for c in constants}
-    header = module._HEADER
-
-    def reset():
-        module._partials_kernel.cache_clear()
-        for cache in caches:
-            cache.__dict__.pop("_fused_plan", None)
-
-    try:
-        for c, value in constants.items():
-            setattr(module, c, value)
-        module._HEADER = header + fused_decode.launch_bounds_header(min_blocks)
-        reset()
-        yield
-    finally:
-        for c, value in saved.items():
-            setattr(module, c, value)
-        module._HEADER = header
-        reset()
+    if min_blocks:
+        constants = {**constants, "_HEADER": module._HEADER + fused_decode.launch_bounds_header(min_blocks)}
+    return kernel_variant(module, "_PARTIALS", (), constants, caches)
 
 
 def parse_args(argv=None):
