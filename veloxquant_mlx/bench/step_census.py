@@ -318,12 +318,17 @@ def method_caches(method: str, model):
     if method == "fp16":
         yield make_prompt_cache(model), base.scaled_dot_product_attention
         return
-    from veloxquant_mlx.bench.methods import _parse_params
+    from veloxquant_mlx.bench.layer_specs import parse_layer_spec
     from veloxquant_mlx.config import KVCacheConfig
+    from veloxquant_mlx.errors import QuantizerConfigError
     from veloxquant_mlx.integration import patch_model_kv_cache, unpatch_model_kv_cache
 
-    params = _parse_params(method, fields) if fields else {}
-    caches = patch_model_kv_cache(model, KVCacheConfig.from_dict({"method": name, **params}))
+    # The config method_list checked: the method and its fields, parsed as gpu_speed parses them.
+    spec = parse_layer_spec(method)
+    if spec.kind != "ours":  # an ablation with a class of its own, mlx-lm's quantized cache
+        raise QuantizerConfigError(f"step_census: {method!r} is not one of our methods or a marked "
+                                   "ablation (see method_list)")
+    caches = patch_model_kv_cache(model, KVCacheConfig.from_dict(spec.params))
     try:
         module = sys.modules[type(model.model.layers[0].self_attn).__module__]
         yield caches, module.scaled_dot_product_attention
