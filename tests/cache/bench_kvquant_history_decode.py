@@ -12,8 +12,8 @@ batch: the device time per launch plus its share of the launch gaps. Median and 
 kernel's arithmetic on the key part's arrays: tells a kernel's cost apart from its data's),
 then value and key again (their order's effect), then key and value with every output a fresh
 allocation (`_fresh`: MLX's buffer cache emptied before each round, as a model's prefill
-chunk meets it: session 42's value launch took 166 us there against ~56 alone). Session 16 wrote this as an ad-hoc device
-script to split Nsight Compute's 0.34 / 0.14 ms (value / key) in a model's prefill chunk: alone
+chunk meets it: session 42's value launch took 166 us there against ~56 alone). Session 16
+wrote this as an ad-hoc device script to split Nsight Compute's 0.34 / 0.14 ms (value / key) in a model's prefill chunk: alone
 both took ~0.17 ms before the output staging and ~0.06-0.09 after
 (results/history_decode_h200_s16_*.json).
 """
@@ -81,9 +81,10 @@ def time_launch(build, *, batch: int, rounds: int, fresh: bool = False) -> dict:
     return {"median_ms": statistics.median(per_launch), "min_ms": min(per_launch)}
 
 
-CASES = (("key", "key", False, False), ("value", "value", True, False), ("key_data_per_token", "key", True, False),
-         ("value_again", "value", True, False), ("key_again", "key", False, False),
-         ("key_fresh", "key", False, True), ("value_fresh", "value", True, True))
+# (label, part, read per token, fresh allocations)
+CASES = (("key", "key", False, False), ("value", "value", True, False),
+         ("key_data_per_token", "key", True, False), ("value_again", "value", True, False),
+         ("key_again", "key", False, False), ("key_fresh", "key", False, True), ("value_fresh", "value", True, True))
 
 
 def main(argv=None) -> None:
