@@ -13,9 +13,9 @@ kernel's arithmetic on the key part's arrays: tells a kernel's cost apart from i
 then value and key again (their order's effect), then key and value with every output a fresh
 allocation (`_fresh`: MLX's buffer cache emptied before each round, as a model's prefill
 chunk meets it: session 42's value launch took 166 us there against ~56 alone). Session 16
-wrote this as an ad-hoc device script to split Nsight Compute's 0.34 / 0.14 ms (value / key) in a model's prefill chunk: alone
-both took ~0.17 ms before the output staging and ~0.06-0.09 after
-(results/history_decode_h200_s16_*.json).
+wrote this as an ad-hoc device script to split Nsight Compute's 0.34 / 0.14 ms (value / key)
+in a model's prefill chunk: alone both took ~0.17 ms before the output staging and ~0.06-0.09
+after (results/history_decode_h200_s16_*.json).
 """
 
 from __future__ import annotations
